@@ -1,0 +1,68 @@
+"""Token selection: greedy, temperature, top-k, top-p, min-p, with per-request generators.
+
+Every non-greedy request owns a ``torch.Generator`` and draws exactly one batch of uniform
+noise per sampled token, so its tokens depend only on its own seed and logits, never on what
+else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbatch.engine.sampling_params import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature then top-k, top-p and min-p on one row of fp32 logits; removed tokens get -inf."""
+    x = logits / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = sorted_x.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        cum_before = probs.cumsum(-1) - probs
+        drop_sorted = cum_before >= p.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    if p.min_p > 0.0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return x
+
+
+def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    if p.greedy:
+        return int(torch.argmax(logits))
+    probs = filter_logits(logits, p).softmax(-1)
+    # Exponential race (Gumbel-max in another form): argmax(probs / E), E ~ Exp(1), picks i with
+    # probability probs[i]; one draw of noise per token keeps the generator's stream aligned.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict:
+    """The chosen token's log-probability under the model (before any filtering) and the top k."""
+    logp = logits.log_softmax(-1)
+    entry: dict = {"token_id": token, "logprob": float(logp[token])}
+    if k:
+        vals, ids = torch.topk(logp, k)
+        entry["top"] = [(int(i), float(v)) for v, i in zip(vals, ids)]
+    return entry
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """One token per row of ``logits`` [N, V]."""
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    out = [0] * len(params)
+    if greedy:
+        idx = torch.tensor(greedy)
+        for i, t in zip(greedy, torch.argmax(logits.index_select(0, idx), dim=-1).tolist()):
+            out[i] = t
+    for i, p in enumerate(params):
+        if not p.greedy:
+            out[i] = sample_row(logits[i], p, generators[i])
+    return out

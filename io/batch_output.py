@@ -1,0 +1,426 @@
+"""Write batch results as OpenAI-Batch-format JSONL, in input order, all or nothing.
+
+Why this module exists: the output of a batch is one line per input line, in the same order,
+in the shape OpenAI's Batch API returns, so a user can run one dataset on OpenAI or on us and
+diff the files. Requests finish out of order (short answers first), so
+:class:`OrderedJsonlWriter` holds back only the out-of-order tail and writes each line as soon
+as every line before it is written (vLLM's ``run-batch`` does the same). Both writers write
+to a name nobody reads and commit on a clean close, so a crash never leaves a truncated file
+that looks complete: a re-run replaces the output whole.
+
+How "commit" works depends on where the file goes:
+
+- local paths: a sibling ``<name>.tmp-<random>`` file, then ``os.replace`` (atomic on POSIX);
+- object stores whose fsspec files support ``autocommit=False`` (s3, gcs, azure): a multipart
+  upload completed on commit and aborted on failure, so the object appears whole or not at all;
+- any other fsspec filesystem (``memory://``...): a sibling ``.tmp-`` name, then ``fs.mv``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import IO, Any
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from kvbatch.io.batch_requests import RejectedRow
+
+__all__ = [
+    "FINISH_REASONS",
+    "JsonlWriter",
+    "OrderedJsonlWriter",
+    "TokenLogprob",
+    "error_line",
+    "result_line",
+]
+
+FINISH_REASONS = frozenset({"stop", "length"})
+# OpenAI and vLLM report -inf logprobs as -9999.0: JSON has no infinity.
+MIN_LOGPROB = -9999.0
+# fsspec protocols whose files honour autocommit=False with an atomic commit.
+_TRANSACTIONAL_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az"})
+
+
+# --------------------------------------------------------------------------------------------
+# Line builders
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and its top alternatives, as the engine reports them.
+
+    ``token_bytes`` is for byte-level tokens that are not valid UTF-8 on their own; when
+    absent the token's UTF-8 encoding is reported.
+    """
+
+    token: str
+    logprob: float
+    top_logprobs: tuple[tuple[str, float], ...] = ()
+    token_bytes: bytes | None = None
+
+
+def _stable_hex(*parts: object) -> str:
+    """A deterministic id: a re-run of the same input yields the same ids, so outputs diff clean."""
+    h = hashlib.sha256("\x1f".join(str(p) for p in parts).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:32]
+
+
+def _clamp(lp: float) -> float:
+    return MIN_LOGPROB if math.isnan(lp) or lp < MIN_LOGPROB else float(lp)
+
+
+def _logprobs_json(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": t.token,
+                "logprob": _clamp(t.logprob),
+                "bytes": list(t.token_bytes if t.token_bytes is not None else t.token.encode()),
+                "top_logprobs": [
+                    {"token": tok, "logprob": _clamp(lp), "bytes": list(tok.encode())}
+                    for tok, lp in t.top_logprobs
+                ],
+            }
+            for t in logprobs
+        ]
+    }
+
+
+def result_line(
+    custom_id: str,
+    request_index: int,
+    *,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    model: str,
+    token_ids: list[int] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """One successful request as an OpenAI Batch output line.
+
+    ``request_index`` should be the request's input line number (``ChatRequest.line_no``):
+    it and ``custom_id`` seed the ids, so a request keeps its ids whether it succeeds or is
+    rejected (see :func:`error_line`). ``token_ids`` goes into the choice as ``token_ids``,
+    as vLLM's ``return_token_ids`` does. ``created`` defaults to now (Unix seconds).
+    """
+    if finish_reason not in FINISH_REASONS:
+        raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
+    if prompt_tokens < 0 or completion_tokens < 0:
+        raise ValueError(f"token counts must be >= 0, got {prompt_tokens}, {completion_tokens}")
+    h = _stable_hex(request_index, custom_id)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": finish_reason,
+        "logprobs": None if logprobs is None else _logprobs_json(logprobs),
+    }
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {
+        "id": f"batch_req_{h}",
+        "custom_id": custom_id,
+        "response": {
+            "status_code": 200,
+            "request_id": f"req_{h}",
+            "body": {
+                "id": f"chatcmpl-{h}",
+                "object": "chat.completion",
+                "created": int(time.time()) if created is None else created,
+                "model": model,
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            },
+        },
+        "error": None,
+    }
+
+
+def error_line(rejected: RejectedRow) -> dict[str, Any]:
+    """One rejected row as an output line.
+
+    Carries the error twice on purpose: as an HTTP 400 ``response`` (what vLLM's run-batch
+    writes and what OpenAI-batch tooling checks via ``response.status_code``) and as a
+    top-level ``error`` with the line and field, for people and for the errors file.
+    ``custom_id`` is null when the row had no usable one.
+    """
+    h = _stable_hex(rejected.line_no, rejected.custom_id)
+    message = f"line {rejected.line_no}: {rejected.field}: {rejected.reason}"
+    return {
+        "id": f"batch_req_{h}",
+        "custom_id": rejected.custom_id,
+        "response": {
+            "status_code": 400,
+            "request_id": f"req_{h}",
+            "body": {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": rejected.field,
+                    "code": "invalid_request",
+                }
+            },
+        },
+        "error": {
+            "code": "invalid_request",
+            "message": message,
+            "line": rejected.line_no,
+            "field": rejected.field,
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Writers
+
+
+def _encode(obj: Mapping[str, Any]) -> bytes:
+    """One JSONL line. ``allow_nan=False``: NaN is not JSON, and a file other tools can't
+    parse is worse than failing here, where the bad value is known."""
+    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+class _AtomicSink:
+    """A binary file that becomes visible at its final name only on :meth:`commit`."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        fs, path = url_to_fs(url, **dict(storage_options or {}))
+        self.url = url
+        self._fs = fs
+        self._path = path
+        self._tmp: str | None = None
+        self._transactional = False
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        if isinstance(fs, LocalFileSystem):
+            parent = os.path.dirname(path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            self._tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+            self._file: IO[bytes] = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        elif protocols & _TRANSACTIONAL_PROTOCOLS:
+            self._transactional = True
+            self._file = fs.open(path, "wb", autocommit=False)
+        else:
+            self._tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+            self._file = fs.open(self._tmp, "wb")
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+
+    def commit(self) -> None:
+        if isinstance(self._fs, LocalFileSystem):
+            # Data on disk before the rename, or a power cut can leave an empty "complete" file.
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        self._file.close()
+        if self._transactional:
+            self._file.commit()  # type: ignore[attr-defined]
+        elif isinstance(self._fs, LocalFileSystem):
+            assert self._tmp is not None
+            os.replace(self._tmp, self._path)
+        else:
+            assert self._tmp is not None
+            self._fs.mv(self._tmp, self._path)
+
+    def abort(self) -> None:
+        """Drop everything written. Best effort: called while another error is in flight."""
+        try:
+            self._file.close()
+        except Exception:  # noqa: BLE001 - the original error matters more
+            pass
+        try:
+            if self._transactional:
+                self._file.discard()  # type: ignore[attr-defined]
+            elif isinstance(self._fs, LocalFileSystem):
+                assert self._tmp is not None
+                os.remove(self._tmp)
+            else:
+                self._fs.rm(self._tmp)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class JsonlWriter:
+    """Writes dicts as JSONL lines in the order given; the file appears only on a clean close.
+
+    Use as a context manager: an exception inside the ``with`` block discards the file. Used
+    directly for the CLI's ``--errors`` file and, wrapped, by :class:`OrderedJsonlWriter`.
+    """
+
+    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.url = url
+        self._sink = _AtomicSink(url, storage_options)
+        self._done = False
+        self.lines_written = 0
+        self.bytes_written = 0
+
+    @property
+    def closed(self) -> bool:
+        """True once committed or aborted."""
+        return self._done
+
+    def write(self, obj: Mapping[str, Any]) -> None:
+        """Append one line. Raises ValueError for objects that are not valid JSON (NaN...)."""
+        self.write_encoded(_encode(obj))
+
+    def write_encoded(self, line: bytes) -> None:
+        """Append one already-encoded line (it must end with a newline)."""
+        if self._done:
+            raise ValueError(f"{self.url}: writer is closed")
+        self._sink.write(line)
+        self.lines_written += 1
+        self.bytes_written += len(line)
+
+    def close(self) -> None:
+        """Commit: make the file visible at its final name. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._sink.commit()
+        except BaseException:
+            self._sink.abort()
+            raise
+
+    def abort(self) -> None:
+        """Discard everything written; the final name is left as it was. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        self._sink.abort()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class OrderedJsonlWriter:
+    """Accepts ``put(index, obj)`` in any order and writes lines strictly by index.
+
+    Indexes are contiguous integers from ``start`` (use the position in the request stream,
+    not the line number: blank lines leave gaps in line numbers). A line is written as soon
+    as all lower indexes are, so the buffer holds only the out-of-order tail; bounding that
+    tail is the caller's job (limit requests in flight). ``max_pending`` turns a runaway tail
+    into an error instead of an out-of-memory kill. ``close()`` raises, and discards the
+    file, if any index is missing (or fewer than ``total`` lines were put, when given).
+    ``put`` is thread-safe.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        start: int = 0,
+        total: int | None = None,
+        max_pending: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._out = JsonlWriter(url, storage_options=storage_options)
+        self.url = url
+        self._start = start
+        self._next = start
+        self._total = total
+        self._max_pending = max_pending
+        self._pending: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def next_index(self) -> int:
+        """The lowest index not yet written."""
+        return self._next
+
+    @property
+    def pending_count(self) -> int:
+        """Lines held back, waiting for a lower index."""
+        return len(self._pending)
+
+    @property
+    def lines_written(self) -> int:
+        return self._out.lines_written
+
+    def put(self, index: int, obj: Mapping[str, Any]) -> None:
+        """Hand over the line for ``index``; it is written once every lower index is."""
+        line = _encode(obj)  # encode outside the lock, and fail before buffering
+        with self._lock:
+            if self._out.closed:
+                raise ValueError(f"{self.url}: writer is closed")
+            if index < self._next or index in self._pending:
+                raise ValueError(f"{self.url}: index {index} was already put")
+            if self._total is not None and index >= self._start + self._total:
+                raise ValueError(f"{self.url}: index {index} is beyond total {self._total}")
+            if index != self._next:
+                if self._max_pending is not None and len(self._pending) >= self._max_pending:
+                    raise ValueError(
+                        f"{self.url}: {len(self._pending)} lines are waiting for index "
+                        f"{self._next}; max_pending is {self._max_pending}"
+                    )
+                self._pending[index] = line
+                return
+            self._out.write_encoded(line)
+            self._next += 1
+            while self._next in self._pending:
+                self._out.write_encoded(self._pending.pop(self._next))
+                self._next += 1
+
+    def close(self) -> None:
+        """Commit if every index from ``start`` up is present; otherwise discard and raise."""
+        with self._lock:
+            missing: str | None = None
+            if self._pending:
+                missing = (
+                    f"index {self._next} is missing; {len(self._pending)} later lines "
+                    f"(up to index {max(self._pending)}) could not be written"
+                )
+            elif self._total is not None and self._next != self._start + self._total:
+                missing = f"got {self._next - self._start} of {self._total} lines"
+            if missing is not None:
+                self._pending.clear()
+                self._out.abort()
+                raise ValueError(f"{self.url}: {missing}; output discarded")
+            self._out.close()
+
+    def abort(self) -> None:
+        """Discard the output; nothing appears at the final name."""
+        with self._lock:
+            self._pending.clear()
+            self._out.abort()
+
+    def __enter__(self) -> OrderedJsonlWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

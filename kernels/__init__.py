@@ -1,0 +1,1 @@
+"""Hot-path kernels (Triton) and their PyTorch reference twins; import through ``dispatch``."""

@@ -1,0 +1,129 @@
+"""The one place that decides which implementation of a hot-path kernel runs.
+
+On CUDA tensors with Triton importable, the Triton kernels run; everywhere else the PyTorch
+reference twins in :mod:`kvbatch.kernels.reference` do. Callers import from here only, so a
+kernel can be swapped or disabled without touching the engine.
+
+``KVBATCH_KERNELS`` (read at every call):
+- unset / ``auto``: Triton for CUDA tensors when it imports, the reference otherwise;
+- ``reference``: always the reference;
+- ``triton``: always Triton; CUDA tensors need it importable, CPU tensors also need
+  ``TRITON_INTERPRET=1`` (set before the kernels are first imported) and run in the Triton
+  interpreter (~100x slower than the reference; for tests).
+
+Triton is imported lazily, on the first call that wants it, so importing this module works on
+a machine without Triton or a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from types import SimpleNamespace
+
+import torch
+
+from kvbatch.kernels import reference
+
+gather_slots = reference.gather_slots  # index arithmetic only: the Triton kernels do not need it
+
+
+@cache
+def _triton_kernels() -> SimpleNamespace | None:
+    """The Triton kernels, or None when Triton cannot be imported."""
+    try:
+        from kvbatch.kernels import triton_attention, triton_rms_norm, triton_rotary, triton_store_kv
+    except ImportError:
+        return None
+    return SimpleNamespace(
+        rms_norm=triton_rms_norm.rms_norm,
+        apply_rotary=triton_rotary.apply_rotary,
+        store_kv=triton_store_kv.store_kv,
+        paged_decode_attention=triton_attention.paged_decode_attention,
+        prefill_attention=triton_attention.prefill_attention,
+        interpreted=triton_attention.INTERPRETED,
+    )
+
+
+def backend(t: torch.Tensor) -> str:
+    """``"triton"`` or ``"reference"``: which implementation runs for tensors like ``t``."""
+    mode = os.environ.get("KVBATCH_KERNELS", "auto").strip().lower() or "auto"
+    if mode == "reference":
+        return "reference"
+    if mode not in ("auto", "triton"):
+        raise ValueError(f"KVBATCH_KERNELS={mode!r}: expected 'auto', 'reference' or 'triton'")
+    if t.is_cuda:
+        if _triton_kernels() is not None:
+            return "triton"
+        if mode == "triton":
+            raise RuntimeError("KVBATCH_KERNELS=triton, but triton cannot be imported")
+        return "reference"
+    if mode == "auto":
+        return "reference"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+        raise RuntimeError(f"KVBATCH_KERNELS=triton on {t.device} tensors needs TRITON_INTERPRET=1")
+    kernels = _triton_kernels()
+    if kernels is None:
+        raise RuntimeError("KVBATCH_KERNELS=triton, but triton cannot be imported")
+    if not kernels.interpreted:
+        raise RuntimeError(
+            "KVBATCH_KERNELS=triton on CPU tensors: the Triton kernels were imported before "
+            "TRITON_INTERPRET=1 was set, so they were compiled for a GPU"
+        )
+    return "triton"
+
+
+def _impl(t: torch.Tensor):
+    return _triton_kernels() if backend(t) == "triton" else reference
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`reference.rms_norm`."""
+    return _impl(x).rms_norm(x, weight, eps, residual)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`reference.apply_rotary`. Use the result: the Triton kernel rotates ``q``
+    and ``k`` in place and returns them, the reference returns new tensors."""
+    return _impl(q).apply_rotary(q, k, positions, cos_sin)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """See :func:`reference.store_kv`."""
+    _impl(k_cache).store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See :func:`reference.paged_decode_attention`."""
+    return _impl(q).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """See :func:`reference.prefill_attention`."""
+    return _impl(q).prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)

@@ -1,0 +1,160 @@
+"""Readable PyTorch twins of every hot-path kernel.
+
+These are the specification: each Triton kernel in this package is tested against the
+function of the same name here, and on a CPU the engine runs these directly. They are
+written for clarity first and for a CPU second (one gather per layer, no per-token loops).
+
+Layouts (shared with the engine and the Triton kernels):
+- KV cache of one layer: ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+- ``slot_mapping[t] = block_id * block_size + offset``: where token ``t``'s K/V live.
+- ``block_tables[b, i]``: the i-th block of sequence b (padding entries may hold any valid id).
+- ``context_lens[b]``: tokens of sequence b whose K/V are in the cache, the new ones included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm fused with the residual add.
+
+    Returns ``(normed, new_residual)`` with ``new_residual = x + residual`` (or ``x`` when
+    there is no residual) and ``normed = rmsnorm(new_residual) * weight``, computed in fp32
+    like transformers' LlamaRMSNorm and cast back to the input dtype.
+    """
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), x
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding in the Llama ("rotate half", GPT-NeoX) convention.
+
+    ``q``: [T, Hq, D], ``k``: [T, Hkv, D], ``positions``: [T] int64,
+    ``cos_sin``: [max_positions, D] holding ``cos`` in the first D/2 columns and ``sin`` in
+    the last D/2 (one frequency per pair). Returns new tensors; the Triton twin works in place.
+    """
+    half = q.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions)
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        xf1, xf2 = x1.float(), x2.float()
+        return torch.cat((xf1 * cos - xf2 * sin, xf2 * cos + xf1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the new tokens' K/V ([T, Hkv, D]) into their cache slots, in place."""
+    k_flat = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+    v_flat = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
+    """Flat cache slot of every key position ``[B, max_len]`` (positions past a sequence's
+    end point at whatever its block table pads with; callers mask them)."""
+    pos = torch.arange(max_len, device=block_tables.device)
+    blocks = block_tables.long().index_select(1, pos // block_size)
+    return blocks * block_size + pos % block_size
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence against its paged context.
+
+    ``q``: [B, Hq, D] -> [B, Hq, D]. Grouped-query attention: query head ``h`` reads KV head
+    ``h // (Hq // Hkv)``. ``slots`` ([B, L], from :func:`gather_slots`) may be passed in so a
+    model computes it once per step instead of once per layer.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[-2]
+    if B == 0:
+        return q.new_empty((0, Hq, D))
+    max_len = int(context_lens.max())
+    if slots is None:
+        slots = gather_slots(block_tables, max_len, k_cache.shape[1])
+    flat = slots[:, :max_len].reshape(-1)
+    k = k_cache.view(-1, Hkv, D).index_select(0, flat).view(B, max_len, Hkv, D)
+    v = v_cache.view(-1, Hkv, D).index_select(0, flat).view(B, max_len, Hkv, D)
+    valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    group = Hq // Hkv
+    # The query heads that share a KV head become extra query rows of that head.
+    qg = q.view(B, Hkv, group, D).to(k.dtype)
+    out = F.scaled_dot_product_attention(
+        qg,
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for chunks of new tokens over a cached prefix plus themselves.
+
+    ``q``: [T, Hq, D], the new tokens of S sequences packed back to back
+    (``cu_query_lens``: [S+1] offsets). Sequence s's new tokens sit at positions
+    ``context_lens[s] - q_len_s .. context_lens[s] - 1``; their K/V are already in the cache.
+    Query at position p attends to keys ``0..p``.
+    """
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[-2]
+    group = Hq // Hkv
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    k_flat = k_cache.view(-1, Hkv, D)
+    v_flat = v_cache.view(-1, Hkv, D)
+    cu = cu_query_lens.tolist()
+    lens = context_lens.tolist()
+    for s in range(len(lens)):
+        start, end = cu[s], cu[s + 1]
+        n_new, n_ctx = end - start, lens[s]
+        if n_new == 0:
+            continue
+        slots = gather_slots(block_tables[s : s + 1], n_ctx, block_size)[0]
+        k = k_flat.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
+        v = v_flat.index_select(0, slots).transpose(0, 1)
+        # [n_new, Hq, D] -> [Hkv, group * n_new, D]: row (g, i) is head kvh*group+g, token i.
+        qs = q[start:end].view(n_new, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * n_new, D)
+        q_pos = torch.arange(n_ctx - n_new, n_ctx, device=q.device)
+        mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            qs.to(k.dtype), k, v, attn_mask=mask.repeat(group, 1), scale=scale
+        )
+        out[start:end] = o.view(Hkv, group, n_new, D).permute(2, 0, 1, 3).reshape(n_new, Hq, D).to(q.dtype)
+    return out
