@@ -87,7 +87,10 @@ class LLM:
             self._tokenizer_error = str(exc)
         self.max_model_len = ec.max_model_len or self.model_config.max_position_embeddings
         per_block = ModelRunner.bytes_per_block(self.model, ec.block_size, self.dtype)
-        num_blocks = ec.num_blocks or max(1, ec.kv_cache_bytes // per_block)
+        # No more blocks than max_num_seqs full-length sequences can use: a tiny model must not
+        # allocate (and zero) a whole kv_cache_bytes budget it can never fill.
+        useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
+        num_blocks = ec.num_blocks or max(1, min(ec.kv_cache_bytes // per_block, useful))
         self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype)
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.kv_root_key = root_key(self.checkpoint.fingerprint, dtype_name, ec.block_size)

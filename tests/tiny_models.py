@@ -50,3 +50,25 @@ def build_tiny(arch: str, folder: Path, seed: int = 0):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     return model
+
+
+def build_tiny_chat_model(folder: Path, seed: int = 0, max_positions: int = 256) -> Path:
+    """A tiny random Llama that speaks SmolLM2's tokenizer and chat template, for end-to-end
+    tests of the command line and the pipeline (loads in well under a second)."""
+    import json
+
+    import transformers as tf
+
+    from kvbatch.engine.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.from_model("smollm2-135m")
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(tok._tok.to_str())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tok.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>"}))
+    return folder

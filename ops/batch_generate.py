@@ -1,0 +1,168 @@
+"""The batch generate step: a request file in, one output line per request out, in input order.
+
+Plain Python (no Dagster): the ``kvbatch generate`` command and the pipeline's decode step both
+call :func:`run_batch`. Bad rows never abort the batch: each becomes an error line naming the
+line, the field and the reason, in the output (where the request would have been) and in the
+optional errors file. Memory stays bounded: requests are read lazily, only the requests in
+flight and the out-of-order tail of the output are held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbatch.engine.llm import LLM, GenerationRequest, Result
+from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.io.batch_output import JsonlWriter, OrderedJsonlWriter, TokenLogprob, error_line, result_line
+from kvbatch.io.batch_requests import ChatRequest, RejectedRow, read_requests, reject
+from kvbatch.ops.metrics import percentile
+
+
+@dataclass
+class BatchReport:
+    """What one batch did; ``to_json`` is the ``--metrics`` file."""
+
+    requests: int = 0
+    succeeded: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    preemptions: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    rejects_by_field: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "succeeded": self.succeeded,
+            "rejected": self.rejected,
+            "rejects_by_field": dict(sorted(self.rejects_by_field.items())),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "wall_s": round(self.wall_s, 4),
+            "output_tokens_per_s": round(self.output_tokens / self.wall_s, 3) if self.wall_s else 0.0,
+            "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens) / self.wall_s, 3)
+            if self.wall_s else 0.0,
+            "ttft_s_p50": percentile(self.ttft_s, 50),
+            "ttft_s_p95": percentile(self.ttft_s, 95),
+            "tpot_s_p50": percentile(self.tpot_s, 50),
+            "tpot_s_p95": percentile(self.tpot_s, 95),
+            "preemptions": self.preemptions,
+        }
+
+
+@dataclass
+class _InFlight:
+    index: int
+    request: ChatRequest
+
+
+def to_engine_sampling(req: ChatRequest) -> SamplingParams:
+    return SamplingParams(**dataclasses.asdict(req.sampling))
+
+
+def _logprobs(llm: LLM, result: Result) -> list[TokenLogprob] | None:
+    if result.logprobs is None or llm.tokenizer is None:
+        return None
+    tok = llm.tokenizer
+
+    def text(i: int) -> str:
+        return tok.decode([i], skip_special_tokens=False)
+
+    return [
+        TokenLogprob(text(e["token_id"]), e["logprob"], tuple((text(i), lp) for i, lp in e.get("top", [])))
+        for e in result.logprobs
+    ]
+
+
+def run_batch(
+    llm: LLM,
+    input_url: str,
+    output_url: str,
+    *,
+    errors_url: str | None = None,
+    model_name: str = "kvbatch",
+    storage_options: dict[str, Any] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> BatchReport:
+    """Run every request of ``input_url`` through ``llm``; write ``output_url`` (and the errors).
+
+    ``on_progress(done, rejected)`` is called after each finished or rejected request.
+    """
+    if llm.tokenizer is None:
+        raise ValueError("chat requests need a model with a tokenizer")
+    report = BatchReport()
+    in_flight: dict[str, _InFlight] = {}
+    started = time.perf_counter()
+    with OrderedJsonlWriter(output_url, storage_options=storage_options) as out, \
+            _maybe_writer(errors_url, storage_options) as errors:
+
+        def rejected(index: int, row: RejectedRow) -> None:
+            line = error_line(row)
+            out.put(index, line)
+            if errors is not None:
+                errors.write(line)
+            report.rejected += 1
+            report.rejects_by_field[row.field] = report.rejects_by_field.get(row.field, 0) + 1
+            if on_progress:
+                on_progress(report.succeeded + report.rejected, report.rejected)
+
+        def engine_requests() -> Iterator[GenerationRequest]:
+            for index, item in enumerate(read_requests(input_url, storage_options=storage_options)):
+                report.requests += 1
+                if isinstance(item, RejectedRow):
+                    rejected(index, item)
+                    continue
+                try:
+                    ids = llm.tokenizer.encode_chat(item.messages)  # type: ignore[union-attr]
+                except Exception as exc:  # a template that raises for this conversation
+                    rejected(index, reject(item, "body.messages", f"chat template failed: {exc}"))
+                    continue
+                if len(ids) >= llm.max_model_len:
+                    rejected(index, reject(item, "body.messages",
+                                           f"prompt is {len(ids)} tokens; the context window is {llm.max_model_len}"))
+                    continue
+                key = str(index)
+                in_flight[key] = _InFlight(index, item)
+                yield GenerationRequest(key, to_engine_sampling(item), prompt_token_ids=ids)
+
+        for result in llm.stream(engine_requests()):
+            job = in_flight.pop(result.request_id)
+            req = job.request
+            out.put(job.index, result_line(
+                req.custom_id, req.line_no, text=result.text, finish_reason=result.finish_reason,
+                prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
+                model=req.model or model_name, logprobs=_logprobs(llm, result),
+            ))
+            report.succeeded += 1
+            report.prompt_tokens += len(result.prompt_token_ids)
+            report.cached_prompt_tokens += result.num_cached_tokens
+            report.output_tokens += len(result.output_token_ids)
+            report.preemptions += result.num_preemptions
+            report.ttft_s.append(result.ttft_s)
+            if result.tpot_s is not None:
+                report.tpot_s.append(result.tpot_s)
+            if on_progress:
+                on_progress(report.succeeded + report.rejected, report.rejected)
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+class _NoWriter:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _maybe_writer(url: str | None, storage_options: dict[str, Any] | None) -> Any:
+    return JsonlWriter(url, storage_options=storage_options) if url else _NoWriter()
