@@ -45,6 +45,9 @@ class ForwardBatch:
     prefill_cu_query_lens: torch.Tensor  # [S + 1] int32
     prefill_context_lens: torch.Tensor  # [S] int32
     logits_rows: torch.Tensor  # [N] int64: rows whose next-token logits are wanted
+    # The same step as one list of sequences (decode ones first), for the batch-invariant path.
+    block_tables: torch.Tensor | None = None  # [num_decode + S, max_blocks] int32
+    seq_index: torch.Tensor | None = None  # [T] int64: row of block_tables each token belongs to
 
 
 class LlamaModel:
@@ -129,7 +132,10 @@ class LlamaModel:
             q, k = K.apply_rotary(q, k, batch.positions, cos_sin)
             k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
             K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-            if nd == T:
+            if self.batch_invariant:
+                attn = K.invariant_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
+                                             batch.positions, self.scale)
+            elif nd == T:
                 attn = K.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
                                                 batch.decode_context_lens, self.scale, decode_slots)
             else:

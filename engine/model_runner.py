@@ -65,6 +65,8 @@ class ModelRunner:
             return torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in entries],
                                 dtype=torch.int32).view(len(entries), width)
 
+        seq_index = [i for i, s in enumerate(decode)]
+        seq_index += [len(decode) + i for i, s in enumerate(prefill) for _ in range(s.num_new_tokens)]
         batch = ForwardBatch(
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
@@ -77,6 +79,9 @@ class ModelRunner:
                 [s.seq.num_computed_tokens + s.num_new_tokens for s in prefill], dtype=torch.int32),
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
         )
+        if self.model.batch_invariant:
+            batch.block_tables = tables(decode + prefill)
+            batch.seq_index = torch.tensor(seq_index, dtype=torch.int64)
         return torch.tensor(ids, dtype=torch.int64), batch, sampled
 
     @torch.inference_mode()

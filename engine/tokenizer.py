@@ -141,31 +141,43 @@ class ChatTokenizer:
         control tokens off, and the ids are concatenated.
         """
         messages = _normalize_messages(messages)
-        real = self._render(messages, add_generation_prompt)
-        marked, contents = _mark_contents(messages, real)
-        self._check_no_control_text(marked)
-        pieces = self._split_at_contents(self._render(marked, add_generation_prompt), contents, real)
-        if pieces is None:
-            # The template rewrites or branches on content, so the spans cannot be located. Safe
-            # only if no content spells a control token; then the whole string is the answer.
-            for index, text in enumerate(contents):
-                if any(special in text for special in self._special_texts):
-                    raise ValueError(
-                        f"message content #{index} spells a control token and this chat template rewrites "
-                        "message content, so it cannot be tokenized safely"
-                    )
-            return self._tok.encode(real, add_special_tokens=False).ids
+        real, pieces = self._chat_pieces(messages, add_generation_prompt)
         whole = self._tok.encode(real, add_special_tokens=False)
         spans, position = [], 0
         for text, is_content in pieces:
             if is_content:
                 spans.append((position, position + len(text)))
             position += len(text)
-        if not any(
+        if any(
             token_id in self.special_token_ids and any(start < e and end > s for s, e in spans)
             for token_id, (start, end) in zip(whole.ids, whole.offsets)
         ):
-            return whole.ids
+            return self._encode_pieces(pieces)
+        return whole.ids
+
+    def _chat_pieces(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> tuple[str, list[tuple[str, bool]]]:
+        """The rendered chat, and the same string cut into [(text, is_content)] at message contents."""
+        real = self._render(messages, add_generation_prompt)
+        marked, contents = _mark_contents(messages, real)
+        self._check_no_control_text(marked)
+        pieces = _split_at_contents(self._render(marked, add_generation_prompt), contents, real)
+        if pieces is not None:
+            return real, pieces
+        # The template rewrites or branches on content (e.g. `| trim`), so the spans cannot be
+        # located. Safe only if no content spells a control token; then the whole string is template.
+        for index, text in enumerate(contents):
+            for special in self._special_texts:
+                if special in text:
+                    raise ValueError(
+                        f"message content #{index} spells control token {special!r} and this chat template "
+                        "rewrites message content, so it cannot be tokenized safely"
+                    )
+        return real, [(real, False)]
+
+    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """Template pieces with control tokens parsed, content pieces as plain text, concatenated."""
         ids: list[int] = []
         for text, is_content in pieces:
             if text:
@@ -197,23 +209,6 @@ class ChatTokenizer:
                 for special in self._special_texts:
                     if special in text:
                         raise ValueError(f"message #{index} spells control token {special!r} outside its content")
-
-    @staticmethod
-    def _split_at_contents(marked_render: str, contents: list[str], real: str) -> list[tuple[str, bool]] | None:
-        """[(text, is_content)] whose concatenation is `real`, or None if the sentinels do not map back."""
-        pattern = _sentinel_pattern(marked_render)
-        if pattern is None:
-            return None
-        parts = pattern.split(marked_render)
-        pieces: list[tuple[str, bool]] = []
-        for i, part in enumerate(parts):
-            if i % 2 == 0:
-                pieces.append((part, False))
-            else:
-                pieces.append((contents[int(part)], True))
-        if "".join(text for text, _ in pieces) != real:
-            return None
-        return pieces
 
 
 class IncrementalDetokenizer:
@@ -269,7 +264,8 @@ def _from_gguf(src: TokenizerSource) -> ChatTokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _GGUF_PRE_TOKENIZERS:
         raise ModelLoadError(
-            f"{src.source}: GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))}"
+            f"{src.source}: GGUF pre-tokenizer {pre!r} is not supported; "
+            f"known: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))}"
         )
     tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -280,12 +276,12 @@ def _from_gguf(src: TokenizerSource) -> ChatTokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(token_types) if t == _CONTROL]
-    )
-    tokenizer.add_tokens(
-        [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(token_types) if t == _USER_DEFINED]
-    )
+    # Control tokens (<|im_start|>...) are special: matched whole, skipped by decode. User-defined
+    # ones (<think>) are matched whole too, as llama.cpp does, but are ordinary text.
+    control = [tokens[i] for i, kind in enumerate(token_types) if kind == _CONTROL]
+    user_defined = [tokens[i] for i, kind in enumerate(token_types) if kind == _USER_DEFINED]
+    tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in control])
+    tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in user_defined])
 
     def token(key: str) -> str | None:
         index = meta.get(f"tokenizer.ggml.{key}")
@@ -434,11 +430,16 @@ def _mark_contents(messages: list[dict[str, Any]], avoid: str) -> tuple[list[dic
     return marked, contents
 
 
-def _sentinel_pattern(rendered: str) -> re.Pattern[str] | None:
-    match = re.search("\ue000([0-9a-f]{16}):\\d+\ue001", rendered)
-    if match is None:
-        return re.compile("(?!)")  # no content was rendered: one template piece
-    return re.compile(f"\ue000{match.group(1)}:(\\d+)\ue001")
+def _split_at_contents(marked_render: str, contents: list[str], real: str) -> list[tuple[str, bool]] | None:
+    """[(text, is_content)] whose concatenation is `real`, or None if the sentinels do not map back to it."""
+    match = re.search("\ue000([0-9a-f]{16}):\\d+\ue001", marked_render)
+    if match is None:  # no content was rendered: all template
+        return [(real, False)] if marked_render == real else None
+    parts = re.split(f"\ue000{match.group(1)}:(\\d+)\ue001", marked_render)
+    pieces = [(contents[int(part)], True) if i % 2 else (part, False) for i, part in enumerate(parts)]
+    if "".join(text for text, _ in pieces) != real:
+        return None
+    return pieces
 
 
 def _strings(value: Any, skip_content: bool = True) -> Iterable[str]:

@@ -31,6 +31,7 @@ __all__ = [
     "ModelLoadError",
     "SUPPORTED_ARCHITECTURES",
     "TokenizerSource",
+    "checkpoint_fingerprint",
     "load_checkpoint",
     "load_tokenizer_source",
     "resolve_model",
@@ -160,7 +161,9 @@ def load_tokenizer_source(model: str) -> TokenizerSource:
     if fs.isfile(path):
         if not _is_gguf(fs, path):
             raise ModelLoadError(f"{source}: not a GGUF file (bad magic); pass a .gguf file or an HF folder")
-        return _with_local_gguf(fs, path, lambda local: _gguf_tokenizer_source(_gguf_metadata(_gguf_reader(local, source)), source))
+        return _with_local_gguf(
+            fs, path, lambda local: _gguf_tokenizer_source(_gguf_metadata(_gguf_reader(local, source)), source)
+        )
     return _hf_tokenizer_source(fs, path, source)
 
 
@@ -380,7 +383,9 @@ def _read_gguf(
             if not weights.flags.writeable:  # an F32 view into the memory map: own it before the file goes
                 weights = weights.copy()
         except Exception as exc:
-            raise ModelLoadError(f"{source}: tensor {t.name} cannot be dequantized ({_reason(exc)}); file truncated?") from exc
+            raise ModelLoadError(
+                f"{source}: tensor {t.name} cannot be dequantized ({_reason(exc)}); file truncated?"
+            ) from exc
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
             weights = _unpermute_rotary_rows(weights, heads)

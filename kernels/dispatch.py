@@ -26,6 +26,9 @@ import torch
 from kvbatch.kernels import reference
 
 gather_slots = reference.gather_slots  # index arithmetic only: the Triton kernels do not need it
+# Bitwise batch-invariant attention for CPU determinism; no Triton twin (on a GPU, invariance
+# would need a kernel with a fixed reduction order, which is future work).
+invariant_attention = reference.invariant_attention
 
 
 @cache

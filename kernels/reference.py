@@ -158,3 +158,91 @@ def prefill_attention(
         )
         out[start:end] = o.view(Hkv, group, n_new, D).permute(2, 0, 1, 3).reshape(n_new, Hq, D).to(q.dtype)
     return out
+
+
+# Fixed GEMM shapes for the batch-invariant path: every attention matmul is a
+# [ROWS x D] x [D x TILE] or [ROWS x TILE] x [TILE x D] product, whatever the batch, chunking or
+# context length, so CPU BLAS always runs the same kernel and a row's bits never depend on
+# its neighbours. Tiles are combined in a fixed order with exact zeros for masked tiles.
+INVARIANT_TILE = 256
+INVARIANT_ROWS = 16
+
+
+def invariant_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_index: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal paged attention whose result for a token is bitwise independent of the batch.
+
+    ``q``: [T, Hq, D]; token t belongs to sequence ``seq_index[t]`` (a row of ``block_tables``)
+    and sits at ``positions[t]``, attending keys ``0..positions[t]`` of its sequence. Tokens of
+    one sequence must be contiguous and in position order. Serves prefill chunks and decode
+    tokens alike, so a token computes the same bits whether it was part of a long prefill, a
+    short tail after a prefix hit, or a decode step in any batch.
+    """
+    T, Hq, D = q.shape
+    if T == 0:
+        return q.new_empty((0, Hq, D))
+    Hkv = k_cache.shape[-2]
+    G = Hq // Hkv
+    R, TILE = INVARIANT_ROWS, INVARIANT_TILE
+    block_size = k_cache.shape[1]
+    # Rows of one sequence and one KV head: (token, group member), packed into groups of R.
+    seqs = torch.unique_consecutive(seq_index)
+    counts = torch.stack([(seq_index == s).sum() for s in seqs]).tolist()
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    n_groups = [-(-c * G // R) for c in counts]
+    max_pos = int(positions.max()) + 1
+    L = -(-max_pos // TILE) * TILE
+    S = len(counts)
+    S = len(counts)
+    tables = block_tables.index_select(0, seqs.long())
+    width = -(-L // block_size)
+    if tables.shape[1] < width:  # keys past a sequence's end are masked; any valid block will do
+        tables = torch.cat([tables, tables.new_zeros(S, width - tables.shape[1])], dim=1)
+    slots = gather_slots(tables, L, block_size)  # [S, L]
+    k = k_cache.view(-1, Hkv, D).index_select(0, slots.reshape(-1)).view(S, L, Hkv, D)
+    v = v_cache.view(-1, Hkv, D).index_select(0, slots.reshape(-1)).view(S, L, Hkv, D)
+    nt = L // TILE
+    k_tiles = k.permute(0, 2, 1, 3).reshape(S, Hkv, nt, TILE, D)
+    v_tiles = v.permute(0, 2, 1, 3).reshape(S, Hkv, nt, TILE, D)
+    NG = max(n_groups)
+    # Query rows [S, Hkv, NG * R, D], padded with zeros; row positions (-1 = padding).
+    rows = q.new_zeros(S, Hkv, NG * R, D)
+    row_pos = torch.full((S, NG * R), -1, dtype=torch.long)
+    for i, (st, c) in enumerate(zip(starts, counts)):
+        qs = q[st:st + c].view(c, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, c * G, D)
+        rows[i, :, : c * G] = qs
+        row_pos[i, : c * G] = positions[st:st + c].repeat_interleave(G)
+    rows = rows.view(S, Hkv, NG, 1, R, D).to(k.dtype)
+    scores = torch.matmul(rows, k_tiles.view(S, Hkv, 1, nt, TILE, D).transpose(-1, -2)) * scale
+    key_pos = torch.arange(L).view(nt, TILE)
+    valid = key_pos.view(1, 1, nt, 1, TILE) <= row_pos.view(S, NG, 1, R, 1)  # [S, NG, nt, R, TILE]
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    m = scores.amax(-1, keepdim=True)  # [S, Hkv, NG, nt, R, 1]
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(scores - m_safe)
+    l_tile = e.sum(-1, keepdim=True)
+    o_tile = torch.matmul(e, v_tiles.view(S, Hkv, 1, nt, TILE, D))  # [S, Hkv, NG, nt, R, D]
+    # Combine tiles in order; a fully masked tile contributes exact zeros.
+    m_all = m.amax(3, keepdim=True)
+    m_all = torch.where(torch.isinf(m_all), torch.zeros_like(m_all), m_all)
+    alpha = torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(m_safe - m_all))
+    num = torch.zeros_like(o_tile[:, :, :, 0])
+    den = torch.zeros_like(l_tile[:, :, :, 0])
+    for t in range(nt):
+        num = num + alpha[:, :, :, t] * o_tile[:, :, :, t]
+        den = den + alpha[:, :, :, t] * l_tile[:, :, :, t]
+    out_rows = (num / den.clamp_min(torch.finfo(den.dtype).tiny)).view(S, Hkv, NG * R, D)
+    out = torch.empty_like(q)
+    for i, (st, c) in enumerate(zip(starts, counts)):
+        o = out_rows[i, :, : c * G].reshape(Hkv, c, G, D).permute(1, 0, 2, 3).reshape(c, Hq, D)
+        out[st:st + c] = o.to(q.dtype)
+    return out
