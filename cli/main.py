@@ -24,6 +24,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics: a request's tokens are bitwise independent of its batch, "
+                        "chunking and KV source (slower at small batches)")
+
+
+def _store_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--store", required=required, default=None,
+                   help="KV store URL (s3://bucket/prefix, file:///path, or a local folder)")
+    p.add_argument("--store-memory-gb", type=float, default=2.0, help="in-process memory tier of the KV store")
+    p.add_argument("--store-disk", default=None, help="local disk tier folder of the KV store")
+    p.add_argument("--store-disk-gb", type=float, default=20.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +47,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--errors", default=None, help="also write the rejected rows here")
     g.add_argument("--metrics", default=None, help="write run metrics (JSON) here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _store_args(g, required=False)
     g.set_defaults(func=cmd_generate)
+
+    pf = sub.add_parser("prefill", help="compute and store the prompts' KV; write decode manifests")
+    _engine_args(pf)
+    _store_args(pf, required=True)
+    pf.add_argument("--input", required=True, help="request JSONL (OpenAI Batch format)")
+    pf.add_argument("--manifests", required=True, help="manifest JSONL to write (one line per input row)")
+    pf.add_argument("--metrics", default=None, help="write prefill metrics (JSON) here")
+    pf.add_argument("--no-progress", action="store_true")
+    pf.set_defaults(func=cmd_prefill)
+
+    dc = sub.add_parser("decode", help="generate from manifests, loading the stored prompt KV")
+    _engine_args(dc)
+    _store_args(dc, required=True)
+    dc.add_argument("--manifests", required=True, help="manifests written by `kvbatch prefill`")
+    dc.add_argument("--output", required=True, help="result JSONL, one line per request in input order")
+    dc.add_argument("--errors", default=None, help="also write the rejected rows here")
+    dc.add_argument("--metrics", default=None, help="write run metrics (JSON) here")
+    dc.add_argument("--no-progress", action="store_true")
+    dc.set_defaults(func=cmd_decode)
+
+    kv = sub.add_parser("kv", help="inspect or clean a KV store")
+    kv_sub = kv.add_subparsers(dest="kv_command", required=True)
+    st = kv_sub.add_parser("stats", help="blocks, bytes and packs per model in a store")
+    st.add_argument("--store", required=True)
+    st.set_defaults(func=cmd_kv_stats)
+    gc = kv_sub.add_parser("gc", help="delete expired or excess packs from a store")
+    gc.add_argument("--store", required=True)
+    gc.add_argument("--ttl-hours", type=float, default=None, help="delete packs older than this")
+    gc.add_argument("--max-gb", type=float, default=None, help="delete oldest packs beyond this size")
+    gc.set_defaults(func=cmd_kv_gc)
 
     d = sub.add_parser("sample-data", help="write a generated sample request file (shared system prompts)")
     d.add_argument("--output", required=True, help="JSONL file to write (local path or fsspec URL)")
@@ -55,10 +97,27 @@ def _fail(msg: str) -> int:
 def _load_llm(args: argparse.Namespace) -> Any:
     from kvbatch.engine.config import EngineConfig
     from kvbatch.engine.llm import LLM
+    from kvbatch.engine.weights import load_checkpoint
+    from kvbatch.io.kv_store import KVStore, KVStoreConfig
 
     cfg = EngineConfig(max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_step_tokens,
-                       kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
-    return LLM(args.model, dtype=args.dtype, engine_config=cfg, seed=args.seed, num_threads=args.threads)
+                       kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), batch_invariant=args.deterministic)
+    ckpt = load_checkpoint(args.model)
+    store = None
+    if getattr(args, "store", None):
+        store_cfg = KVStoreConfig(url=args.store, memory_bytes=int(args.store_memory_gb * (1 << 30)),
+                                  disk_dir=args.store_disk, disk_bytes=int(args.store_disk_gb * (1 << 30)))
+        # The store checks every block against the fingerprint of the exact KV layout.
+        store = KVStore.from_config(store_cfg, _kv_fingerprint(ckpt.fingerprint, args.dtype, cfg.block_size))
+    return LLM(ckpt, dtype=args.dtype, engine_config=cfg, kv_store=store, seed=args.seed,
+               num_threads=args.threads)
+
+
+def _kv_fingerprint(model_fingerprint: str, dtype: str, block_size: int) -> str:
+    from kvbatch.engine.block_hash import root_key
+    from kvbatch.engine.llm import parse_dtype
+
+    return root_key(model_fingerprint, str(parse_dtype(dtype)).removeprefix("torch."), block_size)[:32]
 
 
 def _write_json(url: str, obj: dict) -> None:
@@ -70,8 +129,6 @@ def _write_json(url: str, obj: dict) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from kvbatch.engine.config import UnsupportedModelError
     from kvbatch.engine.weights import ModelLoadError
     from kvbatch.ops.batch_generate import run_batch
@@ -80,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         llm = _load_llm(args)
     except (ModelLoadError, UnsupportedModelError) as exc:
         return _fail(str(exc))
-    bar = tqdm(desc="requests", unit="req", disable=args.no_progress, file=sys.stderr)
+    bar = _progress_bar(args, "requests")
 
     def progress(done: int, rejected: int) -> None:
         bar.update(done - bar.n)
@@ -95,12 +152,104 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     metrics = report.to_json()
+    _print_store(args, llm, metrics)
     if args.metrics:
         _write_json(args.metrics, metrics)
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; "
           f"{report.output_tokens} output tokens in {report.wall_s:.1f} s "
           f"({metrics['output_tokens_per_s']} tok/s) -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def _progress_bar(args: argparse.Namespace, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, unit="req", disable=args.no_progress, file=sys.stderr)
+
+
+def _print_store(args: argparse.Namespace, llm: Any, metrics: dict) -> None:
+    if llm.connector is not None:
+        metrics["kv_store"] = llm.connector.stats.to_json()
+        metrics["kv_store"]["store"] = llm.connector.store.stats()
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from kvbatch.ops.kv_handoff import run_prefill
+
+    try:
+        llm = _load_llm(args)
+    except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
+        return _fail(_load_error(exc))
+    bar = _progress_bar(args, "prefill")
+    try:
+        report = run_prefill(llm, args.input, args.manifests, model_name=args.model,
+                             on_progress=lambda n: bar.update(n - bar.n))
+    except (FileNotFoundError, PermissionError) as exc:
+        return _fail(f"cannot read {args.input}: {exc}")
+    finally:
+        bar.close()
+    metrics = report.to_json()
+    if args.metrics:
+        _write_json(args.metrics, metrics)
+    print(f"prefilled {report.requests - report.rejected} requests ({report.rejected} rejected): "
+          f"{report.prompt_tokens_computed} of {report.prompt_tokens} prompt tokens computed, "
+          f"{metrics.get('blocks_written', 0)} blocks written in {report.wall_s:.1f} s -> {args.manifests}",
+          file=sys.stderr)
+    return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from kvbatch.ops.kv_handoff import ManifestMismatch, run_decode
+
+    try:
+        llm = _load_llm(args)
+    except Exception as exc:  # noqa: BLE001
+        return _fail(_load_error(exc))
+    bar = _progress_bar(args, "decode")
+    try:
+        report = run_decode(llm, args.manifests, args.output, errors_url=args.errors, model_name=args.model,
+                            on_progress=lambda done, rej: bar.update(done - bar.n))
+    except (FileNotFoundError, PermissionError) as exc:
+        return _fail(f"cannot read {args.manifests}: {exc}")
+    except (ManifestMismatch, ValueError) as exc:
+        return _fail(str(exc))
+    finally:
+        bar.close()
+    metrics = report.to_json()
+    _print_store(args, llm, metrics)
+    if args.metrics:
+        _write_json(args.metrics, metrics)
+    print(f"{report.succeeded} succeeded, {report.rejected} rejected; {report.loaded_prompt_tokens} of "
+          f"{report.prompt_tokens} prompt tokens loaded from the store; {report.output_tokens} output tokens "
+          f"in {report.wall_s:.1f} s -> {args.output}", file=sys.stderr)
+    return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def cmd_kv_stats(args: argparse.Namespace) -> int:
+    from kvbatch.io.kv_store import kv_stats
+
+    print(json.dumps(kv_stats(args.store), indent=2, default=str))
+    return EXIT_OK
+
+
+def cmd_kv_gc(args: argparse.Namespace) -> int:
+    from kvbatch.io.kv_store import kv_gc
+
+    ttl = args.ttl_hours * 3600 if args.ttl_hours is not None else None
+    max_bytes = int(args.max_gb * (1 << 30)) if args.max_gb is not None else None
+    if ttl is None and max_bytes is None:
+        return _fail("kv gc needs --ttl-hours and/or --max-gb")
+    print(json.dumps(kv_gc(args.store, ttl, max_bytes), indent=2, default=str))
+    return EXIT_OK
+
+
+def _load_error(exc: Exception) -> str:
+    from kvbatch.engine.config import UnsupportedModelError
+    from kvbatch.engine.weights import ModelLoadError
+
+    if isinstance(exc, (ModelLoadError, UnsupportedModelError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def cmd_sample_data(args: argparse.Namespace) -> int:

@@ -49,13 +49,18 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix lookup ----------------------------------------------------------------------
+    def prefix_keys(self, seq: Sequence) -> list[str]:
+        """Keys of the full blocks that a hit may cover (all but the last token's block when
+        the sequence is block-aligned: the last token must be computed to give logits)."""
+        usable = (seq.num_tokens - 1) // self.block_size
+        return chain_keys(self.root_key, seq.token_ids[: usable * self.block_size], self.block_size)
+
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Ids of the cached blocks that hold a prefix of ``seq``. At least one token is always
         left to compute, since the last one must produce logits."""
         if not self.enable_prefix_caching:
             return []
-        usable = (seq.num_tokens - 1) // self.block_size
-        keys = chain_keys(self.root_key, seq.token_ids[: usable * self.block_size], self.block_size)
+        keys = self.prefix_keys(seq)
         hit: list[int] = []
         for i, key in enumerate(keys):
             bid = self.key_to_block.get(key)

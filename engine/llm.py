@@ -15,7 +15,9 @@ import torch
 
 from kvbatch.engine.block_hash import root_key
 from kvbatch.engine.block_manager import BlockManager
+from kvbatch.engine.block_hash import chain_keys
 from kvbatch.engine.config import EngineConfig, ModelConfig
+from kvbatch.engine.kv_connector import BlockStore, KVConnector
 from kvbatch.engine.model import LlamaModel
 from kvbatch.engine.model_runner import ModelRunner
 from kvbatch.engine.sampler import sample, top_logprobs
@@ -46,6 +48,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     messages: list[dict] | None = None
     prompt_token_ids: list[int] | None = None
+    # Compute the KV of the prompt's full blocks (written to the store), sample nothing.
+    prefill_only: bool = False
 
 
 @dataclass
@@ -60,6 +64,8 @@ class Result:
     tpot_s: float | None  # mean seconds per output token after the first
     num_preemptions: int = 0
     logprobs: list[dict] | None = None
+    num_loaded_tokens: int = 0  # prompt tokens loaded from the external KV store
+    block_keys: list[str] = field(default_factory=list)  # content keys of the prompt's full blocks
 
 
 class LLM:
@@ -69,6 +75,8 @@ class LLM:
         *,
         dtype: str | torch.dtype = "fp32",
         engine_config: EngineConfig | None = None,
+        kv_store: BlockStore | None = None,
+        kv_store_write: bool = True,
         seed: int = 0,
         num_threads: int | None = None,
     ) -> None:
@@ -95,7 +103,10 @@ class LLM:
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.kv_root_key = root_key(self.checkpoint.fingerprint, dtype_name, ec.block_size)
         self.block_manager = BlockManager(num_blocks, ec.block_size, self.kv_root_key, ec.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, ec.max_num_seqs, ec.max_num_batched_tokens)
+        self.block_bytes = per_block
+        self.connector = (KVConnector(kv_store, ec.block_size, per_block, write=kv_store_write)
+                          if kv_store is not None else None)
+        self.scheduler = Scheduler(self.block_manager, ec.max_num_seqs, ec.max_num_batched_tokens, self.connector)
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._next_seq_id = 0
         self._stops: dict[int, StopChecker] = {}
@@ -128,7 +139,12 @@ class LLM:
         if not p.greedy:
             seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
             gen = torch.Generator().manual_seed(seed)
-        seq = Sequence(self._next_seq_id, request.request_id, ids, p, generator=gen)
+        if request.prefill_only:
+            ids = ids[: len(ids) // self.engine_config.block_size * self.engine_config.block_size]
+            if not ids:
+                raise ValueError(f"request {request.request_id!r}: prompt is shorter than one KV block")
+        seq = Sequence(self._next_seq_id, request.request_id, ids, p, generator=gen,
+                       prefill_only=request.prefill_only)
         self._next_seq_id += 1
         self._stops[seq.seq_id] = StopChecker(self.tokenizer, p.stop)
         self.scheduler.add(seq)
@@ -141,17 +157,42 @@ class LLM:
         step = self.scheduler.schedule()
         if not step:
             return []
+        if self.connector is not None:
+            self._load_external(step)
+        started = time.perf_counter()
         logits, sampled = self.runner.execute(step)
         now = time.perf_counter()
         self.stats["steps"] += 1
+        prompt_tokens = 0
         for s in step:
-            if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:
-                self.stats["computed_prompt_tokens"] += min(s.num_new_tokens,
-                                                            s.seq.num_prompt_tokens - s.seq.num_computed_tokens)
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.commit(s.seq)
-        tokens = sample(logits, [s.seq.sampling for s in sampled], [s.seq.generator for s in sampled])
+            seq = s.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += s.num_new_tokens
+            new_blocks = self.block_manager.commit(seq)
+            if self.connector is not None:
+                full_prompt_blocks = seq.num_prompt_tokens // self.engine_config.block_size
+                loaded = {k for k, _ in seq.pending_loads}
+                self.connector.save([(k, b) for i, (k, b) in enumerate(new_blocks)
+                                     if k not in loaded and self._block_index(seq, k) < full_prompt_blocks],
+                                    self.runner.kv_cache)
+                seq.pending_loads = []
+        self.stats["computed_prompt_tokens"] += prompt_tokens
+        if self.connector is not None:
+            self.connector.observe_prefill(prompt_tokens, now - started)
         finished: list[Result] = []
+        keep = []
+        for row, s in enumerate(sampled):
+            if s.seq.prefill_only:
+                s.seq.finish_time = now
+                self.scheduler.finish(s.seq, "prefilled")
+                finished.append(self._result(s.seq))
+            else:
+                keep.append(row)
+        if len(keep) < len(sampled):
+            sampled = [sampled[r] for r in keep]
+            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long))
+        tokens = sample(logits, [s.seq.sampling for s in sampled], [s.seq.generator for s in sampled])
         for row, (s, tok) in enumerate(zip(sampled, tokens)):
             seq = s.seq
             seq.token_ids.append(tok)
@@ -166,6 +207,26 @@ class LLM:
                 self.scheduler.finish(seq, reason)
                 finished.append(self._result(seq))
         return finished
+
+    @staticmethod
+    def _block_index(seq: Sequence, key: str) -> int:
+        return seq.block_hashes.index(key)
+
+    def _load_external(self, step: list) -> None:
+        """Fetch the stored blocks the scheduler planned to load; a block that does not arrive
+        intact is recomputed, with everything after it (the counters simply move back)."""
+        assert self.connector is not None
+        bs = self.engine_config.block_size
+        for s in step:
+            seq = s.seq
+            if not seq.pending_loads:
+                continue
+            keys = [k for k, _ in seq.pending_loads]
+            ok = self.connector.load(keys, [b for _, b in seq.pending_loads], self.runner.kv_cache)
+            seq.num_loaded_tokens += ok * bs
+            if ok < len(keys):
+                seq.num_computed_tokens -= (len(keys) - ok) * bs
+                seq.pending_loads = seq.pending_loads[:ok]
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.sampling
@@ -203,7 +264,13 @@ class LLM:
             tpot_s=tpot,
             num_preemptions=seq.num_preemptions,
             logprobs=seq.logprobs if seq.sampling.logprobs is not None else None,
+            num_loaded_tokens=seq.num_loaded_tokens,
+            block_keys=self.prompt_block_keys(seq.prompt_token_ids),
         )
+
+    def prompt_block_keys(self, prompt_token_ids: list[int]) -> list[str]:
+        """Content keys of every full block of a prompt, rooted at this model's fingerprint."""
+        return chain_keys(self.kv_root_key, prompt_token_ids, self.engine_config.block_size)
 
     def stream(self, requests: Iterable[GenerationRequest], max_waiting: int | None = None) -> Iterator[Result]:
         """Yield results as requests finish, pulling new requests only as capacity frees up,

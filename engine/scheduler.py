@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvbatch.engine.block_manager import BlockManager
+from kvbatch.engine.kv_connector import KVConnector
 from kvbatch.engine.sequence import Sequence, SequenceStatus
 
 
@@ -29,10 +30,12 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 connector: KVConnector | None = None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
+        self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -81,14 +84,17 @@ class Scheduler:
         # Admitting new work in a step that had to preempt would only thrash.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            bs = bm.block_size
             cached = bm.cached_prefix(seq)
-            pending = seq.num_tokens - len(cached) * bm.block_size
+            # Blocks after the local hit that the external store holds: they are loaded, not computed.
+            external = self.connector.match(seq, len(cached), bm.prefix_keys(seq)) if self.connector else []
+            hit = (len(cached) + len(external)) * bs
+            pending = seq.num_tokens - hit
             n = min(pending, budget)
             if n < pending:
-                bs = bm.block_size
-                aligned = (len(cached) * bs + n) // bs * bs - len(cached) * bs
+                aligned = (hit + n) // bs * bs - hit
                 n = aligned if aligned > 0 else n
-            if not bm.can_allocate(seq, n, cached):
+            if not bm.can_allocate(seq, len(external) * bs + n, cached):
                 if not self.running and not out:
                     raise RuntimeError(
                         f"request {seq.request_id!r} needs more KV blocks than the cache holds "
@@ -96,7 +102,11 @@ class Scheduler:
                     )
                 break
             self.waiting.popleft()
-            bm.allocate(seq, n, cached)
+            bm.allocate(seq, len(external) * bs + n, cached)
+            if external:
+                first = len(cached)
+                seq.pending_loads = list(zip(external, seq.block_table[first:first + len(external)]))
+                seq.num_computed_tokens += len(external) * bs
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))

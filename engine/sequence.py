@@ -38,6 +38,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_loaded_tokens: int = 0  # prompt tokens loaded from the external KV store
+    prefill_only: bool = False  # compute (and store) the prompt's KV, sample nothing
+    pending_loads: list[tuple[str, int]] = field(default_factory=list)  # (key, block id) to fetch before the step
     logprobs: list[dict] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

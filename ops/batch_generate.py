@@ -30,13 +30,25 @@ class BatchReport:
     succeeded: int = 0
     rejected: int = 0
     prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # served by the engine's in-memory prefix cache
+    loaded_prompt_tokens: int = 0  # served by the external KV store
     output_tokens: int = 0
     wall_s: float = 0.0
     preemptions: int = 0
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     rejects_by_field: dict[str, int] = field(default_factory=dict)
+
+    def add_result(self, result: Result) -> None:
+        self.succeeded += 1
+        self.prompt_tokens += len(result.prompt_token_ids)
+        self.cached_prompt_tokens += result.num_cached_tokens
+        self.loaded_prompt_tokens += result.num_loaded_tokens
+        self.output_tokens += len(result.output_token_ids)
+        self.preemptions += result.num_preemptions
+        self.ttft_s.append(result.ttft_s)
+        if result.tpot_s is not None:
+            self.tpot_s.append(result.tpot_s)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -46,6 +58,7 @@ class BatchReport:
             "rejects_by_field": dict(sorted(self.rejects_by_field.items())),
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "loaded_prompt_tokens": self.loaded_prompt_tokens,
             "output_tokens": self.output_tokens,
             "wall_s": round(self.wall_s, 4),
             "output_tokens_per_s": round(self.output_tokens / self.wall_s, 3) if self.wall_s else 0.0,
@@ -60,9 +73,21 @@ class BatchReport:
 
 
 @dataclass
-class _InFlight:
+class Job:
+    """One request ready for the engine: its place in the output and what to run."""
+
     index: int
-    request: ChatRequest
+    custom_id: str
+    line_no: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    model: str | None = None
+
+
+@dataclass
+class Rejected:
+    index: int
+    row: RejectedRow
 
 
 def to_engine_sampling(req: ChatRequest) -> SamplingParams:
@@ -83,6 +108,76 @@ def _logprobs(llm: LLM, result: Result) -> list[TokenLogprob] | None:
     ]
 
 
+def tokenize_requests(llm: LLM, items: Iterator[ChatRequest | RejectedRow]) -> Iterator[Job | Rejected]:
+    """Render and tokenize each valid row; a row the template refuses or that does not fit the
+    context window becomes a rejection, like any other bad row."""
+    if llm.tokenizer is None:
+        raise ValueError("chat requests need a model with a tokenizer")
+    for index, item in enumerate(items):
+        if isinstance(item, RejectedRow):
+            yield Rejected(index, item)
+            continue
+        try:
+            ids = llm.tokenizer.encode_chat(item.messages)
+        except ValueError as exc:  # a template that raises for this conversation
+            yield Rejected(index, reject(item, "body.messages", f"chat template failed: {exc}"))
+            continue
+        if len(ids) >= llm.max_model_len:
+            yield Rejected(index, reject(item, "body.messages",
+                                         f"prompt is {len(ids)} tokens; the context window is {llm.max_model_len}"))
+            continue
+        yield Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model)
+
+
+def run_jobs(
+    llm: LLM,
+    jobs: Iterator[Job | Rejected],
+    output_url: str,
+    *,
+    errors_url: str | None = None,
+    model_name: str = "kvbatch",
+    storage_options: dict[str, Any] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> BatchReport:
+    """Run the jobs through ``llm``, writing one output line per job in index order."""
+    report = BatchReport()
+    in_flight: dict[str, Job] = {}
+    started = time.perf_counter()
+    with OrderedJsonlWriter(output_url, storage_options=storage_options) as out, \
+            _maybe_writer(errors_url, storage_options) as errors:
+
+        def engine_requests() -> Iterator[GenerationRequest]:
+            for job in jobs:
+                report.requests += 1
+                if isinstance(job, Rejected):
+                    line = error_line(job.row)
+                    out.put(job.index, line)
+                    if errors is not None:
+                        errors.write(line)
+                    report.rejected += 1
+                    field_name = job.row.field
+                    report.rejects_by_field[field_name] = report.rejects_by_field.get(field_name, 0) + 1
+                    if on_progress:
+                        on_progress(report.succeeded + report.rejected, report.rejected)
+                    continue
+                key = str(job.index)
+                in_flight[key] = job
+                yield GenerationRequest(key, job.sampling, prompt_token_ids=job.prompt_token_ids)
+
+        for result in llm.stream(engine_requests()):
+            job = in_flight.pop(result.request_id)
+            out.put(job.index, result_line(
+                job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
+                prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
+                model=job.model or model_name, logprobs=_logprobs(llm, result),
+            ))
+            report.add_result(result)
+            if on_progress:
+                on_progress(report.succeeded + report.rejected, report.rejected)
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
 def run_batch(
     llm: LLM,
     input_url: str,
@@ -97,63 +192,9 @@ def run_batch(
 
     ``on_progress(done, rejected)`` is called after each finished or rejected request.
     """
-    if llm.tokenizer is None:
-        raise ValueError("chat requests need a model with a tokenizer")
-    report = BatchReport()
-    in_flight: dict[str, _InFlight] = {}
-    started = time.perf_counter()
-    with OrderedJsonlWriter(output_url, storage_options=storage_options) as out, \
-            _maybe_writer(errors_url, storage_options) as errors:
-
-        def rejected(index: int, row: RejectedRow) -> None:
-            line = error_line(row)
-            out.put(index, line)
-            if errors is not None:
-                errors.write(line)
-            report.rejected += 1
-            report.rejects_by_field[row.field] = report.rejects_by_field.get(row.field, 0) + 1
-            if on_progress:
-                on_progress(report.succeeded + report.rejected, report.rejected)
-
-        def engine_requests() -> Iterator[GenerationRequest]:
-            for index, item in enumerate(read_requests(input_url, storage_options=storage_options)):
-                report.requests += 1
-                if isinstance(item, RejectedRow):
-                    rejected(index, item)
-                    continue
-                try:
-                    ids = llm.tokenizer.encode_chat(item.messages)  # type: ignore[union-attr]
-                except Exception as exc:  # a template that raises for this conversation
-                    rejected(index, reject(item, "body.messages", f"chat template failed: {exc}"))
-                    continue
-                if len(ids) >= llm.max_model_len:
-                    rejected(index, reject(item, "body.messages",
-                                           f"prompt is {len(ids)} tokens; the context window is {llm.max_model_len}"))
-                    continue
-                key = str(index)
-                in_flight[key] = _InFlight(index, item)
-                yield GenerationRequest(key, to_engine_sampling(item), prompt_token_ids=ids)
-
-        for result in llm.stream(engine_requests()):
-            job = in_flight.pop(result.request_id)
-            req = job.request
-            out.put(job.index, result_line(
-                req.custom_id, req.line_no, text=result.text, finish_reason=result.finish_reason,
-                prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
-                model=req.model or model_name, logprobs=_logprobs(llm, result),
-            ))
-            report.succeeded += 1
-            report.prompt_tokens += len(result.prompt_token_ids)
-            report.cached_prompt_tokens += result.num_cached_tokens
-            report.output_tokens += len(result.output_token_ids)
-            report.preemptions += result.num_preemptions
-            report.ttft_s.append(result.ttft_s)
-            if result.tpot_s is not None:
-                report.tpot_s.append(result.tpot_s)
-            if on_progress:
-                on_progress(report.succeeded + report.rejected, report.rejected)
-    report.wall_s = time.perf_counter() - started
-    return report
+    jobs = tokenize_requests(llm, read_requests(input_url, storage_options=storage_options))
+    return run_jobs(llm, jobs, output_url, errors_url=errors_url, model_name=model_name,
+                    storage_options=storage_options, on_progress=on_progress)
 
 
 class _NoWriter:

@@ -326,29 +326,6 @@ def test_bad_input_is_an_error_naming_it(tmp_path):
 # S3 on loopback (moto)
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def s3(s3_endpoint):
-    """(url, storage_options, fs) of a fresh bucket."""
-    import s3fs
-
-    opts = {"key": "testing", "secret": "testing", "endpoint_url": s3_endpoint}
-    fs = s3fs.S3FileSystem(**opts)
-    bucket = f"kv-{uuid.uuid4().hex[:12]}"
-    fs.mkdir(bucket)
-    return f"s3://{bucket}/kv", opts, fs
-
-
 def s3_store(s3, memory: int = 0, **kw) -> KVStore:
     url, opts, _ = s3
     retry = kw.pop("retry", RetryPolicy(attempts=4, backoff_s=0.01, budget_s=2.0))

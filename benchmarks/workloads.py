@@ -1,0 +1,122 @@
+"""Deterministic benchmark workloads built from the real prompt sets in ``../shared/datasets``.
+
+A workload is a list of :class:`WorkloadPrompt` (an id, where it came from and its chat
+messages). Nothing here touches the network or a model; the same arguments always give the
+same prompts, in the same order, so two engines (or two runs) see identical input.
+
+The chat workload mixes three sources in a fixed pattern (ShareGPT, MT-Bench turn 1, ShareGPT,
+GSM8K, repeated), so any prefix of it is also a mix, and gives every other group of four
+requests the same ~300-token support-desk system prompt, so part of the batch shares a long
+prefix (the case a prefix cache is for) while the rest carries the model's default one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["SUPPORT_SYSTEM_PROMPT", "WorkloadPrompt", "chat_workload", "default_datasets_dir"]
+
+# A realistic operator system prompt (~300 tokens with SmolLM2's tokenizer).
+SUPPORT_SYSTEM_PROMPT = """\
+You are Nova, the virtual support assistant for Brightline Cloud, a company that sells managed \
+databases, object storage and virtual machines to small and medium-sized businesses. Follow \
+this policy in every conversation.
+
+1. Tone. Be friendly, calm and concise. Use plain language, avoid jargon unless the customer \
+uses it first, and never blame the customer.
+2. Scope. Answer questions about Brightline products, billing, account settings and general \
+technical topics. For anything unrelated, help briefly if you can and say so when you cannot.
+3. Accuracy. If you are not sure of an answer, say so and suggest where to check (the status \
+page, the documentation or a human agent). Never invent prices, limits, dates or features.
+4. Security. Never ask for or repeat passwords, full card numbers or API secrets. If a customer \
+pastes a secret, tell them to rotate it at once. Do not confirm whether an email address has an account.
+5. Billing. You may explain invoices and plans, but refunds, credits and plan exceptions must be \
+approved by a human agent: collect the account ID and a short description, then offer a handoff.
+6. Escalation. Offer a human agent when the customer asks for one, is upset after two replies, \
+or the issue involves an outage, legal, privacy or data-loss questions.
+7. Format. Use short paragraphs and numbered steps for procedures. Put commands and code in code \
+blocks. End each answer by asking whether the issue is resolved."""
+
+# The pattern that picks the source of request i (i modulo its length).
+_SOURCE_PATTERN = ("sharegpt", "mt_bench", "sharegpt", "gsm8k")
+
+
+@dataclass(frozen=True)
+class WorkloadPrompt:
+    request_id: str
+    source: str  # "sharegpt", "mt_bench" or "gsm8k"
+    messages: list[dict]
+    shares_system_prompt: bool
+
+
+def default_datasets_dir() -> Path:
+    """``../shared/datasets`` relative to the repository root (``/work/shared/datasets`` here)."""
+    return Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
+
+
+def _sharegpt(root: Path, max_chars: int) -> list[str]:
+    path = root / "sharegpt_500" / "ShareGPT_V3_filtered_500.json"
+    records = json.loads(path.read_text(encoding="utf-8"))
+    texts = [r["conversations"][0]["value"] for r in records if r.get("conversations")]
+    # Drop one-word openers ("hi") and the longest prompts, which would dominate the padding of a
+    # left-padded reference batch rather than measure anything.
+    return [t for t in texts if 16 <= len(t.strip()) <= max_chars]
+
+
+def _mt_bench(root: Path, max_chars: int) -> list[str]:
+    path = root / "mt_bench" / "question.jsonl"
+    texts = [json.loads(line)["turns"][0] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [t for t in texts if len(t) <= max_chars]
+
+
+def _gsm8k(root: Path, max_chars: int) -> list[str]:
+    path = root / "gsm8k_test" / "test.jsonl"
+    texts = [json.loads(line)["question"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [t for t in texts if len(t) <= max_chars]
+
+
+_LOADERS = {"sharegpt": _sharegpt, "mt_bench": _mt_bench, "gsm8k": _gsm8k}
+
+
+def chat_workload(
+    datasets_dir: str | Path | None = None,
+    num_requests: int = 64,
+    *,
+    system_prompt: str = SUPPORT_SYSTEM_PROMPT,
+    max_prompt_chars: int = 2400,
+    seed: int = 0,
+) -> list[WorkloadPrompt]:
+    """``num_requests`` single-turn chats of mixed length from ShareGPT, MT-Bench and GSM8K.
+
+    Each source's records are drawn without replacement in an order fixed by ``seed``. Requests
+    in groups 0, 2, 4, ... of four (0-3, 8-11, ...) start with ``system_prompt``; the others get
+    the chat template's default system prompt.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    root = Path(datasets_dir) if datasets_dir is not None else default_datasets_dir()
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: datasets folder not found (pass --datasets)")
+    pools: dict[str, list[str]] = {}
+    for name, load in _LOADERS.items():
+        texts = load(root, max_prompt_chars)
+        random.Random(f"{name}-{seed}").shuffle(texts)  # str seeds are hashed deterministically
+        pools[name] = texts
+    taken = {name: 0 for name in pools}
+    prompts: list[WorkloadPrompt] = []
+    for i in range(num_requests):
+        source = _SOURCE_PATTERN[i % len(_SOURCE_PATTERN)]
+        pool = pools[source]
+        if taken[source] >= len(pool):
+            raise ValueError(f"{source}: only {len(pool)} prompts of <= {max_prompt_chars} chars")
+        text = pool[taken[source]]
+        taken[source] += 1
+        shares = (i // 4) % 2 == 0
+        messages = ([{"role": "system", "content": system_prompt}] if shares else []) + [
+            {"role": "user", "content": text}
+        ]
+        prompts.append(WorkloadPrompt(f"{source}-{i:03d}", source, messages, shares))
+    return prompts

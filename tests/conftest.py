@@ -1,0 +1,74 @@
+"""Shared fixtures: the real default model, loaded once per test session.
+
+Only tests that ask for these fixtures pay for them (the checkpoint ~5 s, the transformers
+reference ~25 s), and they are built lazily, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    """SmolLM2-135M-Instruct from the bundled Q4_1 GGUF, dequantized to fp32.
+
+    Build engines from it with ``LLM(smollm2_checkpoint, ...)``: each engine copies what it
+    needs, so engines with different configs or dtypes do not re-read the file.
+    """
+    from kvbatch.engine.weights import load_checkpoint
+
+    return load_checkpoint("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_checkpoint):
+    """An fp32 ``LLM`` with the default engine config. Shared: leave no spies or state behind."""
+    from kvbatch.engine.llm import LLM
+
+    return LLM(smollm2_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' fp32 model read from the same GGUF: the reference for parity tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvbatch.engine.weights import resolve_model
+
+    path = resolve_model("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 endpoint on loopback (moto's threaded server), as s3fs tests itself."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint):
+    """(url, storage_options, fs) of a fresh bucket on the loopback S3."""
+    import uuid
+
+    import s3fs
+
+    opts = {"key": "testing", "secret": "testing", "endpoint_url": s3_endpoint}
+    fs = s3fs.S3FileSystem(**opts)
+    bucket = f"kv-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/kv", opts, fs

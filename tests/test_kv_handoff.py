@@ -1,0 +1,167 @@
+"""Prefill once, decode anywhere: decoding from stored KV gives exactly the tokens of an
+in-process generate, whether the blocks come from memory, disk, a loopback S3 or partly each,
+and every storage fault ends in correct tokens (the block is recomputed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbatch.cli.main import _kv_fingerprint
+from kvbatch.engine.config import EngineConfig
+from kvbatch.engine.llm import LLM
+from kvbatch.engine.weights import load_checkpoint
+from kvbatch.io.kv_store import KVStore, KVStoreConfig
+from kvbatch.ops.batch_generate import run_batch
+from kvbatch.ops.kv_handoff import ManifestMismatch, run_decode, run_prefill
+from tests.tiny_models import build_tiny_chat_model
+
+SYSTEM = ("You are a meticulous assistant for a hardware store. Answer briefly, cite the aisle number, "
+          "and never invent prices. ") * 3
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> Path:
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), max_positions=512)
+
+
+@pytest.fixture(scope="module")
+def requests_file(tmp_path_factory) -> Path:
+    rows = []
+    for i, q in enumerate(["Where are the hammers?", "Do you sell rope?", "What about paint rollers?",
+                           "Is there a key cutting service?", "Where can I find 3 mm screws?"]):
+        body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                "max_tokens": 8, "temperature": 0}
+        if i == 3:
+            body.update(temperature=0.8, seed=11)
+        rows.append(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}))
+    rows.insert(2, '{"custom_id": "bad", "body": {"messages": []}}')
+    rows.append(json.dumps({"custom_id": "short", "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 4, "temperature": 0}))  # plain chat row, shorter than a block
+    path = tmp_path_factory.mktemp("data") / "requests.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _llm(folder, store=None, **cfg) -> LLM:
+    ckpt = load_checkpoint(str(folder))
+    return LLM(ckpt, engine_config=EngineConfig(batch_invariant=True, max_num_seqs=8, **cfg), kv_store=store)
+
+
+def _store(folder, url, **kw) -> KVStore:
+    ckpt = load_checkpoint(str(folder))
+    fp = _kv_fingerprint(ckpt.fingerprint, "fp32", 16)
+    return KVStore.from_config(KVStoreConfig(url=url, **{"memory_bytes": 0, **kw}), fp)
+
+
+def _outputs(path: Path) -> list[tuple]:
+    out = []
+    for line in path.read_text().splitlines():
+        o = json.loads(line)
+        if o["error"]:
+            out.append((o["custom_id"], "error", o["error"]["field"]))
+        else:
+            c = o["response"]["body"]["choices"][0]
+            out.append((o["custom_id"], c["message"]["content"], c["finish_reason"],
+                        o["response"]["body"]["usage"]["completion_tokens"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat, requests_file, tmp_path_factory) -> list[tuple]:
+    out = tmp_path_factory.mktemp("ref") / "out.jsonl"
+    run_batch(_llm(tiny_chat), str(requests_file), str(out))
+    return _outputs(out)
+
+
+def _prefill_then_decode(tiny_chat, requests_file, tmp_path, url, **store_kw):
+    manifests = tmp_path / "manifests.jsonl"
+    pre = run_prefill(_llm(tiny_chat, _store(tiny_chat, url, **store_kw)), str(requests_file), str(manifests))
+    out = tmp_path / "out.jsonl"
+    decoder = _llm(tiny_chat, _store(tiny_chat, url, **store_kw))  # a fresh engine and store, as another worker
+    report = run_decode(decoder, str(manifests), str(out))
+    return pre, report, decoder, _outputs(out)
+
+
+def test_decode_from_store_equals_in_process_generate(tiny_chat, requests_file, tmp_path, reference):
+    pre, report, decoder, outputs = _prefill_then_decode(tiny_chat, requests_file, tmp_path,
+                                                         (tmp_path / "kv").as_uri())
+    assert outputs == reference
+    assert pre.prompt_tokens_computed > 0 and pre.connector["blocks_written"] > 0
+    assert pre.rejected == 1
+    # Decode loaded the shared system prompt instead of computing it.
+    assert report.loaded_prompt_tokens >= 4 * 16 * (len(SYSTEM) // 100)
+    assert decoder.stats["computed_prompt_tokens"] < report.prompt_tokens - report.loaded_prompt_tokens + 16 * 6
+    # A second prefill over the same data computes nothing: every block is already stored.
+    again = run_prefill(_llm(tiny_chat, _store(tiny_chat, (tmp_path / "kv").as_uri())), str(requests_file),
+                        str(tmp_path / "m2.jsonl"))
+    assert again.prompt_tokens_computed == 0
+    assert again.prompt_tokens_already_stored > 0
+
+
+def test_partial_prefix_hit_computes_only_the_rest(tiny_chat, requests_file, tmp_path, reference):
+    url = (tmp_path / "kv").as_uri()
+    # Store only the first request's blocks: the others share its system prompt and hit partially.
+    first = tmp_path / "first.jsonl"
+    first.write_text(requests_file.read_text().splitlines()[0] + "\n")
+    run_prefill(_llm(tiny_chat, _store(tiny_chat, url)), str(first), str(tmp_path / "m1.jsonl"))
+    pre, report, _, outputs = _prefill_then_decode(tiny_chat, requests_file, tmp_path, url)
+    assert outputs == reference
+    assert pre.connector["blocks_loaded"] > 0  # the partial hits were loaded, not recomputed
+
+
+def test_disk_and_memory_tiers_serve_the_same_tokens(tiny_chat, requests_file, tmp_path, reference):
+    url = (tmp_path / "kv").as_uri()
+    manifests = tmp_path / "manifests.jsonl"
+    run_prefill(_llm(tiny_chat, _store(tiny_chat, url)), str(requests_file), str(manifests))
+    store = _store(tiny_chat, url, memory_bytes=1 << 30, disk_dir=str(tmp_path / "disk"))
+    decoder = _llm(tiny_chat, store)
+    out1, out2 = tmp_path / "o1.jsonl", tmp_path / "o2.jsonl"
+    run_decode(decoder, str(manifests), str(out1))  # object store -> promoted into disk and memory
+    decoder2 = _llm(tiny_chat, store)  # a new engine (empty paged cache), same process-level store
+    run_decode(decoder2, str(manifests), str(out2))
+    # A third worker with only the disk folder (no memory tier) left by the first two.
+    decoder3 = _llm(tiny_chat, _store(tiny_chat, url, disk_dir=str(tmp_path / "disk")))
+    out3 = tmp_path / "o3.jsonl"
+    run_decode(decoder3, str(manifests), str(out3))
+    assert _outputs(out1) == reference and _outputs(out2) == reference and _outputs(out3) == reference
+    tiers1 = decoder.connector.stats.tokens_loaded_by_tier
+    tiers2 = decoder2.connector.stats.tokens_loaded_by_tier
+    tiers3 = decoder3.connector.stats.tokens_loaded_by_tier
+    assert tiers1["object"] > 0 and set(tiers2) == {"memory"} and set(tiers3) == {"disk"}, (tiers1, tiers2, tiers3)
+
+
+def test_s3_roundtrip_and_faults(tiny_chat, requests_file, tmp_path, reference, s3):
+    url, opts, fs = s3
+    pre, report, decoder, outputs = _prefill_then_decode(tiny_chat, requests_file, tmp_path, url,
+                                                         storage_options=opts)
+    assert outputs == reference and report.loaded_prompt_tokens > 0
+    packs = sorted(p for p in fs.find(url.removeprefix("s3://")) if p.endswith(".arrow"))
+    assert packs
+    # Corrupt one pack, truncate another (or the same when there is one), delete nothing yet.
+    data = fs.cat_file(packs[0])
+    fs.pipe_file(packs[0], data[:200] + bytes([data[200] ^ 0xFF]) + data[201:])
+    out = tmp_path / "corrupt.jsonl"
+    bad = _llm(tiny_chat, _store(tiny_chat, url, storage_options=opts))
+    run_decode(bad, str(tmp_path / "manifests.jsonl"), str(out))
+    assert _outputs(out) == reference
+    fs.pipe_file(packs[-1], fs.cat_file(packs[-1])[:-300])
+    for p in packs[1:-1]:
+        fs.rm(p)
+    out = tmp_path / "faults.jsonl"
+    bad = _llm(tiny_chat, _store(tiny_chat, url, storage_options=opts))
+    run_decode(bad, str(tmp_path / "manifests.jsonl"), str(out))
+    assert _outputs(out) == reference
+    assert sum(bad.connector.stats.misses_by_reason.values()) > 0
+
+
+def test_manifests_from_another_model_are_refused(tiny_chat, requests_file, tmp_path, tmp_path_factory):
+    url = (tmp_path / "kv").as_uri()
+    manifests = tmp_path / "manifests.jsonl"
+    run_prefill(_llm(tiny_chat, _store(tiny_chat, url)), str(requests_file), str(manifests))
+    other = build_tiny_chat_model(tmp_path_factory.mktemp("other"), seed=1, max_positions=512)
+    with pytest.raises(ManifestMismatch, match="fingerprint"):
+        run_decode(_llm(other, _store(other, url)), str(manifests), str(tmp_path / "o.jsonl"))
