@@ -55,12 +55,14 @@ class BlockManager:
         usable = (seq.num_tokens - 1) // self.block_size
         return chain_keys(self.root_key, seq.token_ids[: usable * self.block_size], self.block_size)
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
+    def cached_prefix(self, seq: Sequence, keys: list[str] | None = None) -> list[int]:
         """Ids of the cached blocks that hold a prefix of ``seq``. At least one token is always
-        left to compute, since the last one must produce logits."""
+        left to compute, since the last one must produce logits. ``keys``: ``prefix_keys(seq)``
+        when the caller has them already."""
         if not self.enable_prefix_caching:
             return []
-        keys = self.prefix_keys(seq)
+        if keys is None:
+            keys = self.prefix_keys(seq)
         hit: list[int] = []
         for i, key in enumerate(keys):
             bid = self.key_to_block.get(key)

@@ -81,13 +81,27 @@ class Scheduler:
             out.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
+        bs = bm.block_size
+        # Blocks that this step computes. A waiting request whose next uncached block is among
+        # them waits one step and then hits the cache, instead of computing the same shared
+        # prefix (a system prompt) again in parallel.
+        in_flight: set[str] = set()
+        if bm.enable_prefix_caching:
+            for s in out:
+                if s.seq.num_computed_tokens < s.seq.num_prompt_tokens:
+                    keys = bm.prefix_keys(s.seq)
+                    in_flight.update(keys[s.seq.num_computed_tokens // bs:(s.seq.num_computed_tokens + s.num_new_tokens) // bs])
+        deferred: list[Sequence] = []
         # Admitting new work in a step that had to preempt would only thrash.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            bs = bm.block_size
-            cached = bm.cached_prefix(seq)
+            keys = bm.prefix_keys(seq)
+            cached = bm.cached_prefix(seq, keys)
+            if len(cached) < len(keys) and keys[len(cached)] in in_flight:
+                deferred.append(self.waiting.popleft())
+                continue
             # Blocks after the local hit that the external store holds: they are loaded, not computed.
-            external = self.connector.match(seq, len(cached), bm.prefix_keys(seq)) if self.connector else []
+            external = self.connector.match(seq, len(cached), keys) if self.connector else []
             hit = (len(cached) + len(external)) * bs
             pending = seq.num_tokens - hit
             n = min(pending, budget)
@@ -111,6 +125,9 @@ class Scheduler:
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
             budget -= n
+            if bm.enable_prefix_caching:
+                in_flight.update(keys[hit // bs:(hit + n) // bs])
+        self.waiting.extendleft(reversed(deferred))
         return out
 
     def _preempt(self, seq: Sequence) -> None:

@@ -120,3 +120,23 @@ def test_oversized_request_is_reported():
         assert "big" in str(e) and "KV blocks" in str(e)
     else:
         raise AssertionError("expected an error")
+
+
+def test_shared_prefix_admitted_together_is_computed_once():
+    """Requests that arrive together and share a system prompt: the first computes it, the rest
+    wait one step and hit the cache instead of computing the same blocks in parallel."""
+    bm = BlockManager(64, 4, "ef" * 32)
+    sched = Scheduler(bm, 8, 256)
+    shared = list(range(100, 112))  # three full blocks
+    seqs = [Sequence(i, f"r{i}", shared + [i, i + 1], SamplingParams(max_tokens=1, temperature=0)) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    step = sched.schedule()
+    assert [s.seq.request_id for s in step] == ["r0"]
+    for s in step:
+        s.seq.num_computed_tokens += s.num_new_tokens
+        bm.commit(s.seq)
+    step = sched.schedule()
+    admitted = {s.seq.request_id: s for s in step}
+    assert set(admitted) == {"r1", "r2", "r3"}
+    assert all(s.seq.num_cached_tokens == 12 and s.num_new_tokens == 2 for s in admitted.values())
