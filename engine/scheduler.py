@@ -69,6 +69,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget)
+            assert n > 0, f"running sequence {seq.request_id!r} has nothing to compute"
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)

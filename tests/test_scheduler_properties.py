@@ -136,7 +136,8 @@ def test_shared_prefix_admitted_together_is_computed_once():
     for s in step:
         s.seq.num_computed_tokens += s.num_new_tokens
         bm.commit(s.seq)
+        s.seq.token_ids.append(7)  # the sampled token
     step = sched.schedule()
-    admitted = {s.seq.request_id: s for s in step}
+    admitted = {s.seq.request_id: s for s in step if s.seq.request_id != "r0"}
     assert set(admitted) == {"r1", "r2", "r3"}
     assert all(s.seq.num_cached_tokens == 12 and s.num_new_tokens == 2 for s in admitted.values())
