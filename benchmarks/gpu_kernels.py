@@ -218,7 +218,13 @@ def store_kv_case(K, T, Hkv, D, dtype, block_size=16, src_dtype=None):
         return ok, float((ak.float() - ek.float()).abs().max())
 
     nbytes = 2 * T * Hkv * D * (kv.element_size() + k_cache.element_size()) + T * 8
-    return (lambda: TS.store_kv(k, v, k_cache, v_cache, slots)), (lambda: R.store_kv(k, v, k_cache, v_cache, slots)), check, nbytes, 0
+    def run_triton():
+        TS.store_kv(k, v, k_cache, v_cache, slots)
+
+    def run_reference():
+        R.store_kv(k, v, k_cache, v_cache, slots)
+
+    return run_triton, run_reference, check, nbytes, 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,17 +259,21 @@ def check_suite(K) -> list[tuple[str, bool, float]]:
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         dn = str(dtype).removeprefix("torch.")
-        add(f"decode {dn} mixed lens, split", decode_case(K, 0, 0, 32, 8, 128, dtype, lens=[1, 17, 4096, 1000, 513, 16], seed=1))
+        add(f"decode {dn} mixed lens, split",
+            decode_case(K, 0, 0, 32, 8, 128, dtype, lens=[1, 17, 4096, 1000, 513, 16], seed=1))
         add(f"decode {dn} short, no split", decode_case(K, 0, 0, 12, 4, 64, dtype, lens=[1, 7, 300, 33], seed=2))
-        add(f"decode {dn} D=80 group 5, block 32", decode_case(K, 0, 0, 10, 2, 80, dtype, block_size=32, lens=[77, 1025, 3], seed=3))
+        add(f"decode {dn} D=80 group 5, block 32",
+            decode_case(K, 0, 0, 10, 2, 80, dtype, block_size=32, lens=[77, 1025, 3], seed=3))
         add(f"decode {dn} empty context", decode_case(K, 0, 0, 8, 8, 128, dtype, lens=[0, 5, 0], seed=4))
-        add(f"prefill {dn} chunked + full", prefill_case(K, [700, 1, 1500, 64], [300, 1, 1500, 0], 32, 8, 128, dtype, seed=5))
+        add(f"prefill {dn} chunked + full",
+            prefill_case(K, [700, 1, 1500, 64], [300, 1, 1500, 0], 32, 8, 128, dtype, seed=5))
         add(f"prefill {dn} D=64 block 8", prefill_case(K, [129, 33], [65, 33], 9, 3, 64, dtype, block_size=8, seed=6))
         add(f"rms_norm {dn} residual", rms_norm_case(K, 333, 4096, dtype))
         add(f"rms_norm {dn} no residual H=576", rms_norm_case(K, 7, 576, dtype, residual=False))
         add(f"rotary {dn} 9/3 heads D=64", rotary_case(K, 100, 9, 3, 64, dtype))
         add(f"store_kv {dn}", store_kv_case(K, 1000, 8, 128, dtype))
-    add("store_kv fp32 -> bf16 cache", store_kv_case(K, 257, 3, 64, torch.bfloat16, block_size=5, src_dtype=torch.float32))
+    add("store_kv fp32 -> bf16 cache",
+        store_kv_case(K, 257, 3, 64, torch.bfloat16, block_size=5, src_dtype=torch.float32))
     add("decode B=0", decode_case(K, 0, 0, 8, 2, 64, torch.bfloat16, lens=[]))
     return results
 
@@ -302,7 +312,8 @@ def sweep_decode(K, timer: Timer) -> None:
                         ok, _ = check()
                         ms = timer.median_ms(run, iters=10)
                     except Exception as e:  # a config that does not compile (shared memory, say)
-                        print(f"{block_n:>7} {partition_size:>9} {num_warps:>5} {num_stages:>6}  failed: {type(e).__name__}")
+                        print(f"{block_n:>7} {partition_size:>9} {num_warps:>5} {num_stages:>6}  "
+                              f"failed: {type(e).__name__}")
                         continue
                     gbs = nbytes / ms / 1e6
                     flag = "" if ok else "  WRONG"

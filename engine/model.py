@@ -46,6 +46,7 @@ class ForwardBatch:
     prefill_context_lens: torch.Tensor  # [S] int32
     logits_rows: torch.Tensor  # [N] int64: rows whose next-token logits are wanted
     # The same step as one list of sequences (decode ones first), for the batch-invariant path.
+    decode_workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # reusable gather buffers
     block_tables: torch.Tensor | None = None  # [num_decode + S, max_blocks] int32
     seq_index: torch.Tensor | None = None  # [T] int64: row of block_tables each token belongs to
 
@@ -137,12 +138,14 @@ class LlamaModel:
                                              batch.positions, self.scale)
             elif nd == T:
                 attn = K.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
-                                                batch.decode_context_lens, self.scale, decode_slots)
+                                                batch.decode_context_lens, self.scale, decode_slots,
+                                                batch.decode_workspace)
             else:
                 attn = torch.empty_like(q)
                 if nd:
                     attn[:nd] = K.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                                         batch.decode_context_lens, self.scale, decode_slots)
+                                                         batch.decode_context_lens, self.scale, decode_slots,
+                                                         batch.decode_workspace)
                 attn[nd:] = K.prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_block_tables,
                                                  batch.prefill_cu_query_lens, batch.prefill_context_lens,
                                                  self.scale)

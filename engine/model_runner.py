@@ -17,11 +17,20 @@ class ModelRunner:
         c = model.config
         self.model = model
         self.block_size = block_size
+        self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
         # [layers, K/V, blocks, block_size, kv_heads, head_dim]: one block of every layer is the
         # unit the KV store saves and loads. Allocated (and touched) once, then reused.
         self.kv_cache = torch.zeros(
             (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim), dtype=kv_dtype
         )
+
+    def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gather buffers for decode attention, kept across steps and grown on demand
+        (reused memory is written several times faster than fresh allocations on a CPU)."""
+        if self._ws is None or self._ws[0].shape[0] < num_blocks:
+            shape = (max(num_blocks, 64), *self.kv_cache.shape[3:])
+            self._ws = (torch.zeros(shape, dtype=self.kv_cache.dtype), torch.zeros(shape, dtype=self.kv_cache.dtype))
+        return self._ws
 
     @staticmethod
     def bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -79,6 +88,8 @@ class ModelRunner:
                 [s.seq.num_computed_tokens + s.num_new_tokens for s in prefill], dtype=torch.int32),
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
         )
+        if decode:
+            batch.decode_workspace = self._workspace(batch.decode_block_tables.numel())
         if self.model.batch_invariant:
             batch.block_tables = tables(decode + prefill)
             batch.seq_index = torch.tensor(seq_index, dtype=torch.int64)

@@ -114,9 +114,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     slots: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """See :func:`reference.paged_decode_attention`."""
-    return _impl(q).paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots)
+    """See :func:`reference.paged_decode_attention` (``workspace`` serves the reference only)."""
+    impl = _impl(q)
+    if impl is reference:
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots,
+                                                workspace)
+    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots)
 
 
 def prefill_attention(

@@ -77,6 +77,9 @@ def gather_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> t
     return blocks * block_size + pos % block_size
 
 
+DECODE_GROUP = 16  # sequences per padded attention call in the CPU decode path
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -85,34 +88,51 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     slots: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
     ``q``: [B, Hq, D] -> [B, Hq, D]. Grouped-query attention: query head ``h`` reads KV head
-    ``h // (Hq // Hkv)``. ``slots`` ([B, L], from :func:`gather_slots`) may be passed in so a
-    model computes it once per step instead of once per layer.
+    ``h // (Hq // Hkv)``. ``slots`` is accepted for the Triton twin (it sizes its grid from it)
+    and unused here. ``workspace``: two reusable buffers of at least
+    ``[B * block_tables.shape[1], block_size, Hkv, D]`` to gather K and V into; gathering whole
+    blocks into memory that is already mapped is several times faster on a CPU than
+    gathering token by token into fresh memory.
     """
     B, Hq, D = q.shape
-    Hkv = k_cache.shape[-2]
+    Hkv, block_size = k_cache.shape[-2], k_cache.shape[1]
     if B == 0:
         return q.new_empty((0, Hq, D))
-    max_len = int(context_lens.max())
-    if slots is None:
-        slots = gather_slots(block_tables, max_len, k_cache.shape[1])
-    flat = slots[:, :max_len].reshape(-1)
-    k = k_cache.view(-1, Hkv, D).index_select(0, flat).view(B, max_len, Hkv, D)
-    v = v_cache.view(-1, Hkv, D).index_select(0, flat).view(B, max_len, Hkv, D)
-    valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    if B > DECODE_GROUP:
+        # Sequences of similar length together: each group pads only to its own longest
+        # context, which saves most of the padding of a mixed-length batch.
+        order = torch.argsort(context_lens, stable=True)
+        out = torch.empty_like(q)
+        lens_sorted = context_lens.index_select(0, order)
+        for start in range(0, B, DECODE_GROUP):
+            idx = order[start:start + DECODE_GROUP]
+            width = -(-int(lens_sorted[start:start + DECODE_GROUP].max()) // block_size)
+            out[idx] = paged_decode_attention(q.index_select(0, idx), k_cache, v_cache,
+                                              block_tables.index_select(0, idx)[:, :width],
+                                              context_lens.index_select(0, idx), scale, None, workspace)
+        return out
+    width = block_tables.shape[1]
+    blocks = block_tables.reshape(-1).long()
+    if workspace is None:
+        k = k_cache.index_select(0, blocks)
+        v = v_cache.index_select(0, blocks)
+    else:
+        n = blocks.numel()
+        k = torch.index_select(k_cache, 0, blocks, out=workspace[0][:n])
+        v = torch.index_select(v_cache, 0, blocks, out=workspace[1][:n])
+    # [B * width, bs, Hkv, D] -> [B, Hkv, width * bs, D] (a strided view, no copy).
+    k = k.view(B, width * block_size, Hkv, D).transpose(1, 2)
+    v = v.view(B, width * block_size, Hkv, D).transpose(1, 2)
+    valid = torch.arange(width * block_size, device=q.device)[None, :] < context_lens[:, None].to(q.device)
     group = Hq // Hkv
     # The query heads that share a KV head become extra query rows of that head.
     qg = q.view(B, Hkv, group, D).to(k.dtype)
-    out = F.scaled_dot_product_attention(
-        qg,
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-    )
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(B, Hq, D).to(q.dtype)
 
 

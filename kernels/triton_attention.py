@@ -1,0 +1,382 @@
+"""Triton twins of :func:`reference.paged_decode_attention` and :func:`reference.prefill_attention`.
+
+Both read K/V straight out of the paged cache through the block tables (one block-table
+lookup per key, so any block size works) and run an online softmax in fp32.
+
+Decode is split over the context ("flash decoding"): program ``(b, kv_head, part)`` handles
+``partition_size`` keys of sequence ``b`` for all the query heads that share ``kv_head`` (the
+GQA group becomes the rows of one ``tl.dot``), so each K/V byte is read once per step. When
+there is more than one partition a second, small kernel merges the partial results.
+
+Prefill runs one program per (tile of ``block_m`` new tokens, sequence, query head) and stops
+at the causal diagonal of the tile.
+
+Numerics: like the reference, ``q`` is rounded to the cache dtype first; scores, softmax and
+accumulators are fp32. fp16/bf16 caches feed ``tl.dot`` in their own dtype on a GPU (fp32
+accumulate); fp32 caches use ``input_precision="ieee"`` (no tf32). Under the Triton
+interpreter everything is computed in fp32, because its bf16 arithmetic is wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps fully masked rows NaN-free
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2e,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_btb, stride_btn,
+    stride_ob, stride_oh, stride_od,
+    num_partitions, num_q_heads,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr, COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b).to(tl.int32)
+    start = part * PARTITION_SIZE
+    if SPLIT:
+        end = tl.minimum(start + PARTITION_SIZE, ctx)
+    else:  # one program per (sequence, KV head) covers the whole context
+        end = ctx
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    kv_dtype = k_cache_ptr.dtype.element_ty
+
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_g[:, None] & mask_d[None, :], other=0.0,
+    ).to(kv_dtype)
+    if COMPUTE_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=mask_n, other=0).to(tl.int64)
+        tok = offs_n % BLOCK_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            k_cache_ptr + (blk * stride_kb + tok * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd,
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + (blk * stride_vb + tok * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :] * stride_vd,
+            mask=kv_mask, other=0.0,
+        )
+        if COMPUTE_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # Unnormalized partial results; the merge kernel reads only partitions that hold keys.
+        row = (b * num_q_heads + heads) * num_partitions + part
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(part_max_ptr + row, m_i, mask=mask_g)
+        tl.store(part_sum_ptr + row, l_i, mask=mask_g)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context gives zeros, like the twin
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_g[:, None] & mask_d[None, :],
+        )
+
+
+@triton.jit
+def _paged_decode_merge_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    num_partitions, num_q_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + b).to(tl.int32)
+    n_parts = tl.minimum(tl.cdiv(ctx, PARTITION_SIZE), num_partitions)
+    base = (b * num_q_heads + h) * num_partitions
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    m_all = tl.full([BLOCK_P], _NEG_BIG, tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        m_all = tl.maximum(m_all, tl.load(part_max_ptr + base + offs_p, mask=offs_p < n_parts, other=_NEG_BIG))
+    m_glob = tl.max(m_all, 0)
+
+    denom = tl.zeros([BLOCK_P], tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        mask_p = offs_p < n_parts
+        m = tl.load(part_max_ptr + base + offs_p, mask=mask_p, other=_NEG_BIG)
+        s = tl.load(part_sum_ptr + base + offs_p, mask=mask_p, other=0.0)
+        a = tl.load(part_acc_ptr + (base + offs_p)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_p[:, None] & mask_d[None, :], other=0.0)
+        w = tl.where(mask_p, tl.exp2(m - m_glob), 0.0)
+        denom += w * s
+        acc += w[:, None] * a
+    total = tl.sum(denom, 0)
+    out = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr, out_ptr,
+    scale_log2e,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_btb, stride_btn,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    s = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(cu_query_lens_ptr + s).to(tl.int64)
+    n_new = (tl.load(cu_query_lens_ptr + s + 1) - q_start).to(tl.int32)
+    ctx = tl.load(context_lens_ptr + s).to(tl.int32)
+    first_pos = ctx - n_new  # position of the chunk's first new token
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < n_new
+    mask_d = offs_d < HEAD_DIM
+    q_pos = first_pos + offs_m
+    rows = q_start + offs_m
+    kv_dtype = k_cache_ptr.dtype.element_ty
+
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+    ).to(kv_dtype)
+    if COMPUTE_F32:
+        q = q.to(tl.float32)
+
+    # Keys this tile can see: 0 .. position of its last valid row (none for an idle tile).
+    hi = tl.minimum(ctx, first_pos + (mb + 1) * BLOCK_M)
+    hi = tl.where(mb * BLOCK_M < n_new, hi, 0)
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + s * stride_btb
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=mask_n, other=0).to(tl.int64)
+        tok = offs_n % BLOCK_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            k_cache_ptr + (blk * stride_kb + tok * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd,
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + (blk * stride_vb + tok * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :] * stride_vd,
+            mask=kv_mask, other=0.0,
+        )
+        if COMPUTE_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+try:  # which flavour triton.jit produced: decided once, when this module was imported
+    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
+
+    INTERPRETED = isinstance(_paged_decode_kernel, _Interpreted)
+except ImportError:  # pragma: no cover - a Triton without an interpreter
+    INTERPRETED = False
+
+
+def _numerics(cache_dtype: torch.dtype) -> tuple[bool, str]:
+    """(compute in fp32, tl.dot input precision) for a cache dtype."""
+    if INTERPRETED or cache_dtype == torch.float32:
+        return True, "ieee"
+    return False, "tf32"  # unused for 16-bit inputs: the dot runs in the cache dtype
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache/v_cache: expected two [num_blocks, block_size, Hkv, D] tensors of one dtype, "
+            f"got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
+        )
+    if q.dim() != 3 or q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"q: expected [N, Hq, {k_cache.shape[-1]}], got {tuple(q.shape)}")
+    Hq, Hkv = q.shape[1], k_cache.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's KV heads ({Hkv})")
+    return Hq, Hkv, q.shape[-1]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
+    *,
+    max_context_len: int | None = None,
+    partition_size: int = 512,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Triton twin of :func:`reference.paged_decode_attention` (same arguments and result).
+
+    ``slots`` is accepted for signature parity and ignored (keys are looked up through
+    ``block_tables`` in the kernel), but its width, the longest context, sizes the grid.
+    Otherwise ``max_context_len`` does, or else the block-table capacity
+    ``block_tables.shape[1] * block_size``: no host sync either way. Partitions past a
+    sequence's end do nothing. ``partition_size`` keys per program (rounded up to a multiple
+    of ``block_n``); one partition skips the merge kernel.
+    """
+    Hq, Hkv, D = _check_cache(q, k_cache, v_cache)
+    B = q.shape[0]
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    block_size = k_cache.shape[1]
+    if max_context_len is None:
+        max_context_len = slots.shape[1] if slots is not None else block_tables.shape[1] * block_size
+    if B == 0 or max_context_len == 0:
+        return out.zero_()
+    compute_f32, precision = _numerics(k_cache.dtype)
+    group = Hq // Hkv
+    block_d = max(16, triton.next_power_of_2(D))
+    if block_n is None:
+        block_n = 16 if INTERPRETED else (64 if block_d <= 128 else 32)
+    partition_size = triton.cdiv(max(partition_size, block_n), block_n) * block_n
+    num_partitions = triton.cdiv(max_context_len, partition_size)
+    split = num_partitions > 1
+    if split:
+        part_acc = torch.empty((B, Hq, num_partitions, D), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((B, Hq, num_partitions), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # not touched
+    _paged_decode_kernel[(B, Hkv, num_partitions)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, part_acc, part_max, part_sum,
+        scale * _LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        num_partitions, Hq,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=D, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION_SIZE=partition_size,
+        SPLIT=split, COMPUTE_F32=compute_f32, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _paged_decode_merge_kernel[(B, Hq)](
+            part_acc, part_max, part_sum, context_lens, out,
+            *out.stride(), num_partitions, Hq,
+            HEAD_DIM=D, BLOCK_D=block_d, PARTITION_SIZE=partition_size,
+            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)),
+            num_warps=4,
+        )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Triton twin of :func:`reference.prefill_attention` (same arguments and result).
+
+    ``max_query_len`` (the longest chunk) sizes the grid; without it it is read from
+    ``cu_query_lens`` (one host sync, as in the reference).
+    """
+    Hq, Hkv, D = _check_cache(q, k_cache, v_cache)
+    T = q.shape[0]
+    S = context_lens.shape[0]
+    if cu_query_lens.shape[0] != S + 1:
+        raise ValueError(f"cu_query_lens: expected {S + 1} offsets for {S} sequences, got {cu_query_lens.shape[0]}")
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if T == 0 or S == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
+    if max_query_len == 0:
+        return out
+    compute_f32, precision = _numerics(k_cache.dtype)
+    block_d = max(16, triton.next_power_of_2(D))
+    if block_m is None:
+        block_m = 16 if INTERPRETED else 64
+    if block_n is None:
+        block_n = 16 if INTERPRETED else (64 if block_d <= 128 else 32)
+    grid = (triton.cdiv(max_query_len, block_m), S, Hq)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, out,
+        scale * _LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        COMPUTE_F32=compute_f32, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
