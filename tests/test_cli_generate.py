@@ -131,3 +131,13 @@ def test_console_script_runs(tiny_chat, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "1 succeeded, 0 rejected" in proc.stderr
     assert len(_read(out)) == 1
+
+
+def test_logprobs_are_reported(tiny_chat, tmp_path):
+    code, out, _ = _run(tiny_chat, tmp_path, [_row("lp", max_tokens=3, logprobs=True, top_logprobs=2)])
+    assert code == 0
+    content = out[0]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
