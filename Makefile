@@ -23,12 +23,24 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
+# The main job: the whole Dagster asset graph on the embedded default (SmolLM2, a generated sample
+# dataset, a local folder as the object store), through `dagster asset materialize`.
+DEMO_ABS   = $(abspath $(DEMO))
+DEMO_ENV   = DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS)
+DEMO_SHARDS ?= 4
+DEMO_ROWS  ?= 200
+MATERIALIZE = $(DEMO_ENV) $(BIN)/dagster asset materialize -m kvbatch.pipelines.definitions
+
 demo: install
-	mkdir -p $(DEMO)
-	$(BIN)/kvbatch sample-data --output $(DEMO)/requests.jsonl --requests 64
-	$(BIN)/kvbatch generate --input $(DEMO)/requests.jsonl --output $(DEMO)/results.jsonl \
-		--errors $(DEMO)/errors.jsonl --metrics $(DEMO)/metrics.json
-	@echo "results: $(DEMO)/results.jsonl   metrics: $(DEMO)/metrics.json"
+	mkdir -p $(DEMO)/dagster_home
+	$(BIN)/kvbatch sample-data --output $(DEMO)/requests.jsonl --requests $(DEMO_ROWS)
+	$(MATERIALIZE) --select prompts,prompt_shards \
+		--config-json '{"ops": {"prompts": {"config": {"url": "$(DEMO_ABS)/requests.jsonl"}}}}'
+	for shard in $$(seq -f "%04g" 0 $$(($(DEMO_SHARDS) - 1))); do \
+		$(MATERIALIZE) --select prefill_kv,decode_results,cost_metrics --partition $$shard || exit 1; \
+	done
+	$(BIN)/python -m kvbatch.ops.demo_report $(DEMO_ABS)/data
+	@echo "UI: DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS) $(BIN)/dagster dev -w workspace.yaml"
 
 test: install-test
 	$(BIN)/python -m pytest -q -rs

@@ -114,10 +114,9 @@ def _load_llm(args: argparse.Namespace) -> Any:
 
 
 def _kv_fingerprint(model_fingerprint: str, dtype: str, block_size: int) -> str:
-    from kvbatch.engine.block_hash import root_key
-    from kvbatch.engine.llm import parse_dtype
+    from kvbatch.ops.shards import kv_fingerprint
 
-    return root_key(model_fingerprint, str(parse_dtype(dtype)).removeprefix("torch."), block_size)[:32]
+    return kv_fingerprint(model_fingerprint, dtype, block_size)
 
 
 def _write_json(url: str, obj: dict) -> None:

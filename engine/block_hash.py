@@ -37,3 +37,9 @@ def chain_keys(root: str, token_ids: Sequence[int], block_size: int, start_key: 
         parent = block_key(parent, token_ids[b * block_size:(b + 1) * block_size])
         keys.append(parent)
     return keys
+
+
+def store_fingerprint(model_fingerprint: str, kv_dtype: str, block_size: int) -> str:
+    """What a KV store checks every block against: the exact KV layout of a model (weights,
+    KV dtype, block size, layout version), short enough for object names."""
+    return root_key(model_fingerprint, kv_dtype, block_size)[:32]

@@ -196,7 +196,7 @@ def _encode(obj: Mapping[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
-class _AtomicSink:
+class AtomicSink:
     """A binary file that becomes visible at its final name only on :meth:`commit`."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
@@ -265,7 +265,7 @@ class JsonlWriter:
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url
-        self._sink = _AtomicSink(url, storage_options)
+        self._sink = AtomicSink(url, storage_options)
         self._done = False
         self.lines_written = 0
         self.bytes_written = 0

@@ -66,7 +66,7 @@ def _identity(llm: LLM) -> dict[str, Any]:
             "block_size": llm.engine_config.block_size, "dtype": str(llm.dtype).removeprefix("torch.")}
 
 
-def _manifest(llm: LLM, job: Job, model_name: str) -> dict[str, Any]:
+def manifest_line(llm: LLM, job: Job, model_name: str) -> dict[str, Any]:
     return {
         "v": MANIFEST_VERSION,
         "index": job.index,
@@ -111,7 +111,7 @@ def run_prefill(
                                "rejected": {"field": job.row.field, "reason": job.row.reason}})
                 else:
                     report.prompt_tokens += len(job.prompt_token_ids)
-                    manifest = _manifest(llm, job, model_name)
+                    manifest = manifest_line(llm, job, model_name)
                     keys = manifest["block_keys"]
                     if keys and not all(store.contains(keys)):
                         yield GenerationRequest(str(job.index), job.sampling,

@@ -1,0 +1,122 @@
+"""Parquet tables of the pipeline, partitioned like the shards, each committed atomically.
+
+Layout under a dataset root (any fsspec URL)::
+
+    <root>/<table>/shard=0003/part.parquet     one file per shard (hive-style partition folder)
+    <root>/<table>/part.parquet                 unpartitioned tables (prompts, rejects)
+
+A shard's file is written to a name nobody reads and made visible only on commit (local:
+``os.replace``; s3/gcs/azure: a multipart upload completed on commit; other filesystems: a
+``.tmp-`` sibling then ``mv``; see :mod:`kvbatch.io.batch_output`). So a re-run replaces the
+shard whole, and a crash leaves the last good commit. Readers read ``part.parquet`` by name and
+never see a half-written table (a stale ``part.parquet.tmp-*`` from a killed writer is ignored).
+"""
+
+from __future__ import annotations
+
+import io as _io
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvbatch.io.batch_output import AtomicSink
+
+__all__ = [
+    "PART",
+    "join",
+    "shard_url",
+    "table_url",
+    "write_table",
+    "read_table",
+    "read_shards",
+    "write_json",
+    "read_json",
+    "exists",
+]
+
+PART = "part.parquet"
+_SHARD_KEY = re.compile(r"^[0-9A-Za-z_-]{1,64}$")
+
+
+def join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def shard_url(root: str, table: str, shard: str, name: str = PART) -> str:
+    """``<root>/<table>/shard=<shard>/<name>``. Shard keys come from the partition definition,
+    never from user data; they are checked anyway, since they become a path."""
+    if not _SHARD_KEY.match(shard):
+        raise ValueError(f"shard key {shard!r} is not a safe path component")
+    return join(root, table, f"shard={shard}", name)
+
+
+def table_url(root: str, table: str, name: str = PART) -> str:
+    return join(root, table, name)
+
+
+def write_table(table: pa.Table, url: str, *, storage_options: Mapping[str, Any] | None = None) -> int:
+    """Write ``table`` as one Parquet file at ``url``, atomically. Returns the bytes written."""
+    buf = _io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    data = buf.getvalue()
+    sink = AtomicSink(url, storage_options)
+    try:
+        sink.write(data)
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    return len(data)
+
+
+def write_json(obj: Mapping[str, Any], url: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
+    """A small JSON document (per-shard step stats), committed atomically like the tables."""
+    data = (json.dumps(obj, sort_keys=True, default=str) + "\n").encode()
+    sink = AtomicSink(url, storage_options)
+    try:
+        sink.write(data)
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def read_json(url: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    with fsspec.open(url, "rt", encoding="utf-8", **dict(storage_options or {})) as f:
+        return json.load(f)
+
+
+def read_table(url: str, *, storage_options: Mapping[str, Any] | None = None) -> pa.Table:
+    with fsspec.open(url, "rb", **dict(storage_options or {})) as f:
+        return pq.read_table(f)
+
+
+def exists(url: str, *, storage_options: Mapping[str, Any] | None = None) -> bool:
+    fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    return bool(fs.exists(path))
+
+
+def read_shards(root: str, table: str, *, storage_options: Mapping[str, Any] | None = None) -> pa.Table:
+    """Every committed shard of ``table`` with a ``shard`` column, in shard order (empty when none)."""
+    fs, base = fsspec.core.url_to_fs(join(root, table), **dict(storage_options or {}))
+    try:
+        folders = sorted(p for p in fs.ls(base, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("shard="))
+    except FileNotFoundError:
+        folders = []
+    parts = []
+    for folder in folders:
+        path = folder.rstrip("/") + "/" + PART
+        if not fs.exists(path):
+            continue
+        with fs.open(path, "rb") as f:
+            t = pq.read_table(f)
+        shard = folder.rstrip("/").rsplit("=", 1)[-1]
+        parts.append(t.append_column("shard", pa.array([shard] * t.num_rows, pa.string())))
+    if not parts:
+        return pa.table({})
+    return pa.concat_tables(parts, promote_options="permissive")

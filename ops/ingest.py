@@ -1,0 +1,211 @@
+"""Ingest: read a prompt dataset, validate every row, write normalized rows and a rejects table.
+
+Plain Python (no Dagster); the pipeline's ``prompts`` asset calls :func:`ingest`.
+
+Inputs: JSONL in OpenAI Batch or plain chat format (validated by
+:mod:`kvbatch.io.batch_requests`, one item per non-blank line), or Parquet with a column
+mapping (each row is turned into a plain chat object and goes through the same validation, so
+both formats accept and reject exactly the same things). Every input row ends up in exactly one
+of the two outputs: ``prompts`` (valid) or ``rejects`` (row, custom_id, field, reason).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvbatch.io.batch_requests import (
+    ChatRequest,
+    RejectedRow,
+    SamplingParams,
+    parse_request_line,
+    read_requests,
+)
+from kvbatch.io.shard_tables import write_table
+
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+PROMPTS_SCHEMA = pa.schema([
+    ("row", pa.int64()),  # 1-based line (JSONL) or row (Parquet) of the input
+    ("custom_id", pa.string()),
+    ("messages", MESSAGES_TYPE),
+    ("model", pa.string()),
+    ("max_tokens", pa.int64()),
+    ("temperature", pa.float64()),
+    ("top_p", pa.float64()),
+    ("top_k", pa.int64()),
+    ("min_p", pa.float64()),
+    ("seed", pa.int64()),
+    ("stop", pa.list_(pa.string())),
+    ("stop_token_ids", pa.list_(pa.int64())),
+    ("logprobs", pa.int64()),
+    ("ignore_eos", pa.bool_()),
+])
+
+REJECTS_SCHEMA = pa.schema([
+    ("row", pa.int64()),
+    ("custom_id", pa.string()),
+    ("field", pa.string()),
+    ("reason", pa.string()),
+])
+
+SAMPLING_FIELDS = [f.name for f in PROMPTS_SCHEMA if f.name not in ("row", "custom_id", "messages", "model")]
+# Plain chat fields a Parquet column can be mapped to (target name -> what the validator reads).
+PARQUET_TARGETS = ("custom_id", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                   "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos")
+
+
+@dataclass
+class IngestReport:
+    rows: int = 0
+    valid: int = 0
+    rejected: int = 0
+    rejects_by_field: dict[str, int] = field(default_factory=dict)
+    prompts_bytes: int = 0
+    rejects_bytes: int = 0
+
+    @property
+    def reject_rate(self) -> float:
+        return self.rejected / self.rows if self.rows else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "reject_rate": round(self.reject_rate, 6)}
+
+
+def detect_format(url: str) -> str:
+    path = url.split("?", 1)[0].lower()
+    if path.endswith((".parquet", ".pq")):
+        return "parquet"
+    return "jsonl"
+
+
+def read_parquet_requests(
+    url: str,
+    *,
+    columns: Mapping[str, str] | None = None,
+    default_max_tokens: int = 256,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Iterator[ChatRequest | RejectedRow]:
+    """Rows of a Parquet file as requests. ``columns`` maps a plain chat field (``custom_id``,
+    ``messages``, ``max_tokens``...) to the file's column name; unmapped fields use their own
+    name when the file has such a column. A ``prompt`` target takes a plain string column and
+    makes it a single user message."""
+    mapping = dict(columns or {})
+    unknown = sorted(set(mapping) - set(PARQUET_TARGETS) - {"prompt"})
+    if unknown:
+        raise ValueError(f"column mapping has unknown target field(s) {unknown}; "
+                         f"known: {', '.join(PARQUET_TARGETS + ('prompt',))}")
+    with fsspec.open(url, "rb", **dict(storage_options or {})) as f:
+        pf = pq.ParquetFile(f)
+        names = set(pf.schema_arrow.names)
+        missing = sorted(c for c in mapping.values() if c not in names)
+        if missing:
+            raise ValueError(f"{url}: column(s) {missing} named in the column mapping are not in the file "
+                             f"(it has {sorted(names)})")
+        source = {t: mapping.get(t, t) for t in (*PARQUET_TARGETS, "prompt") if mapping.get(t, t) in names}
+        if "custom_id" not in source:
+            raise ValueError(f"{url}: no custom_id column; map one with columns={{'custom_id': '<column>'}}")
+        seen: dict[str, int] = {}
+        row_no = 0
+        for batch in pf.iter_batches(batch_size=4096, columns=sorted(set(source.values()))):
+            for rec in batch.to_pylist():
+                row_no += 1
+                obj = {t: rec[c] for t, c in source.items() if rec[c] is not None}
+                if "prompt" in obj:
+                    prompt = obj.pop("prompt")
+                    obj.setdefault("messages", [{"role": "user", "content": prompt}])
+                try:
+                    line = json.dumps(obj, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass")
+                except (TypeError, ValueError) as exc:
+                    item: ChatRequest | RejectedRow = RejectedRow(row_no, None, "$", f"unreadable row: {exc}")
+                else:
+                    item = parse_request_line(line, row_no, default_max_tokens=default_max_tokens)
+                cid = item.custom_id
+                if cid is not None:
+                    first = seen.setdefault(cid, row_no)
+                    if first != row_no:
+                        item = RejectedRow(row_no, cid, "custom_id", f"duplicate of row {first}")
+                yield item
+
+
+def read_dataset(
+    url: str,
+    *,
+    fmt: str = "auto",
+    columns: Mapping[str, str] | None = None,
+    default_max_tokens: int = 256,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Iterator[ChatRequest | RejectedRow]:
+    """One item per input row, in input order, whatever the format."""
+    kind = detect_format(url) if fmt == "auto" else fmt
+    if kind == "jsonl":
+        if columns:
+            raise ValueError("a column mapping applies to Parquet input only")
+        return read_requests(url, default_max_tokens=default_max_tokens, storage_options=storage_options)
+    if kind == "parquet":
+        return read_parquet_requests(url, columns=columns, default_max_tokens=default_max_tokens,
+                                     storage_options=storage_options)
+    raise ValueError(f"unknown dataset format {fmt!r} (use auto, jsonl or parquet)")
+
+
+def request_record(req: ChatRequest) -> dict[str, Any]:
+    s = req.sampling
+    return {"row": req.line_no, "custom_id": req.custom_id, "messages": req.messages, "model": req.model,
+            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "min_p": s.min_p, "seed": s.seed, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
+            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos}
+
+
+def record_request(rec: Mapping[str, Any]) -> ChatRequest:
+    """The inverse of :func:`request_record` (rows read back from the prompts table)."""
+    sampling = SamplingParams(
+        max_tokens=rec["max_tokens"], temperature=rec["temperature"], top_p=rec["top_p"], top_k=rec["top_k"],
+        min_p=rec["min_p"], seed=rec["seed"], stop=tuple(rec["stop"] or ()),
+        stop_token_ids=tuple(rec["stop_token_ids"] or ()), logprobs=rec["logprobs"],
+        ignore_eos=bool(rec["ignore_eos"]))
+    messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
+    return ChatRequest(rec["row"], rec["custom_id"], messages, sampling, rec["model"])
+
+
+def reject_record(r: RejectedRow) -> dict[str, Any]:
+    return {"row": r.line_no, "custom_id": r.custom_id, "field": r.field, "reason": r.reason}
+
+
+def ingest(
+    url: str,
+    prompts_url: str,
+    rejects_url: str,
+    *,
+    fmt: str = "auto",
+    columns: Mapping[str, str] | None = None,
+    default_max_tokens: int = 256,
+    storage_options: Mapping[str, Any] | None = None,
+    output_storage_options: Mapping[str, Any] | None = None,
+) -> IngestReport:
+    """Validate every row of ``url``; write the valid rows to ``prompts_url`` and the others to
+    ``rejects_url`` (both Parquet, committed atomically)."""
+    report = IngestReport()
+    good: list[dict[str, Any]] = []
+    bad: list[dict[str, Any]] = []
+    for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
+                             storage_options=storage_options):
+        report.rows += 1
+        if isinstance(item, RejectedRow):
+            report.rejected += 1
+            report.rejects_by_field[item.field] = report.rejects_by_field.get(item.field, 0) + 1
+            bad.append(reject_record(item))
+        else:
+            report.valid += 1
+            good.append(request_record(item))
+    out_opts = output_storage_options if output_storage_options is not None else storage_options
+    report.prompts_bytes = write_table(pa.Table.from_pylist(good, PROMPTS_SCHEMA), prompts_url,
+                                       storage_options=out_opts)
+    report.rejects_bytes = write_table(pa.Table.from_pylist(bad, REJECTS_SCHEMA), rejects_url,
+                                       storage_options=out_opts)
+    return report

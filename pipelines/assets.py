@@ -1,0 +1,224 @@
+"""The asset graph: prompts -> prompt_shards -> prefill_kv -> decode_results -> cost_metrics.
+
+Wiring only: each asset calls a plain-Python step in ``kvbatch.ops`` and reports metadata.
+Tables live on the object store (``ObjectStoreResource.url``), not in Dagster's IO managers:
+
+    prompts/part.parquet, rejects/part.parquet          every input row, valid or rejected
+    shards/shard=XXXX/part.parquet, shard_rejects/...   tokenized rows by hash of custom_id
+    manifests/shard=XXXX/manifests.jsonl                prefill -> decode hand-off (KV in <kv url>)
+    results/shard=XXXX/part.parquet                     one row per request
+    cost_metrics/shard=XXXX/part.parquet                one row per shard
+"""
+
+
+from typing import Literal
+
+import dagster as dg
+from pydantic import Field
+
+from kvbatch.io.shard_tables import read_json, read_table, shard_url, table_url, write_table
+from kvbatch.pipelines.partitions import NUM_SHARDS, shard_partitions
+from kvbatch.resources import (
+    DecodeClusterResource,
+    KVStoreResource,
+    ModelResource,
+    ObjectStoreResource,
+    PricingResource,
+)
+
+IO_RETRY = dg.RetryPolicy(max_retries=3, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
+STEP_RETRY = dg.RetryPolicy(max_retries=1, delay=5, backoff=dg.Backoff.EXPONENTIAL)
+REJECTS_SHOWN = 20
+
+
+class PromptsConfig(dg.Config):
+    """Which dataset to ingest, launch by launch."""
+
+    url: str = Field(description="dataset: s3://..., file://... or a local path; .jsonl(.gz) or .parquet")
+    format: Literal["auto", "jsonl", "parquet"] = Field(default="auto", description="auto: from the extension")
+    columns: dict[str, str] = Field(default_factory=dict,
+                                    description="Parquet only: field -> column, e.g. {custom_id: id, prompt: text}")
+    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens for rows that give none")
+    max_reject_rate: float = Field(default=0.05, ge=0, le=1, description="the reject-rate check fails above this")
+
+
+def _rejects_metadata(table) -> dict[str, dg.MetadataValue]:
+    schema = dg.TableSchema(columns=[dg.TableColumn("row", "int"), dg.TableColumn("custom_id", "string"),
+                                     dg.TableColumn("field", "string"), dg.TableColumn("reason", "string")])
+    records = [dg.TableRecord({k: ("" if v is None else v) for k, v in r.items()})
+               for r in table.slice(0, REJECTS_SHOWN).to_pylist()]
+    return {"rejects_preview": dg.MetadataValue.table(records, schema=schema)}
+
+
+@dg.asset(
+    group_name="kvbatch",
+    retry_policy=IO_RETRY,
+    check_specs=[dg.AssetCheckSpec("reject_rate_below_threshold", asset="prompts"),
+                 dg.AssetCheckSpec("unique_custom_ids", asset="prompts")],
+)
+def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_store: ObjectStoreResource):
+    """Every row of the input dataset, validated: valid rows normalized to ``prompts/part.parquet``,
+    the others to ``rejects/part.parquet`` with (row, custom_id, field, reason). Nothing is dropped."""
+    from kvbatch.ops.ingest import ingest
+
+    root, opts = object_store.url, object_store.storage_options()
+    report = ingest(config.url, table_url(root, "prompts"), table_url(root, "rejects"), fmt=config.format,
+                    columns=config.columns or None, default_max_tokens=config.default_max_tokens,
+                    storage_options=object_store.options_for(config.url), output_storage_options=opts)
+    rejects = read_table(table_url(root, "rejects"), storage_options=opts)
+    ids = read_table(table_url(root, "prompts"), storage_options=opts).column("custom_id")
+    dup = len(ids) - len(ids.unique())
+    yield dg.MaterializeResult(metadata={
+        "dagster/row_count": report.valid,
+        "input_rows": report.rows,
+        "rejected_rows": report.rejected,
+        "reject_rate": report.reject_rate,
+        "rejects_by_field": dg.MetadataValue.json(report.rejects_by_field),
+        "prompts_url": dg.MetadataValue.path(table_url(root, "prompts")),
+        "rejects_url": dg.MetadataValue.path(table_url(root, "rejects")),
+        **_rejects_metadata(rejects),
+    })
+    yield dg.AssetCheckResult(check_name="reject_rate_below_threshold",
+                              passed=report.reject_rate <= config.max_reject_rate,
+                              metadata={"reject_rate": report.reject_rate, "threshold": config.max_reject_rate})
+    yield dg.AssetCheckResult(check_name="unique_custom_ids", passed=dup == 0, metadata={"duplicates": dup})
+
+
+@dg.asset(group_name="kvbatch", deps=[prompts], retry_policy=IO_RETRY)
+def prompt_shards(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource):
+    """The valid prompts tokenized (exactly as a sequential run would) and split by a stable hash of
+    ``custom_id`` into the shard partitions: ``shards/shard=XXXX/part.parquet`` with messages,
+    sampling params, prompt token ids and prefix block keys. Rows the chat template refuses or that
+    exceed the context window go to ``shard_rejects/part.parquet``."""
+    from kvbatch.ops.shards import build_shards
+
+    root, opts = object_store.url, object_store.storage_options()
+    report = build_shards(model.load(), table_url(root, "prompts"), root, NUM_SHARDS,
+                          rejects_url=table_url(root, "shard_rejects"), storage_options=opts)
+    rejects = read_table(table_url(root, "shard_rejects"), storage_options=opts)
+    return dg.MaterializeResult(metadata={
+        "dagster/row_count": report.tokenized,
+        "num_shards": NUM_SHARDS,
+        "prompt_tokens": report.prompt_tokens,
+        "rejected_rows": report.rejected,
+        "rows_by_shard": dg.MetadataValue.json(report.rows_by_shard),
+        "prompt_tokens_by_shard": dg.MetadataValue.json(report.prompt_tokens_by_shard),
+        "shards_url": dg.MetadataValue.path(root + "/shards"),
+        **_rejects_metadata(rejects),
+    })
+
+
+def _kv(object_store: ObjectStoreResource, model: ModelResource, kv_store: KVStoreResource):
+    return kv_store.open(object_store.url, object_store.storage_options(), model.kv_fingerprint())
+
+
+@dg.asset(group_name="kvbatch", deps=[prompt_shards], partitions_def=shard_partitions, retry_policy=STEP_RETRY,
+          pool="gpu")
+def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
+               kv_store: KVStoreResource):
+    """The shard's prompt KV blocks in the tiered KV store (each block once, under its content key)
+    and the decode manifests, ``manifests/shard=XXXX/manifests.jsonl``."""
+    from kvbatch.ops.results import prefill_shard
+
+    shard, root, opts = context.partition_key, object_store.url, object_store.storage_options()
+    llm = model.load(_kv(object_store, model, kv_store))
+    stats = prefill_shard(llm, shard_url(root, "shards", shard), shard_url(root, "manifests", shard, "manifests.jsonl"),
+                          stats_url=shard_url(root, "prefill_stats", shard, "stats.json"), model_name=model.model,
+                          storage_options=opts)
+    conn = stats["connector"]
+    return dg.MaterializeResult(metadata={
+        "requests": stats["requests"],
+        "prompt_tokens": stats["prompt_tokens"],
+        "prompt_tokens_computed": stats["prompt_tokens_computed"],
+        "prompt_tokens_already_stored": stats["prompt_tokens_already_stored"],
+        "kv_blocks_written": conn["blocks_written"],
+        "kv_bytes_written": conn["kv_bytes_written"],
+        "prefill_wall_s": stats["wall_s"],
+    })
+
+
+@dg.asset(
+    group_name="kvbatch", deps=[prefill_kv], partitions_def=shard_partitions, retry_policy=STEP_RETRY, pool="gpu",
+    check_specs=[dg.AssetCheckSpec("one_result_per_custom_id", asset="decode_results"),
+                 dg.AssetCheckSpec("output_within_max_tokens", asset="decode_results")],
+)
+def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
+                   kv_store: KVStoreResource, decode_cluster: DecodeClusterResource,
+                   pipes_subprocess_client: dg.PipesSubprocessClient):
+    """One row per request of the shard, ``results/shard=XXXX/part.parquet``: custom_id, text, token
+    ids, finish_reason, usage and timings; decoded from the stored prompt KV, in process or in a
+    subprocess through Dagster Pipes (``decode_cluster.launcher``).
+    Committed whole: a re-run replaces the shard, a crash leaves the last good commit."""
+    from kvbatch.ops.results import decode_shard
+
+    shard, root, opts = context.partition_key, object_store.url, object_store.storage_options()
+    manifests = shard_url(root, "manifests", shard, "manifests.jsonl")
+    stats_url = shard_url(root, "decode_stats", shard, "stats.json")
+    if decode_cluster.launcher == "pipes_subprocess":
+        import dataclasses
+        import sys
+
+        spec = {"model": model.model, "dtype": model.dtype, "seed": model.seed, "threads": model.threads,
+                "engine": dataclasses.asdict(model.engine_config()), "kv_fingerprint": model.kv_fingerprint(),
+                "kv_store": kv_store.store_config(root, opts).model_dump(), "manifests_url": manifests,
+                "results_url": shard_url(root, "results", shard), "stats_url": stats_url, "storage_options": opts}
+        invocation = pipes_subprocess_client.run(command=[sys.executable, "-m", "kvbatch.ops.decode_worker"],
+                                                 context=context, extras={"spec": spec})
+        yield from invocation.get_results()
+        stats = read_json(stats_url, storage_options=opts)
+    else:
+        llm = model.load(_kv(object_store, model, kv_store))
+        stats = decode_shard(llm, manifests, shard_url(root, "results", shard), stats_url=stats_url,
+                             storage_options=opts)
+    results = read_table(shard_url(root, "results", shard), storage_options=opts)
+    expected = read_table(shard_url(root, "shards", shard), storage_options=opts).column("custom_id").to_pylist()
+    got = results.column("custom_id").to_pylist()
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    dups = len(got) - len(set(got))
+    over = [r["custom_id"] for r in results.select(["custom_id", "completion_tokens", "max_tokens"]).to_pylist()
+            if r["completion_tokens"] > r["max_tokens"]]
+    if decode_cluster.launcher == "pipes_subprocess":
+        yield from _decode_checks(missing, extra, dups, over)
+        return
+    yield dg.MaterializeResult(metadata={
+        "dagster/row_count": results.num_rows,
+        "output_tokens": stats["output_tokens"],
+        "prompt_tokens": stats["prompt_tokens"],
+        "loaded_prompt_tokens": stats["loaded_prompt_tokens"],
+        "decode_wall_s": stats["wall_s"],
+        "output_tokens_per_s": stats["output_tokens_per_s"],
+        "ttft_s_p50": stats["ttft_s_p50"] or 0.0,
+        "tpot_s_p50": stats["tpot_s_p50"] or 0.0,
+        "results_url": dg.MetadataValue.path(shard_url(root, "results", shard)),
+        "decode_world_size": decode_cluster.world_size,
+    })
+    yield from _decode_checks(missing, extra, dups, over)
+
+
+def _decode_checks(missing: list, extra: list, dups: int, over: list):
+    yield dg.AssetCheckResult(check_name="one_result_per_custom_id", passed=not (missing or extra or dups),
+                              metadata={"missing": len(missing), "unexpected": len(extra), "duplicates": dups,
+                                        "missing_ids_preview": dg.MetadataValue.json(missing[:20])})
+    yield dg.AssetCheckResult(check_name="output_within_max_tokens", passed=not over,
+                              metadata={"over_limit": len(over), "ids_preview": dg.MetadataValue.json(over[:20])})
+
+
+@dg.asset(group_name="kvbatch", deps=[decode_results], partitions_def=shard_partitions, retry_policy=IO_RETRY)
+def cost_metrics(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, pricing: PricingResource,
+                 decode_cluster: DecodeClusterResource):
+    """One row per shard, ``cost_metrics/shard=XXXX/part.parquet``: tokens by class, KV cache hits by
+    tier, TTFT/TPOT p50/p95, prefill/decode wall seconds, device seconds and dollars."""
+    from kvbatch.ops.cost import metrics_table, shard_metrics
+
+    shard, root, opts = context.partition_key, object_store.url, object_store.storage_options()
+    row = shard_metrics(read_table(shard_url(root, "results", shard), storage_options=opts),
+                        read_json(shard_url(root, "prefill_stats", shard, "stats.json"), storage_options=opts),
+                        read_json(shard_url(root, "decode_stats", shard, "stats.json"), storage_options=opts),
+                        pricing.pricing(decode_cluster.world_size))
+    write_table(metrics_table(row), shard_url(root, "cost_metrics", shard), storage_options=opts)
+    # Stable numeric keys: the UI plots them over time.
+    return dg.MaterializeResult(metadata={k: (0.0 if v is None else v) for k, v in row.items()})
+
+
+ASSETS = [prompts, prompt_shards, prefill_kv, decode_results, cost_metrics]

@@ -1,0 +1,58 @@
+"""The kvbatch code location: ``dagster dev -w workspace.yaml`` or
+``dagster asset materialize -m kvbatch.pipelines.definitions ...``.
+
+Resources default from the environment, so one module serves a laptop and a deployment:
+
+- ``KVBATCH_ROOT``: root of every table (default: ``./kvbatch_data`` under the working directory);
+- ``KVBATCH_S3_ENDPOINT_URL``, ``KVBATCH_S3_REGION``; credentials from ``AWS_ACCESS_KEY_ID`` /
+  ``AWS_SECRET_ACCESS_KEY`` (as Dagster ``EnvVar``\\ s: resolved at run time, never shown);
+- ``KVBATCH_MODEL``, ``KVBATCH_DTYPE``; ``KVBATCH_KV_URL`` (default ``<root>/kv``).
+Every value can still be overridden per launch under ``resources:`` in the run config.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from kvbatch.pipelines.assets import ASSETS
+from kvbatch.pipelines.automation import JOBS, new_dataset_files, nightly_ingest, shards_after_ingest
+from kvbatch.resources import (
+    DecodeClusterResource,
+    KVStoreResource,
+    ModelResource,
+    ObjectStoreResource,
+    PricingResource,
+)
+
+
+def _env_secret(name: str):
+    return dg.EnvVar(name) if os.environ.get(name) else None
+
+
+def default_resources() -> dict:
+    return {
+        "object_store": ObjectStoreResource(
+            url=os.environ.get("KVBATCH_ROOT", os.path.abspath("kvbatch_data")),
+            endpoint_url=os.environ.get("KVBATCH_S3_ENDPOINT_URL"),
+            region=os.environ.get("KVBATCH_S3_REGION"),
+            access_key_id=_env_secret("AWS_ACCESS_KEY_ID"),
+            secret_access_key=_env_secret("AWS_SECRET_ACCESS_KEY"),
+        ),
+        "model": ModelResource(model=os.environ.get("KVBATCH_MODEL", "smollm2-135m"),
+                               dtype=os.environ.get("KVBATCH_DTYPE", "fp32")),
+        "kv_store": KVStoreResource(url=os.environ.get("KVBATCH_KV_URL")),
+        "pricing": PricingResource(),
+        "decode_cluster": DecodeClusterResource(launcher=os.environ.get("KVBATCH_DECODE_LAUNCHER", "in_process")),
+        "pipes_subprocess_client": dg.PipesSubprocessClient(),
+    }
+
+
+defs = dg.Definitions(
+    assets=ASSETS,
+    jobs=JOBS,
+    schedules=[nightly_ingest],
+    sensors=[shards_after_ingest, new_dataset_files],
+    resources=default_resources(),
+)

@@ -1,0 +1,47 @@
+"""The tiered KV store: memory -> local disk -> object store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+from pydantic import Field, model_validator
+
+GB = 1 << 30
+
+
+class KVStoreResource(dg.ConfigurableResource):
+    """Where prefill puts KV blocks and decode finds them. ``url`` defaults to ``<object store>/kv``
+    and uses the object store's credentials when it is on the same kind of store. Tiers: an
+    in-process memory LRU (``memory_gb``, 0 = off), an optional local disk cache (``disk_dir``),
+    and the durable object tier, with an optional TTL and size cap applied by ``kvbatch kv gc``."""
+
+    url: str | None = Field(default=None, description="durable tier; default <object store url>/kv")
+    memory_gb: float = Field(default=2.0, ge=0, description="memory tier budget (0 = no memory tier)")
+    disk_dir: str | None = Field(default=None, description="local disk tier folder (none = no disk tier)")
+    disk_gb: float = Field(default=20.0, gt=0, description="disk tier budget")
+    ttl_hours: float | None = Field(default=None, gt=0, description="durable blocks expire after this")
+    max_gb: float | None = Field(default=None, gt=0, description="durable tier size cap")
+
+    @model_validator(mode="after")
+    def _check(self) -> "KVStoreResource":
+        if self.url is not None and not self.url.strip():
+            raise ValueError("kv store url must not be empty (leave it unset for <object store>/kv)")
+        return self
+
+    def store_config(self, default_url: str, storage_options: dict[str, Any]) -> Any:
+        from kvbatch.io.kv_store import KVStoreConfig
+
+        url = self.url or default_url.rstrip("/") + "/kv"
+        same = (url.split("://", 1)[0] if "://" in url else "file") == \
+               (default_url.split("://", 1)[0] if "://" in default_url else "file")
+        return KVStoreConfig(
+            url=url, memory_bytes=int(self.memory_gb * GB), disk_dir=self.disk_dir, disk_bytes=int(self.disk_gb * GB),
+            ttl_s=self.ttl_hours * 3600 if self.ttl_hours else None,
+            max_bytes=int(self.max_gb * GB) if self.max_gb else None,
+            storage_options=dict(storage_options) if same else {})
+
+    def open(self, default_url: str, storage_options: dict[str, Any], fingerprint: str) -> Any:
+        from kvbatch.io.kv_store import KVStore
+
+        return KVStore.from_config(self.store_config(default_url, storage_options), fingerprint)

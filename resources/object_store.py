@@ -1,0 +1,73 @@
+"""The object store the pipeline reads datasets from and writes its tables to."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import dagster as dg
+from pydantic import Field, field_validator
+
+_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "abfs://", "az://", "file://", "memory://")
+SECRET = {"dagster__is_secret": True}
+
+
+class ObjectStoreResource(dg.ConfigurableResource):
+    """Root URL of every table the pipeline writes (``s3://bucket/prefix``, ``file:///path``,
+    an absolute local folder, ``memory://``), plus the fsspec options to reach it.
+
+    Credentials come from ``EnvVar``\\ s (``access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID")``); they
+    are hidden in the UI and never logged or written to metadata. Without them s3fs falls back
+    to its usual chain (environment, instance profile).
+    """
+
+    url: str = Field(description="root of the pipeline's tables, e.g. s3://bucket/kvbatch")
+    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, R2, loopback)")
+    region: str | None = Field(default=None, description="S3 region")
+    access_key_id: str | None = Field(default=None, json_schema_extra=SECRET)
+    secret_access_key: str | None = Field(default=None, json_schema_extra=SECRET)
+    anon: bool = Field(default=False, description="anonymous access (public buckets)")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("object store url must not be empty")
+        if "://" in v:
+            if not v.startswith(_SCHEMES):
+                raise ValueError(f"object store url {v!r}: unsupported scheme (use one of {', '.join(_SCHEMES)})")
+        elif not os.path.isabs(v):
+            raise ValueError(f"object store url {v!r}: a local folder must be an absolute path")
+        return v.rstrip("/")
+
+    @property
+    def protocol(self) -> str:
+        return self.url.split("://", 1)[0] if "://" in self.url else "file"
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec options for URLs on this store (empty for local files)."""
+        if self.protocol not in ("s3", "s3a"):
+            return {}
+        opts: dict[str, Any] = {}
+        if self.endpoint_url:
+            opts["endpoint_url"] = self.endpoint_url
+        if self.access_key_id:
+            opts["key"] = self.access_key_id
+        if self.secret_access_key:
+            opts["secret"] = self.secret_access_key
+        if self.anon:
+            opts["anon"] = True
+        if self.region:
+            opts["client_kwargs"] = {"region_name": self.region}
+        return opts
+
+    def options_for(self, url: str) -> dict[str, Any]:
+        """The store's options for ``url`` when it is on the same kind of store, else none."""
+        proto = url.split("://", 1)[0] if "://" in url else "file"
+        return self.storage_options() if proto == self.protocol else {}
+
+    def __repr__(self) -> str:  # keep secrets out of logs and tracebacks
+        return f"ObjectStoreResource(url={self.url!r}, endpoint_url={self.endpoint_url!r})"
+
+    __str__ = __repr__

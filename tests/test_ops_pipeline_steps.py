@@ -1,0 +1,165 @@
+"""The pipeline's plain-Python steps (no Dagster): ingest, shard, prefill/decode a shard, meter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kvbatch.engine.config import EngineConfig
+from kvbatch.engine.llm import LLM
+from kvbatch.io.kv_store import KVStore, KVStoreConfig
+from kvbatch.io.shard_tables import read_shards, shard_url, write_table
+from kvbatch.ops.cost import Pricing, shard_metrics
+from kvbatch.ops.ingest import ingest
+from kvbatch.ops.results import decode_shard, prefill_shard
+from kvbatch.ops.shards import build_shards, kv_fingerprint, shard_of
+from tests.tiny_models import build_tiny_chat_model
+
+SYSTEM = "You are a librarian. Recommend one book, give its author, and keep it to one sentence. " * 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny"), max_positions=128)
+
+
+def _llm(tiny: Path, store=None) -> LLM:
+    return LLM(str(tiny), engine_config=EngineConfig(batch_invariant=True, max_num_seqs=4), kv_store=store)
+
+
+def _write_jsonl(path: Path, rows: list) -> str:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_ingest_keeps_every_row(tmp_path):
+    src = _write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stop": "x"}},
+        {"custom_id": "b", "messages": [{"role": "developer", "content": "be short"},
+                                        {"role": "user", "content": [{"type": "text", "text": "yo"}]}]},
+        "[1, 2]",
+        {"custom_id": "c", "messages": [{"role": "user", "content": "hi"}], "top_p": 0},
+        {"custom_id": "a", "messages": [{"role": "user", "content": "again"}]},
+    ])
+    rep = ingest(src, str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"), default_max_tokens=7)
+    assert (rep.rows, rep.valid, rep.rejected) == (5, 2, 3)
+    good = pq.read_table(tmp_path / "p.parquet").to_pylist()
+    assert [(g["custom_id"], g["max_tokens"], g["stop"]) for g in good] == [("a", 5, ["x"]), ("b", 7, [])]
+    assert good[1]["messages"][0] == {"role": "system", "content": "be short"}
+    bad = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert [(b["row"], b["custom_id"], b["field"]) for b in bad] == [(3, None, "$"), (4, "c", "top_p"),
+                                                                      (5, "a", "custom_id")]
+    assert "duplicate of line 1" in bad[2]["reason"]
+
+
+def test_ingest_parquet_with_column_mapping(tmp_path):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["x1", "x2", None, "x1"], "question": ["hello", "bye", "q", "again"],
+                             "limit": [3, None, 2, 1], "temp": [0.0, 5.0, 0.0, 0.0]}), src)
+    rep = ingest(str(src), str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"),
+                 columns={"custom_id": "id", "prompt": "question", "max_tokens": "limit", "temperature": "temp"})
+    assert (rep.valid, rep.rejected) == (1, 3)
+    good = pq.read_table(tmp_path / "p.parquet").to_pylist()
+    assert good[0]["messages"] == [{"role": "user", "content": "hello"}] and good[0]["max_tokens"] == 3
+    fields = [(b["row"], b["field"]) for b in pq.read_table(tmp_path / "r.parquet").to_pylist()]
+    assert fields == [(2, "temperature"), (3, "custom_id"), (4, "custom_id")]
+    with pytest.raises(ValueError, match="not in the file"):
+        ingest(str(src), str(tmp_path / "p2.parquet"), str(tmp_path / "r2.parquet"), columns={"custom_id": "nope"})
+
+
+def test_shard_hash_is_stable():
+    assert [shard_of(f"id-{i}", 8) for i in range(6)] == [shard_of(f"id-{i}", 8) for i in range(6)]
+    assert shard_of("request-1", 8) == int.from_bytes(
+        __import__("hashlib").sha256(b"request-1").digest()[:8], "big") % 8
+
+
+def _dataset(tmp_path: Path, n: int = 10) -> tuple[str, str]:
+    rows = [{"custom_id": f"id-{i}", "messages": [{"role": "system", "content": SYSTEM},
+                                                  {"role": "user", "content": f"Something about {i}"}],
+             "max_tokens": 3, "temperature": 0} for i in range(n)]
+    rows.append({"custom_id": "too-long", "messages": [{"role": "user", "content": "word " * 200}]})
+    src = _write_jsonl(tmp_path / "in.jsonl", rows)
+    prompts = str(tmp_path / "prompts.parquet")
+    ingest(src, prompts, str(tmp_path / "rejects.parquet"))
+    return src, prompts
+
+
+def test_shards_match_sequential_tokenization(tiny, tmp_path):
+    _, prompts = _dataset(tmp_path)
+    llm = _llm(tiny)
+    root = str(tmp_path / "out")
+    rep = build_shards(llm, prompts, root, 4, rejects_url=str(tmp_path / "shard_rejects.parquet"))
+    assert rep.tokenized == 10 and rep.rejected == 1 and sum(rep.rows_by_shard.values()) == 10
+    rej = pq.read_table(tmp_path / "shard_rejects.parquet").to_pylist()
+    assert rej[0]["custom_id"] == "too-long" and "context window" in rej[0]["reason"]
+    table = read_shards(root, "shards")
+    assert sorted(set(table.column("shard").to_pylist())) <= ["0000", "0001", "0002", "0003"]
+    for r in table.to_pylist():
+        assert r["shard"] == f"{shard_of(r['custom_id'], 4):04d}"
+        assert r["prompt_token_ids"] == llm.tokenizer.encode_chat(r["messages"])
+        assert r["block_keys"] == llm.prompt_block_keys(r["prompt_token_ids"])
+    for key in ("0000", "0001", "0002", "0003"):  # empty shards are committed too
+        assert Path(shard_url(root, "shards", key)).exists()
+
+
+def test_crashed_decode_leaves_the_last_good_commit(tiny, tmp_path, monkeypatch):
+    _, prompts = _dataset(tmp_path, n=6)
+    root = str(tmp_path / "out")
+    build_shards(_llm(tiny), prompts, root, 1, rejects_url=str(tmp_path / "sr.parquet"))
+    fp = kv_fingerprint(_llm(tiny).checkpoint.fingerprint, "fp32", 16)
+    store = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0), fp)
+    manifests = shard_url(root, "manifests", "0000", "manifests.jsonl")
+    pre = prefill_shard(_llm(tiny, store), shard_url(root, "shards", "0000"), manifests)
+    assert pre["requests"] == 6 and pre["connector"]["blocks_written"] > 0
+    results = shard_url(root, "results", "0000")
+    good = decode_shard(_llm(tiny, store), manifests, results)
+    assert good["succeeded"] == 6 and good["loaded_prompt_tokens"] > 0
+    committed = Path(results).read_bytes()
+
+    llm = _llm(tiny, store)
+    real_stream = llm.stream
+
+    def dying_stream(reqs):
+        for i, r in enumerate(real_stream(reqs)):
+            if i == 3:
+                raise RuntimeError("worker killed")
+            yield r
+
+    monkeypatch.setattr(llm, "stream", dying_stream)
+    with pytest.raises(RuntimeError, match="worker killed"):
+        decode_shard(llm, manifests, results)
+    assert Path(results).read_bytes() == committed
+    assert [p.name for p in Path(results).parent.iterdir()] == ["part.parquet"]
+
+
+def test_prefill_refuses_shards_of_another_model(tiny, tmp_path):
+    _, prompts = _dataset(tmp_path, n=2)
+    root = str(tmp_path / "out")
+    build_shards(_llm(tiny), prompts, root, 1, rejects_url=str(tmp_path / "sr.parquet"))
+    other = build_tiny_chat_model(tmp_path / "other", seed=1, max_positions=128)
+    llm = _llm(other)
+    store = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0),
+                                kv_fingerprint(llm.checkpoint.fingerprint, "fp32", 16))
+    with pytest.raises(ValueError, match="another model"):
+        prefill_shard(_llm(other, store), shard_url(root, "shards", "0000"), str(tmp_path / "m.jsonl"))
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_cost_metrics_arithmetic(tmp_path):
+    results = pa.table({"prompt_tokens": [40, 60], "loaded_prompt_tokens": [32, 48], "cached_prompt_tokens": [0, 0],
+                        "completion_tokens": [5, 7], "ttft_s": [0.1, 0.3], "tpot_s": [0.01, None]})
+    prefill = {"wall_s": 1800.0, "prompt_tokens_computed": 80,
+               "connector": {"kv_bytes_written": 2_000_000_000, "blocks_written": 5}}
+    decode = {"wall_s": 1800.0, "results_bytes": 0,
+              "connector": {"prompt_tokens_served_by_tier": {"object": 80}, "kv_bytes_read_by_tier": {"object": 10**9}}}
+    m = shard_metrics(results, prefill, decode, Pricing(2.0, 0.5, 0.1, devices=2))
+    assert m["device_s"] == 7200 and m["cost_compute_usd"] == 4.0
+    assert m["cost_storage_usd"] == 1.0 and m["cost_transfer_usd"] == 0.1 and m["cost_usd"] == 5.1
+    assert m["prompt_tokens_decode_computed"] == 20 and m["kv_tokens_hit_object"] == 80 and m["kv_tokens_hit_disk"] == 0
+    assert m["ttft_s_p50"] == 0.2 and m["tpot_s_p95"] == 0.01
+    write_table(pa.Table.from_pylist([m]), str(tmp_path / "m.parquet"))
