@@ -171,11 +171,12 @@ class LLM:
             seq.num_computed_tokens += s.num_new_tokens
             new_blocks = self.block_manager.commit(seq)
             if self.connector is not None:
+                # Write through the prompt's newly completed blocks, except those just loaded.
                 full_prompt_blocks = seq.num_prompt_tokens // self.engine_config.block_size
+                first = len(seq.block_hashes) - len(new_blocks)
                 loaded = {k for k, _ in seq.pending_loads}
-                self.connector.save([(k, b) for i, (k, b) in enumerate(new_blocks)
-                                     if k not in loaded and self._block_index(seq, k) < full_prompt_blocks],
-                                    self.runner.kv_cache)
+                self.connector.save([(k, b) for i, (k, b) in enumerate(new_blocks, start=first)
+                                     if i < full_prompt_blocks and k not in loaded], self.runner.kv_cache)
                 seq.pending_loads = []
         self.stats["computed_prompt_tokens"] += prompt_tokens
         if self.connector is not None:
@@ -207,10 +208,6 @@ class LLM:
                 self.scheduler.finish(seq, reason)
                 finished.append(self._result(seq))
         return finished
-
-    @staticmethod
-    def _block_index(seq: Sequence, key: str) -> int:
-        return seq.block_hashes.index(key)
 
     def _load_external(self, step: list) -> None:
         """Fetch the stored blocks the scheduler planned to load; a block that does not arrive
