@@ -208,20 +208,53 @@ def invariant_attention(
     T, Hq, D = q.shape
     if T == 0:
         return q.new_empty((0, Hq, D))
+    seqs, counts = torch.unique_consecutive(seq_index, return_counts=True)
+    counts_l = counts.tolist()
+    starts = [0]
+    for c in counts_l[:-1]:
+        starts.append(starts[-1] + c)
+    if len(counts_l) == 1 or all(c == 1 for c in counts_l):
+        return _invariant_attention(q, k_cache, v_cache, block_tables, seqs, counts_l, starts, positions, scale)
+    # Every shape inside is fixed, so splitting the step changes no bit; it only spares the
+    # decode tokens from being padded to the longest prefill chunk. Decode tokens (one per
+    # sequence) run together; each prefill chunk runs on its own.
+    out = torch.empty_like(q)
+    single = [i for i, c in enumerate(counts_l) if c == 1]
+    if single:
+        rows = torch.tensor([starts[i] for i in single])
+        out[rows] = _invariant_attention(q.index_select(0, rows), k_cache, v_cache, block_tables,
+                                         seqs[single], [1] * len(single), list(range(len(single))),
+                                         positions.index_select(0, rows), scale)
+    for i, c in enumerate(counts_l):
+        if c > 1:
+            st = starts[i]
+            out[st:st + c] = _invariant_attention(q[st:st + c], k_cache, v_cache, block_tables, seqs[i:i + 1],
+                                                  [c], [0], positions[st:st + c], scale)
+    return out
+
+
+def _invariant_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqs: torch.Tensor,
+    counts: list[int],
+    starts: list[int],
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`invariant_attention` for the sequences ``seqs`` (rows of ``block_tables``) whose
+    tokens are ``q[starts[i]:starts[i] + counts[i]]``."""
+    Hq, D = q.shape[1:]
     Hkv = k_cache.shape[-2]
     G = Hq // Hkv
     R, TILE = INVARIANT_ROWS, INVARIANT_TILE
     block_size = k_cache.shape[1]
     # Rows of one sequence and one KV head: (token, group member), packed into groups of R.
-    seqs = torch.unique_consecutive(seq_index)
-    counts = torch.stack([(seq_index == s).sum() for s in seqs]).tolist()
-    starts = [0]
-    for c in counts[:-1]:
-        starts.append(starts[-1] + c)
     n_groups = [-(-c * G // R) for c in counts]
     max_pos = int(positions.max()) + 1
     L = -(-max_pos // TILE) * TILE
-    S = len(counts)
     S = len(counts)
     tables = block_tables.index_select(0, seqs.long())
     width = -(-L // block_size)
