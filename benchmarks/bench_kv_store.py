@@ -57,6 +57,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks.workloads` importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.timing import Stopwatch, Timed  # noqa: E402
 from benchmarks.workloads import _sharegpt, default_datasets_dir  # noqa: E402
 from kvbatch.cli.main import _kv_fingerprint  # noqa: E402  (the CLI's store fingerprint: stores stay compatible)
 from kvbatch.engine.config import EngineConfig  # noqa: E402
@@ -127,24 +128,6 @@ def log(msg: str) -> None:
     print(f"[bench-kv {_PHASE} {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class Timed:
-    """Wall and process CPU seconds (CPU / (wall x threads) well under 1 hints at contention)."""
-
-    wall_s: float
-    cpu_s: float
-
-    def utilization(self, threads: int) -> float:
-        return self.cpu_s / (self.wall_s * threads) if self.wall_s > 0 else 0.0
-
-
-class Stopwatch:
-    def __enter__(self) -> "Stopwatch":
-        self._wall, self._cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.timed = Timed(time.perf_counter() - self._wall, time.process_time() - self._cpu)
 
 
 # ------------------------------------------------------------------ the workload
