@@ -165,3 +165,32 @@ def test_manifests_from_another_model_are_refused(tiny_chat, requests_file, tmp_
     other = build_tiny_chat_model(tmp_path_factory.mktemp("other"), seed=1, max_positions=512)
     with pytest.raises(ManifestMismatch, match="fingerprint"):
         run_decode(_llm(other, _store(other, url)), str(manifests), str(tmp_path / "o.jsonl"))
+
+
+def test_cli_prefill_decode_and_kv_commands(tiny_chat, requests_file, tmp_path, reference, capsys):
+    from kvbatch.cli.main import main
+
+    store = (tmp_path / "kv").as_uri()
+    manifests, out = tmp_path / "m.jsonl", tmp_path / "o.jsonl"
+    pre_metrics, dec_metrics = tmp_path / "pre.json", tmp_path / "dec.json"
+    common = ["--model", str(tiny_chat), "--store", store, "--deterministic", "--max-batch", "8", "--no-progress"]
+    assert main(["prefill", *common, "--input", str(requests_file), "--manifests", str(manifests),
+                 "--metrics", str(pre_metrics)]) == 1  # one row is rejected
+    assert main(["decode", *common, "--manifests", str(manifests), "--output", str(out),
+                 "--metrics", str(dec_metrics)]) == 1
+    assert _outputs(out) == reference
+    pre, dec = json.loads(pre_metrics.read_text()), json.loads(dec_metrics.read_text())
+    assert pre["blocks_written"] > 0 and pre["prompt_tokens_computed"] > 0
+    assert dec["loaded_prompt_tokens"] > 0 and dec["kv_store"]["blocks_loaded"] > 0
+    capsys.readouterr()
+    assert main(["kv", "stats", "--store", store]) == 0
+    assert "blocks" in capsys.readouterr().out
+    assert main(["kv", "gc", "--store", store, "--ttl-hours", "0.000001"]) == 0
+    capsys.readouterr()
+    # Everything expired: decode still answers every row, recomputing the prompts.
+    again, again_metrics = tmp_path / "o2.jsonl", tmp_path / "dec2.json"
+    assert main(["decode", *common, "--manifests", str(manifests), "--output", str(again),
+                 "--metrics", str(again_metrics)]) == 1
+    assert _outputs(again) == reference
+    assert json.loads(again_metrics.read_text())["loaded_prompt_tokens"] == 0
+    assert main(["kv", "gc", "--store", store]) == 2  # needs a policy
