@@ -42,7 +42,10 @@ class ConnectorStats:
     blocks_skipped_existing: int = 0
     tokens_loaded_by_tier: Counter = field(default_factory=Counter)
     bytes_loaded_by_tier: Counter = field(default_factory=Counter)
+    # Seconds and bytes of the loads served entirely by one tier ("mixed" when a call spanned
+    # several): the source of the per-tier bandwidth, fetch + verify + copy into the cache.
     load_s_by_tier: Counter = field(default_factory=Counter)
+    timed_bytes_by_tier: Counter = field(default_factory=Counter)
     misses_by_reason: Counter = field(default_factory=Counter)
     decisions: Counter = field(default_factory=Counter)  # "load" / "recompute" per request
     est_load_s: float = 0.0
@@ -58,7 +61,7 @@ class ConnectorStats:
             "prompt_tokens_served_by_tier": dict(self.tokens_loaded_by_tier),
             "kv_bytes_read_by_tier": dict(self.bytes_loaded_by_tier),
             "load_bandwidth_bytes_per_s_by_tier": {
-                t: round(self.bytes_loaded_by_tier[t] / s, 1) for t, s in self.load_s_by_tier.items() if s > 0},
+                t: round(self.timed_bytes_by_tier[t] / s, 1) for t, s in self.load_s_by_tier.items() if s > 0},
             "kv_bytes_written": self.bytes_written,
             "write_s": round(self.write_s, 4),
             "misses_by_reason": dict(self.misses_by_reason),
@@ -119,6 +122,7 @@ class KVConnector:
         elapsed = time.perf_counter() - started
         n = 0
         nbytes_total = 0
+        tiers = set()
         for (tensor, where), bid in zip(got, block_ids):
             expected = kv_cache[:, :, bid]
             if tensor is None or tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
@@ -130,9 +134,13 @@ class KVConnector:
             nbytes_total += nbytes
             self.stats.tokens_loaded_by_tier[where] += self.block_size
             self.stats.bytes_loaded_by_tier[where] += nbytes
-            self.stats.load_s_by_tier[where] += elapsed * nbytes / max(1, self.block_bytes * len(keys))
+            tiers.add(where)
             n += 1
         self.stats.blocks_loaded += n
+        if nbytes_total:
+            tier = tiers.pop() if len(tiers) == 1 else "mixed"
+            self.stats.load_s_by_tier[tier] += elapsed
+            self.stats.timed_bytes_by_tier[tier] += nbytes_total
         if nbytes_total and elapsed > 0:
             self.load_bytes_per_s = 0.7 * self.load_bytes_per_s + 0.3 * (nbytes_total / elapsed)
         return n
