@@ -15,15 +15,29 @@ from typing import Any
 EXIT_OK, EXIT_REJECTS, EXIT_FATAL = 0, 1, 2
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="Hugging Face folder (local or fsspec URL), a .gguf file, or 'smollm2-135m' (default)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights, activations and KV cache")
-    p.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together")
-    p.add_argument("--max-step-tokens", type=int, default=2048, help="token budget of one engine step")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    p.add_argument("--max-batch", type=_positive_int, default=64, help="most sequences decoded together")
+    p.add_argument("--max-step-tokens", type=_positive_int, default=2048, help="token budget of one engine step")
+    p.add_argument("--kv-cache-gb", type=_positive_float, default=1.0, help="memory for the paged KV cache")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a request's tokens are bitwise independent of its batch, "
                         "chunking and KV source (slower at small batches)")
