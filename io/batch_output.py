@@ -196,6 +196,14 @@ def _encode(obj: Mapping[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
+def _temp_name(path: str) -> str:
+    """A sibling name that dataset readers skip: a process killed before its commit (SIGKILL,
+    out of memory) leaves this file behind, and pyarrow, Spark and DuckDB folder scans ignore
+    names starting with ``.``, so it can never be read as part of a table."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.tmp-{uuid.uuid4().hex[:12]}") if head else f".{tail}.tmp-{uuid.uuid4().hex[:12]}"
+
+
 class AtomicSink:
     """A binary file that becomes visible at its final name only on :meth:`commit`."""
 
@@ -211,13 +219,13 @@ class AtomicSink:
             parent = os.path.dirname(path)
             if parent:
                 os.makedirs(parent, exist_ok=True)
-            self._tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+            self._tmp = _temp_name(path)
             self._file: IO[bytes] = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
         elif protocols & _TRANSACTIONAL_PROTOCOLS:
             self._transactional = True
             self._file = fs.open(path, "wb", autocommit=False)
         else:
-            self._tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+            self._tmp = _temp_name(path)
             self._file = fs.open(self._tmp, "wb")
 
     def write(self, data: bytes) -> None:
