@@ -217,8 +217,33 @@ def cost_metrics(context: dg.AssetExecutionContext, object_store: ObjectStoreRes
                         read_json(shard_url(root, "decode_stats", shard, "stats.json"), storage_options=opts),
                         pricing.pricing(decode_cluster.world_size))
     write_table(metrics_table(row), shard_url(root, "cost_metrics", shard), storage_options=opts)
-    # Stable numeric keys: the UI plots them over time.
-    return dg.MaterializeResult(metadata={k: (0.0 if v is None else v) for k, v in row.items()})
+    # Stable numeric keys: the UI plots them over time; plus a readable table and a token chart.
+    metadata: dict = {k: (0.0 if v is None else v) for k, v in row.items()}
+    metadata["summary"] = dg.MetadataValue.md(_cost_markdown(row))
+    return dg.MaterializeResult(metadata=metadata)
+
+
+_SUMMARY_KEYS = ("requests", "prompt_tokens", "output_tokens", "ttft_s_p50", "ttft_s_p95", "tpot_s_p50",
+                 "tpot_s_p95", "prefill_wall_s", "decode_wall_s", "device_s", "kv_bytes_written", "kv_bytes_read",
+                 "cost_compute_usd", "cost_storage_usd", "cost_transfer_usd", "cost_usd")
+_TOKEN_CLASSES = (("computed at prefill", "prompt_tokens_prefill_computed"),
+                  ("already stored", "prompt_tokens_prefill_already_stored"),
+                  ("loaded at decode", "prompt_tokens_decode_loaded"),
+                  ("prefix-cache hits at decode", "prompt_tokens_decode_cached"),
+                  ("computed at decode", "prompt_tokens_decode_computed"),
+                  ("output", "output_tokens"))
+
+
+def _cost_markdown(row: dict) -> str:
+    """The shard's figures as a markdown table, and its tokens by class as a bar chart."""
+    lines = ["| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {row.get(k)} |" for k in _SUMMARY_KEYS if k in row]
+    counts = [(label, int(row.get(key) or 0)) for label, key in _TOKEN_CLASSES]
+    top = max((c for _, c in counts), default=0) or 1
+    lines += ["", "Tokens by class:", "", "```"]
+    lines += [f"{label:<28} {'█' * max(0, round(30 * c / top)):<30} {c}" for label, c in counts]
+    lines.append("```")
+    return "\n".join(lines)
 
 
 ASSETS = [prompts, prompt_shards, prefill_kv, decode_results, cost_metrics]
