@@ -142,14 +142,12 @@ def _write_json(url: str, obj: dict) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvbatch.engine.config import UnsupportedModelError
-    from kvbatch.engine.weights import ModelLoadError
     from kvbatch.ops.batch_generate import run_batch
 
     try:
         llm = _load_llm(args)
-    except (ModelLoadError, UnsupportedModelError) as exc:
-        return _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
+        return _fail(_load_error(exc))
     bar = _progress_bar(args, "requests")
 
     def progress(done: int, rejected: int) -> None:
@@ -165,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     metrics = report.to_json()
-    _print_store(args, llm, metrics)
+    _add_store_metrics(llm, metrics)
     if args.metrics:
         _write_json(args.metrics, metrics)
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; "
@@ -180,7 +178,7 @@ def _progress_bar(args: argparse.Namespace, desc: str) -> Any:
     return tqdm(desc=desc, unit="req", disable=args.no_progress, file=sys.stderr)
 
 
-def _print_store(args: argparse.Namespace, llm: Any, metrics: dict) -> None:
+def _add_store_metrics(llm: Any, metrics: dict) -> None:
     if llm.connector is not None:
         metrics["kv_store"] = llm.connector.stats.to_json()
         metrics["kv_store"]["store"] = llm.connector.store.stats()
@@ -229,7 +227,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     metrics = report.to_json()
-    _print_store(args, llm, metrics)
+    _add_store_metrics(llm, metrics)
     if args.metrics:
         _write_json(args.metrics, metrics)
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; {report.loaded_prompt_tokens} of "

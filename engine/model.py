@@ -121,10 +121,6 @@ class LlamaModel:
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = Hq * D, Hkv * D
         cos_sin = self.cos_sin
-        decode_slots = None
-        if nd:
-            max_len = int(batch.decode_context_lens.max())
-            decode_slots = K.gather_slots(batch.decode_block_tables, max_len, kv_cache.shape[3])
 
         h = self.embed.index_select(0, input_ids)
         residual: torch.Tensor | None = None
@@ -142,13 +138,13 @@ class LlamaModel:
                                              batch.positions, self.scale)
             elif nd == T:
                 attn = K.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
-                                                batch.decode_context_lens, self.scale, decode_slots,
+                                                batch.decode_context_lens, self.scale, None,
                                                 batch.decode_workspace)
             else:
                 attn = torch.empty_like(q)
                 if nd:
                     attn[:nd] = K.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                                         batch.decode_context_lens, self.scale, decode_slots,
+                                                         batch.decode_context_lens, self.scale, None,
                                                          batch.decode_workspace)
                 attn[nd:] = K.prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_block_tables,
                                                  batch.prefill_cu_query_lens, batch.prefill_context_lens,

@@ -49,13 +49,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens to compute for ``seq`` within ``budget``. A prefill cut by the budget ends on
-        a block boundary, so a prompt's blocks are computed from the same chunks every time."""
-        n = min(seq.num_pending_tokens, budget)
-        if n < seq.num_pending_tokens:
+    def _chunk(self, computed: int, pending: int, budget: int) -> int:
+        """Tokens to compute after ``computed`` ones, of ``pending``, within ``budget``. A prefill
+        cut by the budget ends on a block boundary, so a prompt's blocks are computed from the
+        same chunks every time."""
+        n = min(pending, budget)
+        if n < pending:
             bs = self.block_manager.block_size
-            aligned = (seq.num_computed_tokens + n) // bs * bs - seq.num_computed_tokens
+            aligned = (computed + n) // bs * bs - computed
             if aligned > 0:
                 n = aligned
         return n
@@ -68,7 +69,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, budget)
             assert n > 0, f"running sequence {seq.request_id!r} has nothing to compute"
             while not bm.can_append(seq, n):
                 victim = self.running[-1]
@@ -104,11 +105,7 @@ class Scheduler:
             # Blocks after the local hit that the external store holds: they are loaded, not computed.
             external = self.connector.match(seq, len(cached), keys) if self.connector else []
             hit = (len(cached) + len(external)) * bs
-            pending = seq.num_tokens - hit
-            n = min(pending, budget)
-            if n < pending:
-                aligned = (hit + n) // bs * bs - hit
-                n = aligned if aligned > 0 else n
+            n = self._chunk(hit, seq.num_tokens - hit, budget)
             if not bm.can_allocate(seq, len(external) * bs + n, cached):
                 if not self.running and not out:
                     raise RuntimeError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +145,7 @@ def run_jobs(
     in_flight: dict[str, Job] = {}
     started = time.perf_counter()
     with OrderedJsonlWriter(output_url, storage_options=storage_options) as out, \
-            _maybe_writer(errors_url, storage_options) as errors:
+            (JsonlWriter(errors_url, storage_options=storage_options) if errors_url else nullcontext()) as errors:
 
         def engine_requests() -> Iterator[GenerationRequest]:
             for job in jobs:
@@ -195,15 +196,3 @@ def run_batch(
     jobs = tokenize_requests(llm, read_requests(input_url, storage_options=storage_options))
     return run_jobs(llm, jobs, output_url, errors_url=errors_url, model_name=model_name,
                     storage_options=storage_options, on_progress=on_progress)
-
-
-class _NoWriter:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _maybe_writer(url: str | None, storage_options: dict[str, Any] | None) -> Any:
-    return JsonlWriter(url, storage_options=storage_options) if url else _NoWriter()
