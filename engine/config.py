@@ -5,11 +5,96 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+from kvbatch.engine.mla_config import MLA_ARCHITECTURES, MLAConfig
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
+# Architectures whose MLPs are (partly) mixtures of experts; MoEConfig.from_hf reads these.
+MOE_ARCHITECTURES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or one of its options is not implemented."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How a mixture-of-experts MLP routes and what it holds, one spelling for every family.
+
+    Routed output per token: ``sum_j w_j * expert_{id_j}(x)`` over the ``top_k`` chosen experts
+    (SiLU-gated MLPs of ``moe_intermediate_size``), plus a shared expert when
+    ``shared_expert_intermediate_size`` > 0 (scaled by ``sigmoid(shared_gate . x)`` when
+    ``shared_expert_gate``). Scoring is ``softmax`` (Mixtral, Qwen) or ``sigmoid`` (DeepSeek-V3,
+    which picks among the best ``topk_group`` of ``n_group`` expert groups, with a
+    per-expert correction bias that steers selection only).
+    """
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    norm_topk_prob: bool = True  # renormalise the chosen weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    has_correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert's output
+    first_k_dense_replace: int = 0  # layers below this index are dense (DeepSeek)
+    decoder_sparse_step: int = 1  # Qwen: every n-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen: layers kept dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a MoE MLP (the rule transformers applies)."""
+        return (layer >= self.first_k_dense_replace and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "MoEConfig | None":
+        """The MoE settings of an HF config dict; None for a dense architecture."""
+        model_type = cfg.get("model_type", "")
+        if model_type not in MOE_ARCHITECTURES:
+            return None
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{model_type}: hidden_act {cfg.get('hidden_act')!r} (only silu)")
+        # transformers 5 writes num_local_experts for some families where the hub has num_experts.
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+        if not experts:
+            raise UnsupportedModelError(f"{model_type}: config states no number of experts")
+        top_k = int(cfg.get("num_experts_per_tok") or 0)
+        if not 0 < top_k <= int(experts):
+            raise UnsupportedModelError(f"{model_type}: num_experts_per_tok {top_k} not in 1..{experts}")
+        common = dict(num_experts=int(experts), top_k=top_k)
+        if model_type == "mixtral":
+            return cls(**common, moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+        if model_type in ("qwen2_moe", "qwen3_moe"):
+            shared = int(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+            return cls(**common, moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                       shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0,
+                       decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                       mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+        # deepseek_v3
+        scoring = cfg.get("scoring_func", "sigmoid")
+        method = cfg.get("topk_method", "noaux_tc")
+        if scoring != "sigmoid" or method != "noaux_tc":
+            raise UnsupportedModelError(
+                f"deepseek_v3: routing {scoring}/{method} (only sigmoid scoring with noaux_tc top-k)")
+        if int(cfg.get("moe_layer_freq") or 1) != 1:
+            raise UnsupportedModelError("deepseek_v3: moe_layer_freq other than 1 is not implemented")
+        n_group = int(cfg.get("n_group") or 1)
+        if int(experts) % n_group:
+            raise UnsupportedModelError(f"deepseek_v3: {experts} experts do not split into {n_group} groups")
+        topk_group = int(cfg.get("topk_group") or 1)
+        if top_k > topk_group * (int(experts) // n_group):
+            raise UnsupportedModelError(
+                f"deepseek_v3: top-{top_k} cannot be chosen from {topk_group} groups of {int(experts) // n_group}")
+        inter = int(cfg["moe_intermediate_size"])
+        return cls(**common, moe_intermediate_size=inter, scoring="sigmoid",
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                   routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                   n_group=n_group, topk_group=topk_group, has_correction_bias=True,
+                   shared_expert_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+                   first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0))
 
 
 @dataclass(frozen=True)
@@ -29,6 +114,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_window: int | None = None
+    moe: MoEConfig | None = None  # None: every MLP is dense
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query/key head before rotary
+    mla: MLAConfig | None = None  # DeepSeek-V3 multi-head latent attention; None: plain GQA
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -47,9 +135,11 @@ class ModelConfig:
             scaling = dict(params)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
+            # MLA models check their own rope kinds (MLAConfig.from_hf).
+            if kind not in ("default", "llama3", "linear") and model_type not in MLA_ARCHITECTURES:
                 raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: llama3, linear)")
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        sliding_default = model_type in ("mistral", "mixtral")  # they apply any window they state
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", sliding_default) else None
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         if sliding is not None and int(sliding) < max_pos:
             raise UnsupportedModelError(
@@ -69,9 +159,23 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama-family models declare it.
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=_attention_bias(cfg),
+            moe=MoEConfig.from_hf(cfg),
+            qk_norm=model_type == "qwen3_moe",
+            mla=MLAConfig.from_hf(cfg, scaling),
         )
+
+
+def _attention_bias(cfg: dict[str, Any]) -> bool:
+    """Whether q/k/v carry biases. Qwen2 always has them, Qwen2-MoE says so as ``qkv_bias``
+    (default on); Llama-family models declare ``attention_bias``."""
+    model_type = cfg.get("model_type", "")
+    if model_type == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True))
+    bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+    if bias and model_type == "qwen3_moe":  # there it would bias o_proj too
+        raise UnsupportedModelError("qwen3_moe with attention_bias=true is not implemented")
+    return bias
 
 
 @dataclass

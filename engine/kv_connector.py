@@ -74,7 +74,9 @@ class ConnectorStats:
 
 
 class KVConnector:
-    """Loads and saves whole KV blocks ([layers, 2, block_size, kv_heads, head_dim]) by key.
+    """Loads and saves whole KV blocks (``kv_cache[:, :, block]``: ``[layers, 2, block_size,
+    kv_heads, head_dim]`` for the Llama family, ``[layers, 1, block_size, 1, latent + rope]`` for
+    MLA) by key. A stored block whose shape or dtype is not the cache's is a miss ("shape").
 
     Retain-or-recompute: fetching n blocks is estimated at ``n * block_bytes / load_bandwidth``,
     recomputing them at ``n * block_size / prefill_tokens_per_s``; both rates start from the

@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache,
+with mixture-of-experts MLPs where the config has them (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 Weights are plain tensors, not ``nn.Module``s: the forward pass is a flat loop over layers with
 fused QKV and gate/up projections, which keeps the per-layer Python overhead small enough for
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbatch.engine.config import ModelConfig
+from kvbatch.engine.config import ModelConfig, UnsupportedModelError
+from kvbatch.engine.moe import (ExpertCompute, LocalExperts, MoELayerWeights, RoutingObserver, load_moe_layer,
+                                moe_forward)
 from kvbatch.engine.rope import cos_sin_table
 from kvbatch.kernels import dispatch as K
 
@@ -24,8 +27,11 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, H], or its transpose
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # [2 I, H], or its transpose; None in a MoE layer
+    down: torch.Tensor | None
+    is_moe: bool = False  # the MLP is LlamaModel.moe_layers[layer index]
+    q_norm: torch.Tensor | None = None  # [D], Qwen3: RMSNorm per query head before rotary
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,7 +58,13 @@ class ForwardBatch:
 
 
 class LlamaModel:
-    """Holds the weights; ``forward`` runs one step over a packed batch of tokens."""
+    """Holds the weights; ``forward`` runs one step over a packed batch of tokens.
+
+    MoE hooks (used by expert parallelism and load balancing, never by the dense path):
+    ``moe_layers`` maps a layer index to its :class:`MoELayerWeights`; ``expert_compute``
+    computes the routed experts (default: all of them, locally); ``routing_observers`` are
+    called with ``(layer_idx, topk_ids)`` at every MoE layer of every step.
+    """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  batch_invariant: bool = False) -> None:
@@ -60,6 +72,10 @@ class LlamaModel:
         self.dtype = dtype
         self.batch_invariant = batch_invariant
         c = config
+        if batch_invariant and c.moe is not None:
+            # Each expert's GEMM gets however many rows the batch routes to it; padding them
+            # like _linear does is not implemented, so the bits would depend on the batch.
+            raise UnsupportedModelError("batch-invariant mode is not implemented for mixture-of-experts models")
 
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
@@ -77,26 +93,44 @@ class LlamaModel:
 
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
+        self.moe_layers: dict[int, MoELayerWeights] = {}
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             qkv = take_t(*(p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")))
             bias = None
             if c.attention_bias:
                 bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
-            self.layers.append(LayerWeights(
+            lw = LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=qkv,
                 qkv_bias=bias,
                 o_proj=take_t(p + "self_attn.o_proj.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=take_t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=take_t(p + "mlp.down_proj.weight"),
-            ))
+                gate_up=None,
+                down=None,
+            )
+            if c.qk_norm:
+                lw.q_norm, lw.k_norm = take(p + "self_attn.q_norm.weight"), take(p + "self_attn.k_norm.weight")
+            if c.moe is not None and c.moe.is_moe_layer(i):
+                lw.is_moe = True
+                self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype)
+            else:
+                lw.gate_up = take_t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                lw.down = take_t(p + "mlp.down_proj.weight")
+            self.layers.append(lw)
+        self.expert_compute: ExpertCompute = LocalExperts(self.moe_layers)
+        self.routing_observers: list[RoutingObserver] = []
         self.norm = take("model.norm.weight")
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = take_t("model.embed_tokens.weight" if tied else "lm_head.weight")
         self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         self.scale = c.head_dim ** -0.5
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``[L, 2 (K, V), num_blocks, block_size, Hkv, D]``; the runner allocates this and the KV
+        store saves ``[:, :, block]`` slices of it (other attention kinds override the shape)."""
+        c = self.config
+        return (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
     # Rows at which CPU BLAS switches kernels (measured with MKL/oneDNN sgemm: 4, 8 and 12+
     # rows give the same per-row result as any larger batch; 1-3, 5-7, 9-11 do not).
@@ -112,9 +146,12 @@ class LlamaModel:
             return F.linear(x, w, b)
         return torch.addmm(b, x, w) if b is not None else x @ w
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                num_layers: int | None = None) -> torch.Tensor:
         """Run the packed tokens through the model, writing their K/V into ``kv_cache``
-        ([L, 2, num_blocks, block_size, Hkv, D]); return logits [N, V] for ``logits_rows``."""
+        ([L, 2, num_blocks, block_size, Hkv, D]); return logits [N, V] for ``logits_rows``.
+        ``num_layers``: stop after that many layers and apply the final norm and head to what
+        they give (early-exit self-speculation drafts this way)."""
         c = self.config
         T = input_ids.shape[0]
         nd = batch.num_decode
@@ -124,12 +161,15 @@ class LlamaModel:
 
         h = self.embed.index_select(0, input_ids)
         residual: torch.Tensor | None = None
-        for li, lw in enumerate(self.layers):
+        for li, lw in enumerate(self.layers[:num_layers]):
             x, residual = K.rms_norm(h, lw.input_norm, c.rms_norm_eps, residual)
             qkv = self._linear(x, lw.qkv, lw.qkv_bias)
             q = qkv[:, :q_size].view(T, Hq, D)
             k = qkv[:, q_size:q_size + kv_size].view(T, Hkv, D)
             v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
+            if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before rotary
+                q = K.rms_norm(q.reshape(T * Hq, D), lw.q_norm, c.rms_norm_eps)[0].view(T, Hq, D)
+                k = K.rms_norm(k.reshape(T * Hkv, D), lw.k_norm, c.rms_norm_eps)[0].view(T, Hkv, D)
             q, k = K.apply_rotary(q, k, batch.positions, cos_sin)
             k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
             K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -151,6 +191,9 @@ class LlamaModel:
                                                  self.scale)
             h = self._linear(attn.view(T, q_size), lw.o_proj)
             x, residual = K.rms_norm(h, lw.post_norm, c.rms_norm_eps, residual)
+            if lw.is_moe:
+                h = moe_forward(x, self.moe_layers[li], c.moe, li, self.expert_compute, self.routing_observers)
+                continue
             gate_up = self._linear(x, lw.gate_up)
             inter = gate_up.shape[1] // 2  # gate_up output is [T, 2 I] in either layout
             h = self._linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down)

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from kvbatch.engine.config import MoEConfig, UnsupportedModelError
+
 __all__ = [
     "BUNDLED_MODELS",
     "Checkpoint",
@@ -47,6 +49,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Loaded (names checked, experts fused) for the DeepSeek model; MLA attention lives there.
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 _GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -86,6 +93,15 @@ _GGUF_GLOBAL_NAMES: dict[str, str] = {
     "output.weight": "lm_head.weight",
 }
 _GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# One expert's matrix in the hub's per-expert layout: Mixtral's block_sparse_moe.experts.{j}.w1/w3/w2
+# (gate/up/down), Qwen's and DeepSeek's mlp.experts.{j}.{gate,up,down}_proj.
+_PER_EXPERT_RE = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# Mixtral's router and (transformers 5) fused experts under the old block_sparse_moe prefix.
+_MIXTRAL_BLOCK_RE = re.compile(
+    r"^(model\.layers\.\d+)\.block_sparse_moe\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
 _T = TypeVar("_T")
 
 
@@ -215,6 +231,7 @@ def _load_hf_folder(
             tensors[name] = tensor.to(dtype)
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)  # tied: the engine uses the embedding matrix
+    tensors = _fuse_experts(tensors, source)
     _check_tensors(tensors, config, source)
 
     return config, tensors, _hf_tokenizer_source(fs, path, source)
@@ -295,6 +312,8 @@ def _normalize_hf_config(raw: dict[str, Any], source: str, dtype: torch.dtype) -
         config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
     config.setdefault("max_position_embeddings", 2048)
     config["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
+    if model_type == "qwen2_moe":  # it says qkv_bias (default on) where others say attention_bias
+        config["attention_bias"] = bool(config.get("qkv_bias", True))
     config.setdefault("attention_bias", model_type == "qwen2")  # Qwen2 always has q/k/v biases
     config.setdefault("bos_token_id", None)
     config.setdefault("eos_token_id", None)
@@ -302,13 +321,82 @@ def _normalize_hf_config(raw: dict[str, Any], source: str, dtype: torch.dtype) -
     return config
 
 
+def _fuse_experts(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Bring every MoE layout to the names transformers 5 keeps in memory, so the engine reads one.
+
+    The hub's per-expert matrices (``experts.{j}.gate_proj`` ... or Mixtral's ``w1/w3/w2``) are
+    stacked into ``mlp.experts.gate_up_proj`` [E, 2 I, H] (gate rows, then up) and
+    ``mlp.experts.down_proj`` [E, H, I], and Mixtral's ``block_sparse_moe.`` becomes ``mlp.``.
+    Checkpoints already fused pass through. The fingerprint is taken afterwards, so the same
+    weights in either layout give the same cache keys.
+    """
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if match := _PER_EXPERT_RE.match(name):
+            layer, index, part = match.group(1), int(match.group(2)), _EXPERT_PART[match.group(3)]
+            experts.setdefault(layer, {}).setdefault(part, {})[index] = tensor
+        elif match := _MIXTRAL_BLOCK_RE.match(name):
+            out[f"{match.group(1)}.mlp.{match.group(2)}"] = tensor
+        else:
+            out[name] = tensor
+    for layer, parts in experts.items():
+        indices = {part: sorted(found) for part, found in parts.items()}
+        count = max(len(found) for found in indices.values())
+        for part in ("gate", "up", "down"):
+            if indices.get(part) != list(range(count)):
+                raise ModelLoadError(f"{source}: {layer} has {count} experts but not every one has a {part} matrix")
+        gate, up, down = parts["gate"][0], parts["up"][0], parts["down"][0]
+        inter, hidden = gate.shape
+        if (up.shape != gate.shape or down.shape != (hidden, inter)
+                or any(parts[p][j].shape != parts[p][0].shape for p in parts for j in range(count))):
+            raise ModelLoadError(f"{source}: {layer}'s expert matrices disagree in shape")
+        # Filled in place: stacking concatenations would hold every expert twice while loading.
+        gate_up = gate.new_empty((count, 2 * inter, hidden))
+        for j in range(count):
+            gate_up[j, :inter] = parts["gate"][j]
+            gate_up[j, inter:] = parts["up"][j]
+        out[f"{layer}.mlp.experts.gate_up_proj"] = gate_up
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([parts["down"][j] for j in range(count)])
+    return out
+
+
+def _required_layer_tensors(config: dict[str, Any], moe: MoEConfig | None, layer: int) -> list[str]:
+    """The weights layer ``layer`` cannot run without, by architecture."""
+    names = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
+    if config["model_type"] == "deepseek_v3":  # multi-head latent attention
+        names += [f"self_attn.{n}.weight" for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")]
+        names += (["self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight"]
+                  if config.get("q_lora_rank") else ["self_attn.q_proj.weight"])
+    else:
+        names += [f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")]
+    if config["model_type"] == "qwen3_moe":
+        names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if moe is not None and moe.is_moe_layer(layer):
+        names += ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        if moe.has_correction_bias:
+            names.append("mlp.gate.e_score_correction_bias")
+        if moe.shared_expert_intermediate_size:
+            shared = "shared_experts" if config["model_type"] == "deepseek_v3" else "shared_expert"
+            names += [f"mlp.{shared}.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if moe.shared_expert_gate:
+            names.append("mlp.shared_expert_gate.weight")
+    else:
+        names += ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    return [f"model.layers.{layer}.{name}" for name in names]
+
+
 def _check_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any], source: str) -> None:
     """Fail at load, not at the first forward pass, when a weight the config promises is absent."""
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config["tie_word_embeddings"]:
         required.append("lm_head.weight")
+    try:
+        moe = MoEConfig.from_hf(config)
+    except (UnsupportedModelError, KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: invalid MoE settings ({_reason(exc)})") from exc
     for layer in range(int(config["num_hidden_layers"])):
-        required += [f"model.layers.{layer}.{name}" for name in _GGUF_LAYER_NAMES.values() if name.endswith("weight")]
+        required += _required_layer_tensors(config, moe, layer)
     missing = [name for name in required if name not in tensors]
     if missing:
         raise ModelLoadError(f"{source}: missing {len(missing)} weight(s), first {missing[0]}")

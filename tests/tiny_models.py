@@ -72,3 +72,65 @@ def build_tiny_chat_model(folder: Path, seed: int = 0, max_positions: int = 256)
         "chat_template": tok.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
         "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>"}))
     return folder
+
+
+# ---------------------------------------------------------------- mixture-of-experts
+
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+NUM_EXPERTS = 8
+HOT_EXPERTS = (0, 1)  # the experts build_tiny_moe(skew > 0) makes the router prefer
+_HOT_DIM = 0  # the hidden coordinate every token shares when skewed
+
+
+def _moe_config(arch: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, rope_theta=10000.0,
+                  num_experts_per_tok=2)
+    if arch == "mixtral":  # experts of intermediate_size, always renormalised
+        return tf.MixtralConfig(**common, num_local_experts=NUM_EXPERTS, sliding_window=None,
+                                tie_word_embeddings=False)
+    if arch == "qwen2_moe":  # q/k/v biases, a shared expert behind a sigmoid gate, raw top-k weights
+        return tf.Qwen2MoeConfig(**common, num_experts=NUM_EXPERTS, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, norm_topk_prob=False, qkv_bias=True,
+                                 use_sliding_window=False, tie_word_embeddings=True)
+    if arch == "qwen3_moe":  # q/k norms, renormalised top-k, layer 1 dense
+        return tf.Qwen3MoeConfig(**common, num_experts=NUM_EXPERTS, moe_intermediate_size=32, head_dim=16,
+                                 norm_topk_prob=True, mlp_only_layers=[1], use_sliding_window=False,
+                                 tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+def build_tiny_moe(arch: str, folder: Path, seed: int = 0, skew: float = 0.0):
+    """Save a random MoE model of ``arch`` (8 experts, top-2, 3 layers) into ``folder``;
+    returns the transformers model (eval, fp32).
+
+    ``skew`` > 0 makes every router prefer ``HOT_EXPERTS``: every token's embedding gets a
+    shared component on one hidden coordinate and the hot experts' router rows a weight of
+    ``skew`` on it, so their logits rise for all tokens alike (skew 4 sends most choices there).
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = _moe_config(arch)
+    cls = {"mixtral": tf.MixtralForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM,
+           "qwen3_moe": tf.Qwen3MoeForCausalLM}[arch]
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+                # Routers start near zero: spread their logits so no two experts nearly tie
+                # (a near-tie would flip on rounding noise and make parity tests flaky).
+                p.copy_(torch.randn_like(p))
+        if skew:
+            model.model.embed_tokens.weight[:, _HOT_DIM] = 2.0
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and gate.weight.shape[0] == NUM_EXPERTS:  # dense layers have no router
+                    gate.weight[list(HOT_EXPERTS), _HOT_DIM] += skew
+    model.save_pretrained(folder)
+    return model

@@ -1,0 +1,267 @@
+"""DeepSeek-V3: Multi-head Latent Attention (MLA) over a compressed paged KV cache, dense MLPs in
+the first ``first_k_dense_replace`` layers and mixture-of-experts MLPs after them.
+
+Per token and layer the cache holds ``kv_lora_rank + qk_rope_head_dim`` numbers (the normalised
+latent ``c_kv`` and the shared rotated rope key ``k_pe``), not per-head keys and values: for
+DeepSeek-V3 that is 576 numbers against 128 heads x 2 x 192 for the same attention in plain MHA.
+Attention reads only that compressed form. ``kv_b_proj`` is split per head into ``W_UK`` and
+``W_UV`` and folded into the query (``q_latent = W_UK^T q_nope``) and the output
+(``W_UV @ latent``), so no key or value is ever expanded ("weight absorption"); the kernels are
+in :mod:`kvbatch.kernels.reference_mla`.
+
+Matches transformers' ``DeepseekV3ForCausalLM``: interleaved rope (``rope_interleave``) is done
+by permuting the rope rows of the projections once at load, so the rotary kernel of the Llama
+path serves unchanged; YaRN scales cos/sin by its attention factor and the softmax scale by
+``mscale(factor, mscale_all_dim)**2``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvbatch.engine.config import ModelConfig, UnsupportedModelError
+from kvbatch.engine.mla_config import MLAConfig, yarn_mscale
+from kvbatch.engine.model import ForwardBatch, LlamaModel
+from kvbatch.engine.moe import (ExpertCompute, LocalExperts, MoELayerWeights, RoutingObserver, load_moe_layer,
+                                 moe_forward)
+from kvbatch.engine.rope import cos_sin_table
+from kvbatch.kernels import dispatch as K
+from kvbatch.kernels import reference_mla as M
+
+# transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps,
+# not config.rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass
+class MLALayerWeights:
+    input_norm: torch.Tensor
+    # x -> [q_a | c_kv | k_pe] (q_lora_rank set) or [q | c_kv | k_pe] (no q LoRA): one GEMM.
+    a_proj: torch.Tensor  # [out, H], or its transpose (LlamaModel.transposed)
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]
+    q_b: torch.Tensor | None  # [Hq * (dn + dr), q_lora_rank], or its transpose
+    kv_a_norm: torch.Tensor  # [C]
+    w_uk: torch.Tensor  # [Hq, dn, C]: q_latent[h] = q_nope[h] @ w_uk[h]
+    w_uv: torch.Tensor  # [Hq, C, dv]: out[h] = latent[h] @ w_uv[h]
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor | None  # dense MLP; None in a MoE layer
+    down: torch.Tensor | None
+    is_moe: bool = False
+
+
+def _rope_permutation(rope_dim: int) -> torch.Tensor:
+    """Row order that turns interleaved rope pairs (x0, x1), (x2, x3)... into split halves
+    (x0, x2, ... | x1, x3, ...): exactly what transformers' ``apply_rotary_pos_emb_interleave``
+    rotates, so rotate-half rope on permuted rows equals interleaved rope on the original ones."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+def yarn_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any], max_positions: int
+                             ) -> tuple[torch.Tensor, float]:
+    """YaRN's per-pair inverse frequencies and cos/sin attention factor, as transformers'
+    ``_compute_yarn_parameters`` computes them."""
+    factor = float(scaling.get("factor") or max_positions / scaling["original_max_position_embeddings"])
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: the original frequency, 0: the stretched one
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def mla_cos_sin_table(rope_dim: int, theta: float, scaling: dict[str, Any] | None,
+                      max_positions: int) -> torch.Tensor:
+    """``[max_positions, rope_dim]`` cos | sin table (the layout of :func:`cos_sin_table`), with
+    YaRN frequencies and its attention factor folded into both halves when configured."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return cos_sin_table(rope_dim, theta, None, max_positions)
+    if kind != "yarn":
+        raise UnsupportedModelError(f"MLA rope scaling {kind!r} is not implemented")
+    assert scaling is not None
+    inv_freq, attention_factor = yarn_inverse_frequencies(rope_dim, theta, scaling, max_positions)
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
+
+
+class DeepseekV3Model(LlamaModel):
+    """DeepSeek-V3 over an MLA cache ``[L, 1, num_blocks, block_size, 1, C + R]``.
+
+    Shares :class:`LlamaModel`'s GEMM helpers (the weight layout chosen per dtype and the
+    batch-invariant padding) and its interface: ``forward``, ``kv_cache_shape``, ``config``,
+    ``dtype``, ``batch_invariant`` and the MoE hooks ``moe_layers``, ``expert_compute`` and
+    ``routing_observers``. Its weights and its forward pass are its own.
+    """
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 batch_invariant: bool = False) -> None:
+        if config.mla is None:
+            raise UnsupportedModelError(f"{config.model_type}: not an MLA model")
+        self.config = config
+        self.dtype = dtype
+        self.batch_invariant = batch_invariant
+        self.transposed = dtype == torch.float32  # see LlamaModel.__init__
+        c, m = config, config.mla
+        self.mla: MLAConfig = m
+        Hq, dn, dr, dv, C = c.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise KeyError(f"checkpoint lacks tensor {name!r}")
+            return tensors[name].to(dtype).contiguous()
+
+        def layout(w: torch.Tensor) -> torch.Tensor:
+            return w.t().contiguous() if self.transposed else w.contiguous()
+
+        perm = _rope_permutation(dr) if m.rope_interleave else None
+
+        def q_rows(w: torch.Tensor) -> torch.Tensor:
+            """[Hq * (dn + dr), in] with each head's rope rows de-interleaved."""
+            if perm is None:
+                return w
+            w = w.view(Hq, dn + dr, -1).clone()
+            w[:, dn:] = w[:, dn:].index_select(1, perm)
+            return w.view(Hq * (dn + dr), -1)
+
+        def kv_a_rows(w: torch.Tensor) -> torch.Tensor:
+            """[C + dr, H] with the rope key's rows de-interleaved."""
+            if perm is None:
+                return w
+            return torch.cat([w[:C], w[C:].index_select(0, perm)])
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers: list[MLALayerWeights] = []  # type: ignore[assignment]
+        self.moe_layers: dict[int, MoELayerWeights] = {}
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = f"{p}self_attn."
+            kv_a = kv_a_rows(take(a + "kv_a_proj_with_mqa.weight"))
+            if m.q_lora_rank is not None:
+                a_proj = torch.cat([take(a + "q_a_proj.weight"), kv_a])
+                q_a_norm, q_b = take(a + "q_a_layernorm.weight"), layout(q_rows(take(a + "q_b_proj.weight")))
+            else:
+                a_proj = torch.cat([q_rows(take(a + "q_proj.weight")), kv_a])
+                q_a_norm, q_b = None, None
+            kv_b = take(a + "kv_b_proj.weight").view(Hq, dn + dv, C)
+            lw = MLALayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                a_proj=layout(a_proj),
+                q_a_norm=q_a_norm,
+                q_b=q_b,
+                kv_a_norm=take(a + "kv_a_layernorm.weight"),
+                w_uk=kv_b[:, :dn].contiguous(),
+                w_uv=kv_b[:, dn:].transpose(1, 2).contiguous(),
+                o_proj=layout(take(a + "o_proj.weight")),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=None,
+                down=None,
+            )
+            if c.moe is not None and c.moe.is_moe_layer(i):
+                lw.is_moe = True
+                self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype)
+            else:
+                lw.gate_up = layout(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+                lw.down = layout(take(p + "mlp.down_proj.weight"))
+            self.layers.append(lw)
+        self.expert_compute: ExpertCompute = LocalExperts(self.moe_layers)
+        self.routing_observers: list[RoutingObserver] = []
+        self.norm = take("model.norm.weight")
+        tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
+        self.lm_head = layout(take("model.embed_tokens.weight" if tied else "lm_head.weight"))
+        self.cos_sin = mla_cos_sin_table(dr, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.scale = m.softmax_scale
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``[L, 1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``: one latent
+        row per token (the size-1 axes keep the Llama cache's axis order for block copies)."""
+        return (self.config.num_layers, 1, num_blocks, block_size, 1, self.mla.cache_dim)
+
+    def _per_head(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, Hq, a] times ``w`` [Hq, a, b] head by head -> [T, Hq, b], padded like
+        ``_linear`` in batch-invariant mode so a row's bits do not depend on T."""
+        T = x.shape[0]
+        if self.batch_invariant and 0 < T < 12 and T % 4:
+            x = torch.cat([x, x.new_zeros(4 - T % 4, *x.shape[1:])])
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)[:T]
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Run the packed tokens through the model, writing their latent rows into ``kv_cache``
+        (``kv_cache_shape``); return logits [N, V] for ``logits_rows``. ``num_layers``: stop
+        after that many layers (early-exit drafting), as in :meth:`LlamaModel.forward`."""
+        c, m = self.config, self.mla
+        T = input_ids.shape[0]
+        nd = batch.num_decode
+        Hq, dn, dr, C = c.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        q_width = m.q_lora_rank if m.q_lora_rank is not None else Hq * (dn + dr)
+
+        h = self.embed.index_select(0, input_ids)
+        residual: torch.Tensor | None = None
+        for li, lw in enumerate(self.layers[:num_layers]):
+            x, residual = K.rms_norm(h, lw.input_norm, c.rms_norm_eps, residual)
+            a = self._linear(x, lw.a_proj)
+            q = a[:, :q_width]
+            if lw.q_b is not None:
+                q = self._linear(K.rms_norm(q.contiguous(), lw.q_a_norm, LATENT_NORM_EPS)[0], lw.q_b)
+            q = q.reshape(T, Hq, dn + dr)
+            c_kv = K.rms_norm(a[:, q_width:q_width + C].contiguous(), lw.kv_a_norm, LATENT_NORM_EPS)[0]
+            q_pe, k_pe = K.apply_rotary(q[..., dn:].contiguous(), a[:, q_width + C:].reshape(T, 1, dr).contiguous(),
+                                        batch.positions, self.cos_sin)
+            cache = kv_cache[li, 0]  # [num_blocks, block_size, 1, C + dr]
+            M.store_mla_kv(torch.cat([c_kv, k_pe.view(T, dr)], dim=-1), cache, batch.slot_mapping)
+            q_latent = self._per_head(q[..., :dn], lw.w_uk)  # [T, Hq, C]
+            if self.batch_invariant:
+                # MQA with one key "head" [c ; k_pe] whose value is the whole row; the extra dr
+                # value columns are dropped. Reuses the fixed-shape kernel, bits and all.
+                latent = K.invariant_attention(torch.cat([q_latent, q_pe], dim=-1), cache, cache,
+                                               batch.block_tables, batch.seq_index, batch.positions,
+                                               self.scale)[..., :C]
+            else:
+                ws = batch.decode_workspace[0] if batch.decode_workspace is not None else None
+                latent = q_latent.new_empty(T, Hq, C)
+                if nd:
+                    latent[:nd] = K.mla_decode_attention(q_latent[:nd], q_pe[:nd], cache, batch.decode_block_tables,
+                                                         batch.decode_context_lens, self.scale, ws)
+                if nd < T:
+                    latent[nd:] = M.mla_prefill_attention(q_latent[nd:], q_pe[nd:], cache,
+                                                          batch.prefill_block_tables, batch.prefill_cu_query_lens,
+                                                          batch.prefill_context_lens, self.scale)
+            out = self._per_head(latent, lw.w_uv)  # [T, Hq, dv]
+            h = self._linear(out.reshape(T, -1), lw.o_proj)
+            x, residual = K.rms_norm(h, lw.post_norm, c.rms_norm_eps, residual)
+            if lw.is_moe:
+                assert c.moe is not None
+                h = moe_forward(x, self.moe_layers[li], c.moe, li, self.expert_compute, self.routing_observers)
+                continue
+            gate_up = self._linear(x, lw.gate_up)
+            inter = gate_up.shape[1] // 2
+            h = self._linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down)
+        assert residual is not None
+        h = (h + residual).index_select(0, batch.logits_rows)
+        x, _ = K.rms_norm(h, self.norm, c.rms_norm_eps)
+        return self._linear(x, self.lm_head).float()

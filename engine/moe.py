@@ -1,0 +1,194 @@
+"""Mixture-of-experts MLPs: routing, the expert computation hook, and a layer's weights.
+
+One code path serves Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3's MoE layers; a
+:class:`MoEConfig` (see :mod:`kvbatch.engine.config`) says how each family differs. A layer runs
+as ``route`` -> routed experts -> + shared expert (:func:`moe_forward`).
+
+The routed experts are computed by an :class:`ExpertCompute`: by default :class:`LocalExperts`,
+which runs all of a layer's experts in this process with :func:`kvbatch.kernels.dispatch.fused_moe`.
+Expert parallelism swaps in another implementation on the model (``model.expert_compute``)
+without touching the model code; load balancers watch the routing through
+``model.routing_observers``.
+
+Weight layout (the contract other modules code against): ``w_gate_up`` ``[E, 2 I, H]`` (gate
+rows first, then up), ``w_down`` ``[E, H, I]`` — ``[out, in]`` like ``F.linear``, the same as
+transformers 5 keeps them in memory (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvbatch.engine.config import MoEConfig
+from kvbatch.kernels import dispatch as K
+
+__all__ = [
+    "ExpertCompute",
+    "LocalExperts",
+    "MoEConfig",
+    "MoELayerWeights",
+    "RoutingObserver",
+    "load_moe_layer",
+    "moe_forward",
+    "route",
+]
+
+RoutingObserver = Callable[[int, torch.Tensor], None]  # (layer_idx, topk_ids [T, k])
+
+
+@dataclass
+class MoELayerWeights:
+    """The weights of one MoE MLP; names and shapes are the shared contract (module docstring)."""
+
+    router: torch.Tensor  # [E, H], kept in fp32: routing decides discretely, so compute it exactly
+    w_gate_up: torch.Tensor  # [E, 2 I, H]
+    w_down: torch.Tensor  # [E, H, I]
+    correction_bias: torch.Tensor | None = None  # [E] fp32, DeepSeek-V3 (selection only)
+    shared_gate_up: torch.Tensor | None = None  # [2 Is, H]
+    shared_down: torch.Tensor | None = None  # [H, Is]
+    shared_gate: torch.Tensor | None = None  # [1, H], Qwen2-MoE
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[0]
+
+
+class ExpertCompute(Protocol):
+    """Computes the routed experts' weighted sum for one layer (shared experts excluded).
+
+    Called by :func:`moe_forward` once per MoE layer per step, in layer order, on every rank
+    that runs the model. ``x``: [T, H]; ``topk_ids``: [T, k] int64 logical expert ids;
+    ``topk_weights``: [T, k] fp32 (normalisation and scaling included). Returns [T, H] in
+    ``x.dtype``: ``out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``.
+    """
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalExperts:
+    """Every expert of every layer in this process: the default :class:`ExpertCompute`.
+
+    Reads the weights from ``layers`` at each call, so a caller that replaces an entry of the
+    model's ``moe_layers`` is seen at once.
+    """
+
+    def __init__(self, layers: Mapping[int, MoELayerWeights]) -> None:
+        self.layers = layers
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[layer_idx]
+        return K.fused_moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights)
+
+
+def route(x: torch.Tensor, layer: MoELayerWeights, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose ``cfg.top_k`` experts per token and their weights.
+
+    ``x``: [T, H]. Returns ``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``; the weights
+    already carry the family's normalisation and ``routed_scaling_factor``. Computed in fp32
+    whatever the model dtype (a flipped choice changes a token's output wholesale).
+
+    - softmax (Mixtral, Qwen): top-k of ``softmax(logits)``, renormalised when ``norm_topk_prob``
+      (Mixtral always).
+    - sigmoid (DeepSeek-V3): ``s = sigmoid(logits)``; selection ranks ``s + correction_bias``,
+      first keeping the ``topk_group`` groups whose two best experts score highest, then the
+      top-k experts inside them; the weights are the un-biased ``s`` of the chosen experts,
+      renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
+    """
+    logits = F.linear(x.float(), layer.router.float())
+    k = cfg.top_k
+    if cfg.scoring == "softmax":
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif cfg.scoring == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores if layer.correction_bias is None else scores + layer.correction_bias.float()
+        if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+            T, E = choice.shape
+            grouped = choice.view(T, cfg.n_group, E // cfg.n_group)
+            group_scores = grouped.topk(min(2, E // cfg.n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
+            keep = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(T, E)
+        ids = torch.topk(choice, k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"unknown MoE scoring {cfg.scoring!r}")
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return ids, weights
+
+
+def moe_forward(
+    x: torch.Tensor,
+    layer: MoELayerWeights,
+    cfg: MoEConfig,
+    layer_idx: int,
+    experts: ExpertCompute | None = None,
+    observers: Iterable[RoutingObserver] = (),
+) -> torch.Tensor:
+    """One MoE MLP on ``x`` [T, H] (already normed): route, tell ``observers``
+    ``(layer_idx, topk_ids)``, run the routed experts through ``experts`` (default: all local,
+    from ``layer``), then add the shared expert. Returns [T, H] in ``x.dtype``."""
+    topk_ids, topk_weights = route(x, layer, cfg)
+    for observe in observers:
+        observe(layer_idx, topk_ids)
+    if experts is None:
+        out = K.fused_moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights)
+    else:
+        out = experts(layer_idx, x, topk_ids, topk_weights)
+    if layer.shared_gate_up is not None:
+        assert layer.shared_down is not None
+        gate_up = F.linear(x, layer.shared_gate_up)
+        inter = gate_up.shape[1] // 2
+        shared = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.shared_down)
+        if layer.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, layer.shared_gate)) * shared
+        out = out + shared
+    return out
+
+
+def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoEConfig,
+                   dtype: torch.dtype) -> MoELayerWeights:
+    """A layer's MoE weights from HF-named ``tensors`` under ``prefix`` (e.g. ``"model.layers.3.mlp."``).
+
+    Reads the names transformers 5 uses in memory (``gate.weight``,
+    ``gate.e_score_correction_bias``, ``experts.gate_up_proj``, ``experts.down_proj``,
+    ``shared_expert(s).{gate,up,down}_proj.weight``, ``shared_expert_gate.weight``), which is
+    what :func:`kvbatch.engine.weights.load_checkpoint` produces from either the fused or the
+    hub's per-expert layout. Experts are cast to ``dtype``; the router and its bias stay fp32.
+    """
+
+    def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        if prefix + name not in tensors:
+            raise KeyError(f"checkpoint lacks tensor {prefix + name!r}")
+        return tensors[prefix + name].to(as_dtype).contiguous()
+
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    layer = MoELayerWeights(router=take("gate.weight", torch.float32), w_gate_up=take("experts.gate_up_proj"),
+                            w_down=take("experts.down_proj"))
+    H = layer.router.shape[1]
+    for name, got, want in (("gate.weight", layer.router.shape, (E, H)),
+                            ("experts.gate_up_proj", layer.w_gate_up.shape, (E, 2 * I, H)),
+                            ("experts.down_proj", layer.w_down.shape, (E, H, I))):
+        if tuple(got) != want:
+            raise ValueError(f"{prefix}{name} has shape {tuple(got)}, the config says {want}")
+    if cfg.has_correction_bias:
+        layer.correction_bias = take("gate.e_score_correction_bias", torch.float32)
+    if cfg.shared_expert_intermediate_size:
+        # Qwen2-MoE names it shared_expert, DeepSeek shared_experts.
+        shared = "shared_expert." if prefix + "shared_expert.gate_proj.weight" in tensors else "shared_experts."
+        layer.shared_gate_up = torch.cat([take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")])
+        layer.shared_down = take(shared + "down_proj.weight")
+        if cfg.shared_expert_gate:
+            layer.shared_gate = take("shared_expert_gate.weight")
+    return layer
