@@ -1,8 +1,9 @@
 """The one place that decides which implementation of a hot-path kernel runs.
 
 On CUDA tensors with Triton importable, the Triton kernels run; everywhere else the PyTorch
-reference twins in :mod:`kvbatch.kernels.reference` do. Callers import from here only, so a
-kernel can be swapped or disabled without touching the engine.
+reference twins in :mod:`kvbatch.kernels.reference` (and ``reference_mla``,
+``reference_verify``) do. Callers import from here only, so a kernel can be swapped or disabled
+without touching the engine.
 
 ``KVBATCH_KERNELS`` (read at every call):
 - unset / ``auto``: Triton for CUDA tensors when it imports, the reference otherwise;
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvbatch.kernels import reference
+from kvbatch.kernels import reference, reference_mla, reference_verify
 
 gather_slots = reference.gather_slots  # index arithmetic only: the Triton kernels do not need it
 # Bitwise batch-invariant attention for CPU determinism; no Triton twin (on a GPU, invariance
@@ -35,7 +36,15 @@ invariant_attention = reference.invariant_attention
 def _triton_kernels() -> SimpleNamespace | None:
     """The Triton kernels, or None when Triton cannot be imported."""
     try:
-        from kvbatch.kernels import triton_attention, triton_rms_norm, triton_rotary, triton_store_kv
+        from kvbatch.kernels import (
+            triton_attention,
+            triton_mla,
+            triton_moe,
+            triton_rms_norm,
+            triton_rotary,
+            triton_store_kv,
+            triton_verify,
+        )
     except ImportError:
         return None
     return SimpleNamespace(
@@ -44,6 +53,10 @@ def _triton_kernels() -> SimpleNamespace | None:
         store_kv=triton_store_kv.store_kv,
         paged_decode_attention=triton_attention.paged_decode_attention,
         prefill_attention=triton_attention.prefill_attention,
+        fused_moe=triton_moe.fused_moe,
+        mla_decode_attention=triton_mla.mla_decode_attention,
+        spec_accept=triton_verify.spec_accept,
+        spec_recover=triton_verify.spec_recover,
         interpreted=triton_attention.INTERPRETED,
     )
 
@@ -135,3 +148,53 @@ def prefill_attention(
 ) -> torch.Tensor:
     """See :func:`reference.prefill_attention`."""
     return _impl(q).prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """See :func:`reference.fused_moe`."""
+    return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See :func:`reference_mla.mla_decode_attention` (``workspace`` serves the reference only)."""
+    if backend(q_latent) == "triton":
+        return _triton_kernels().mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, scale)
+    return reference_mla.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, scale, workspace)
+
+
+def spec_accept(
+    p_draft_token: torch.Tensor,
+    q_draft_token: torch.Tensor,
+    uniforms: torch.Tensor,
+    num_drafts: torch.Tensor,
+) -> torch.Tensor:
+    """See :func:`reference_verify.spec_accept`."""
+    impl = _triton_kernels() if backend(p_draft_token) == "triton" else reference_verify
+    return impl.spec_accept(p_draft_token, q_draft_token, uniforms, num_drafts)
+
+
+def spec_recover(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    num_drafts: torch.Tensor,
+    noise: torch.Tensor,
+) -> torch.Tensor:
+    """See :func:`reference_verify.spec_recover`."""
+    impl = _triton_kernels() if backend(target_probs) == "triton" else reference_verify
+    return impl.spec_recover(target_probs, draft_probs, draft_tokens, num_accepted, num_drafts, noise)

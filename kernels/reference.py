@@ -161,10 +161,19 @@ def prefill_attention(
     v_flat = v_cache.view(-1, Hkv, D)
     cu = cu_query_lens.tolist()
     lens = context_lens.tolist()
+    short = [s for s in range(len(lens)) if 0 < cu[s + 1] - cu[s] <= SHORT_CHUNK]
+    if len(short) > 1:
+        # Many short chunks (speculative verification: 1 + k tokens per sequence) run batched,
+        # like decode, instead of one attention call per sequence.
+        for g in range(0, len(short), DECODE_GROUP):
+            _short_chunks_attention(q, out, k_cache, v_cache, block_tables, cu, lens, short[g:g + DECODE_GROUP], scale)
+        done = set(short)
+    else:
+        done = set()
     for s in range(len(lens)):
         start, end = cu[s], cu[s + 1]
         n_new, n_ctx = end - start, lens[s]
-        if n_new == 0:
+        if n_new == 0 or s in done:
             continue
         slots = gather_slots(block_tables[s : s + 1], n_ctx, block_size)[0]
         k = k_flat.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
@@ -178,6 +187,41 @@ def prefill_attention(
         )
         out[start:end] = o.view(Hkv, group, n_new, D).permute(2, 0, 1, 3).reshape(n_new, Hq, D).to(q.dtype)
     return out
+
+
+SHORT_CHUNK = 16  # chunks up to this many tokens are batched across sequences
+
+
+def _short_chunks_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu: list[int], lens: list[int], seqs: list[int],
+                            scale: float) -> None:
+    """Causal attention of several short chunks at once: each sequence's blocks are gathered
+    once, its queries padded to the longest chunk, and a mask keeps query j of sequence s to
+    keys ``0 .. lens[s] - n_s + j``. Writes into ``out``."""
+    _, Hq, D = q.shape
+    Hkv, block_size = k_cache.shape[-2], k_cache.shape[1]
+    group = Hq // Hkv
+    S = len(seqs)
+    n = [cu[s + 1] - cu[s] for s in seqs]
+    qmax = max(n)
+    width = -(-max(lens[s] for s in seqs) // block_size)
+    idx = torch.tensor(seqs, dtype=torch.long)
+    blocks = block_tables.index_select(0, idx)[:, :width].reshape(-1).long()
+    k = k_cache.index_select(0, blocks).view(S, width * block_size, Hkv, D).transpose(1, 2)
+    v = v_cache.index_select(0, blocks).view(S, width * block_size, Hkv, D).transpose(1, 2)
+    rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs])
+    pad_pos = torch.cat([torch.arange(i * qmax, i * qmax + m) for i, m in enumerate(n)])
+    qp = q.new_zeros(S * qmax, Hq, D)
+    qp[pad_pos] = q.index_select(0, rows)
+    # [S, qmax, Hkv, group, D] -> [S, Hkv, group * qmax, D]: row (g, j) is head kvh*group+g, query j.
+    qs = qp.view(S, qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, group * qmax, D)
+    ctx = torch.tensor([lens[s] for s in seqs])
+    q_pos = ctx[:, None] - torch.tensor(n)[:, None] + torch.arange(qmax)[None, :]  # [S, qmax]
+    mask = torch.arange(width * block_size)[None, None, :] <= q_pos[:, :, None]  # padded rows see key 0 at least
+    mask = mask.repeat(1, group, 1)[:, None]  # [S, 1, group * qmax, L]
+    o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    o = o.view(S, Hkv, group, qmax, D).permute(0, 3, 1, 2, 4).reshape(S * qmax, Hq, D)
+    out[rows] = o.index_select(0, pad_pos).to(q.dtype)
 
 
 # Fixed GEMM shapes for the batch-invariant path: every attention matmul is a
@@ -299,3 +343,52 @@ def _invariant_attention(
         o = out_rows[i, :, : c * G].reshape(Hkv, c, G, D).permute(1, 0, 2, 3).reshape(c, Hq, D)
         out[st:st + c] = o.to(q.dtype)
     return out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts of a mixture-of-experts MLP, grouped by expert.
+
+    ``x``: [T, H]; ``w_gate_up``: [E, 2 I, H] (gate rows, then up rows); ``w_down``: [E, H, I];
+    ``topk_ids``: [T, k] int64; ``topk_weights``: [T, k]. Returns [T, H] in ``x.dtype`` with
+    ``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``,
+    ``e = topk_ids[t, j]``. An id outside ``0..E-1`` contributes nothing (a slot whose
+    expert lives elsewhere, under expert parallelism).
+
+    The (token, choice) pairs are sorted by expert, so each expert with tokens runs one GEMM
+    over all of its rows (experts with none are skipped), and the weighted rows are added back
+    to their tokens in fp32.
+    """
+    T, H = x.shape
+    E = w_gate_up.shape[0]
+    k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0
+    out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    if T == 0 or k == 0:
+        return out.to(x.dtype)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pair p = t * k + j, grouped by expert
+    sorted_ids = flat.index_select(0, order)
+    valid = (sorted_ids >= 0) & (sorted_ids < E)
+    if not bool(valid.all()):
+        order, sorted_ids = order[valid], sorted_ids[valid]
+    counts = torch.bincount(sorted_ids, minlength=E).tolist()
+    tokens = order // k
+    rows = x.index_select(0, tokens)  # [P, H], expert by expert
+    weights = topk_weights.reshape(-1).index_select(0, order).float()
+    ys = torch.empty((rows.shape[0], H), dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        xe = rows[start:start + n]
+        gate_up = F.linear(xe, w_gate_up[e])
+        inter = gate_up.shape[1] // 2
+        ys[start:start + n] = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[e]).float()
+        start += n
+    out.index_add_(0, tokens, ys * weights[:, None])
+    return out.to(x.dtype)

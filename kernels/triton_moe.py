@@ -1,0 +1,261 @@
+"""Triton twin of :func:`reference.fused_moe`: routed experts as two grouped GEMMs.
+
+Three steps, no host synchronisation (the grid is sized from an upper bound):
+
+1. :func:`moe_align` (torch ops): the (token, choice) pairs ``p = t * k + j`` are sorted by
+   expert and each expert's run is padded to a multiple of ``block_m``, so every block of
+   ``block_m`` sorted rows belongs to one expert (``block_expert``; -1 past the end). Pairs
+   whose id is outside ``0..E-1`` are dropped; experts without pairs get no block.
+2. ``_moe_gate_up_kernel``: program ``(row block, column block of I)`` gathers its rows of
+   ``x`` and multiplies them by that expert's gate and up rows at once (two accumulators over
+   one pass of ``x``), applying ``silu(gate) * up`` in the epilogue; the result goes to
+   ``inter[p]``, in ``x.dtype``.
+3. ``_moe_down_kernel``: ``inter`` rows times the expert's ``w_down``, scaled by the pair's
+   routing weight in fp32, written to ``y[p]`` (fp32); ``_moe_sum_kernel`` adds each token's
+   ``k`` rows (skipping dropped pairs) and rounds once to ``x.dtype``.
+
+Numerics: fp32 accumulation; bf16/fp16 weights feed ``tl.dot`` in their own dtype on a GPU,
+fp32 weights use ``input_precision="ieee"``. Under the interpreter everything is fp32 (its bf16
+arithmetic is wrong). The reference rounds ``gate_up`` and the down output to ``x.dtype``
+before the fp32 weighting; this kernel rounds only ``inter``, so 16-bit results differ by a
+few units in the last place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbatch.kernels.triton_attention import INTERPRETED, _numerics
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, choice) pairs by expert, padded per expert to ``block_m`` rows.
+
+    Returns ``(sorted_pairs, block_expert)``: ``sorted_pairs`` ``[num_blocks * block_m]`` int32
+    holds pair indices ``t * k + j`` (``T * k`` marks padding), ``block_expert``
+    ``[num_blocks]`` int32 the expert of each block (-1 for blocks past the last expert's).
+    ``num_blocks`` is an upper bound known without reading the ids, so nothing waits for the GPU.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    P, E, BM = flat.numel(), num_experts, block_m
+    num_blocks = (P + min(E, P) * (BM - 1)) // BM
+    valid = (flat >= 0) & (flat < E)
+    key = torch.where(valid, flat, E)  # dropped pairs sort last, into bucket E
+    counts = torch.zeros(E + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:E] + BM - 1) // BM * BM
+    ends = torch.cumsum(padded, 0)
+    dump = num_blocks * BM  # where bucket E's pairs are written, then cut off
+    # [E + 1]; torch.full rather than torch.tensor: no host-to-device copy.
+    run_starts = torch.cat([ends - padded, torch.full((1,), dump, dtype=torch.long, device=device)])
+    count_starts = torch.cumsum(counts, 0) - counts  # first position of each bucket after sorting
+    order = torch.argsort(key, stable=True)
+    key_sorted = key.index_select(0, order)
+    rank = torch.arange(P, device=device) - count_starts.index_select(0, key_sorted)
+    dest = torch.where(key_sorted < E, run_starts.index_select(0, key_sorted) + rank, dump)
+    sorted_pairs = torch.full((dump + 1,), P, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(num_blocks, device=device) * BM
+    block_expert = torch.searchsorted(ends, block_starts, right=True)
+    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
+    return sorted_pairs[:dump], block_expert
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, inter_ptr,
+    num_pairs, H, I,
+    stride_xt, stride_xh,
+    stride_we, stride_wn, stride_wh,
+    stride_ip, stride_ii,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:  # a block past the last expert's run (the grid is an upper bound)
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+    mask_m = pairs < num_pairs
+    tokens = pairs // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    # [BLOCK_K, BLOCK_N] views of the expert's gate rows and up rows (w is [E, 2I, H]).
+    g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        mask_k = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b_mask = mask_k[:, None] & mask_n[None, :]
+        bg = tl.load(g_ptrs, mask=b_mask, other=0.0)
+        bu = tl.load(u_ptrs, mask=b_mask, other=0.0)
+        if COMPUTE_F32:
+            a = a.to(tl.float32)
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        else:
+            a = a.to(bg.dtype)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    tl.store(inter_ptr + pairs[:, None] * stride_ip + offs_n[None, :] * stride_ii,
+             h.to(inter_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    inter_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, y_ptr,
+    num_pairs, H, I,
+    stride_ip, stride_ii,
+    stride_we, stride_wh, stride_wi,
+    stride_rt, stride_rk,
+    stride_yp, stride_yh,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+    mask_m = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = inter_ptr + pairs[:, None] * stride_ip + offs_k[None, :] * stride_ii
+    b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi  # w_down[e]^T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        mask_k = offs_k < I - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if COMPUTE_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        else:
+            a = a.to(b.dtype)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ii
+        b_ptrs += BLOCK_K * stride_wi
+    t = pairs // TOP_K
+    j = pairs % TOP_K
+    w = tl.load(weights_ptr + t * stride_rt + j * stride_rk, mask=mask_m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + pairs[:, None] * stride_yp + offs_n[None, :] * stride_yh, acc * w[:, None],
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr, ids_ptr, out_ptr,
+    H, E,
+    stride_yp, stride_yh, stride_it, stride_ik, stride_ot, stride_oh,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in range(TOP_K):  # in choice order; a dropped pair's row was never written
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
+        ok = (e >= 0) & (e < E)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yp + offs * stride_yh, mask=mask & ok, other=0.0)
+    tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(num_pairs: int, num_experts: int, elem_bytes: int) -> dict[str, int]:
+    """Tile sizes: small row blocks when each expert sees few rows (decode), bigger tiles for
+    prefill; 4-byte weights get fewer pipeline stages to fit shared memory."""
+    if INTERPRETED:
+        return dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert <= 4:
+        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 64:
+        cfg = dict(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    if elem_bytes >= 4:
+        cfg["num_stages"] = 2
+    return cfg
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`reference.fused_moe` (same arguments and result). The keyword
+    arguments override the tile configuration (both GEMMs use it)."""
+    if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"fused_moe: expected x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I]; got "
+                         f"{tuple(x.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
+    T, H = x.shape
+    E, two_i, _ = w_gate_up.shape
+    I = two_i // 2
+    if w_gate_up.shape[2] != H or tuple(w_down.shape) != (E, H, I):
+        raise ValueError(f"fused_moe: w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} "
+                         f"do not fit x [T, {H}]")
+    k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0 or H == 0:
+        return out
+    if k == 0 or E == 0 or I == 0:
+        return out.zero_()
+    cfg = _config(T * k, E, w_gate_up.element_size())
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
+                        ("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            cfg[name] = value
+    BM = cfg["block_m"]
+    compute_f32, precision = _numerics(w_gate_up.dtype)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    P = T * k
+    sorted_pairs, block_expert = moe_align(topk_ids, E, BM)
+    num_blocks = block_expert.shape[0]
+    inter = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(I, cfg["block_n"]))](
+        x, w_gate_up, sorted_pairs, block_expert, inter,
+        P, H, I,
+        *x.stride(), *w_gate_up.stride(), *inter.stride(),
+        TOP_K=k, BLOCK_M=BM, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, **launch,
+    )
+    y = torch.empty((P, H), dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(num_blocks, triton.cdiv(H, cfg["block_n"]))](
+        inter, w_down, sorted_pairs, block_expert, topk_weights, y,
+        P, H, I,
+        *inter.stride(), *w_down.stride(), *topk_weights.stride(), *y.stride(),
+        TOP_K=k, BLOCK_M=BM, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, **launch,
+    )
+    block_h = min(1024, max(16, triton.next_power_of_2(H)))
+    _moe_sum_kernel[(T, triton.cdiv(H, block_h))](
+        y, topk_ids, out, H, E,
+        *y.stride(), *topk_ids.stride(), *out.stride(),
+        TOP_K=k, BLOCK_H=block_h,
+    )
+    return out
