@@ -17,7 +17,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SUPPORT_SYSTEM_PROMPT", "WorkloadPrompt", "chat_workload", "default_datasets_dir"]
+__all__ = ["COPY_TASKS", "SUPPORT_SYSTEM_PROMPT", "WorkloadPrompt", "chat_workload", "copy_workload",
+           "default_datasets_dir"]
 
 # A realistic operator system prompt (~300 tokens with SmolLM2's tokenizer).
 SUPPORT_SYSTEM_PROMPT = """\
@@ -120,3 +121,37 @@ def chat_workload(
         ]
         prompts.append(WorkloadPrompt(f"{source}-{i:03d}", source, messages, shares))
     return prompts
+
+
+# Copy-heavy tasks: the answer reuses long stretches of the given text, the case n-gram
+# drafting is for. ``{text}`` is a real prompt from ShareGPT or GSM8K used as the document.
+COPY_TASKS = (
+    "Repeat the following text exactly, word for word.\n\nText:\n{text}",
+    "Fix any spelling or grammar mistakes in the following text and return the whole corrected "
+    "text.\n\nText:\n{text}",
+    "Rewrite the following text with every sentence on its own line.\n\nText:\n{text}",
+    "Quote the sentences of the following text that contain the most important facts.\n\nText:\n{text}",
+)
+
+
+def copy_workload(
+    datasets_dir: str | Path | None = None,
+    num_requests: int = 16,
+    *,
+    min_chars: int = 300,
+    max_chars: int = 1200,
+    seed: int = 0,
+) -> list[WorkloadPrompt]:
+    """``num_requests`` summarise / edit / extract requests over a given text (ShareGPT prompts
+    and GSM8K questions of ``min_chars`` to ``max_chars`` characters), tasks in turn."""
+    root = Path(datasets_dir) if datasets_dir is not None else default_datasets_dir()
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: datasets folder not found (pass --datasets)")
+    texts = [t for t in _sharegpt(root, max_chars) + _gsm8k(root, max_chars) if len(t) >= min_chars]
+    random.Random(f"copy-{seed}").shuffle(texts)
+    if len(texts) < num_requests:
+        raise ValueError(f"only {len(texts)} texts of {min_chars}-{max_chars} chars")
+    return [WorkloadPrompt(f"copy-{i:03d}", "copy",
+                           [{"role": "user", "content": COPY_TASKS[i % len(COPY_TASKS)].format(text=texts[i])}],
+                           False)
+            for i in range(num_requests)]

@@ -5,6 +5,7 @@ Protocol (paired verbs, called by the scheduler only; no tensors here):
   prefix (re-checking token ids on every hit) and reserve blocks for ``n`` more tokens.
 - ``can_append(seq, n)`` / ``append_slots(seq, n)`` before each later step.
 - ``commit(seq)`` after a step: hash the blocks that became full so others can reuse them.
+- ``trim(seq)`` after speculative verification: give back the slots of rejected drafts.
 - ``free(seq)`` when a sequence finishes or is preempted.
 
 A free block keeps its content and hash until it is reused (LRU), so a prefix survives the
@@ -136,6 +137,19 @@ class BlockManager:
                 self.key_to_block[key] = bid
             new.append((key, bid))
         return new
+
+    def trim(self, seq: Sequence) -> None:
+        """Roll back slots reserved past ``seq.num_computed_tokens`` (drafted tokens the verifier
+        rejected): blocks holding only such slots go back to the pool. They were never
+        committed, so no hash can point at their stale content."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            block = self.blocks[bid]
+            assert block.key is None and block.ref_count == 1, f"block {bid} is shared or committed"
+            block.ref_count = 0
+            self.free_blocks[bid] = None
+            self.free_blocks.move_to_end(bid, last=False)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so a prefix's head outlives its tail in the LRU order.

@@ -18,9 +18,12 @@ from kvbatch.engine.block_manager import BlockManager
 from kvbatch.engine.block_hash import chain_keys
 from kvbatch.engine.config import EngineConfig, ModelConfig
 from kvbatch.engine.kv_connector import BlockStore, KVConnector
-from kvbatch.engine.model import LlamaModel
+from kvbatch.engine.model_factory import build_model
 from kvbatch.engine.model_runner import ModelRunner
+from kvbatch.engine.drafters import DraftRequest, build_drafter
 from kvbatch.engine.sampler import sample, top_logprobs
+from kvbatch.engine.spec_verifier import verify
+from kvbatch.engine.speculative import SpecConfig, SpecController
 from kvbatch.engine.sampling_params import SamplingParams
 from kvbatch.engine.scheduler import Scheduler
 from kvbatch.engine.sequence import Sequence
@@ -66,6 +69,11 @@ class Result:
     logprobs: list[dict] | None = None
     num_loaded_tokens: int = 0  # prompt tokens loaded from the external KV store
     block_keys: list[str] = field(default_factory=list)  # content keys of the prompt's full blocks
+    # Speculative decoding (zeros without it): tokens drafted, drafts the target kept, and
+    # target forward passes that decoded for this request.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_target_steps: int = 0
 
 
 class LLM:
@@ -79,6 +87,7 @@ class LLM:
         kv_store_write: bool = True,
         seed: int = 0,
         num_threads: int | None = None,
+        speculative: SpecConfig | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -86,7 +95,7 @@ class LLM:
         self.checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model)
         self.model_config = ModelConfig.from_hf(self.checkpoint.config)
         self.engine_config = ec = engine_config or EngineConfig()
-        self.model = LlamaModel(self.model_config, self.checkpoint.tensors, self.dtype, ec.batch_invariant)
+        self.model = build_model(self.model_config, self.checkpoint.tensors, self.dtype, ec.batch_invariant)
         self.tokenizer: ChatTokenizer | None = None
         self._tokenizer_error = ""
         try:
@@ -114,7 +123,14 @@ class LLM:
         cfg_eos = self.checkpoint.config.get("eos_token_id")
         eos.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else [])
         self.eos_token_ids = frozenset(eos)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "output_tokens": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "output_tokens": 0,
+                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_target_steps": 0,
+                      "draft_s": 0.0, "step_s": 0.0}
+        self.spec: SpecController | None = None
+        self.drafter = None
+        if speculative is not None:
+            self.spec = SpecController(speculative)
+            self.drafter = build_drafter(speculative, self, seed)
 
     # -- requests --------------------------------------------------------------------------
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
@@ -153,22 +169,34 @@ class LLM:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[Result]:
-        """Schedule, compute and sample once; returns the requests that finished."""
+        """Schedule, (draft,) compute and sample once; returns the requests that finished."""
+        t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.plan(self.scheduler.running, self.max_model_len)
         step = self.scheduler.schedule()
         if not step:
             return []
         if self.connector is not None:
             self._load_external(step)
+        drafted_at = time.perf_counter()
+        slots_offered = sum(s.num_spec for s in step)
+        if self.drafter is not None:
+            self._draft(step)
         started = time.perf_counter()
         logits, sampled = self.runner.execute(step)
         now = time.perf_counter()
         self.stats["steps"] += 1
+        if self.spec is not None and all(s.seq.num_computed_tokens >= s.seq.num_prompt_tokens for s in step):
+            # A decode-only step: a sample of what target passes and drafting cost.
+            self.spec.observe_step(sum(s.num_new_tokens for s in step), now - started,
+                                   slots_offered, started - drafted_at)
         prompt_tokens = 0
         for s in step:
             seq = s.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += s.num_new_tokens
+            # Drafted tokens count as computed only once the verifier keeps them.
+            seq.num_computed_tokens += s.num_new_tokens - s.num_spec
             new_blocks = self.block_manager.commit(seq)
             if self.connector is not None:
                 # Write through the prompt's newly completed blocks, except those just loaded.
@@ -182,32 +210,91 @@ class LLM:
         if self.connector is not None:
             self.connector.observe_prefill(prompt_tokens, now - started)
         finished: list[Result] = []
-        keep = []
-        for row, s in enumerate(sampled):
+        # Logits rows per sampled entry: one, or one per draft plus the bonus row.
+        offsets = [0]
+        for s in sampled:
+            offsets.append(offsets[-1] + s.num_spec + 1)
+        plain: list[int] = []
+        for i, s in enumerate(sampled):
             if s.seq.prefill_only:
                 s.seq.finish_time = now
-                self.scheduler.finish(s.seq, "prefilled")
+                self._finish(s.seq, "prefilled")
                 finished.append(self._result(s.seq))
+            elif self.spec is not None and s.seq.num_output_tokens > 0:
+                self._verify(s, logits[offsets[i]:offsets[i + 1]], now, finished)
             else:
-                keep.append(row)
-        if len(keep) < len(sampled):
-            sampled = [sampled[r] for r in keep]
-            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long))
-        tokens = sample(logits, [s.seq.sampling for s in sampled], [s.seq.generator for s in sampled])
-        for row, (s, tok) in enumerate(zip(sampled, tokens)):
-            seq = s.seq
+                plain.append(i)
+        if plain:
+            rows = logits.index_select(0, torch.tensor([offsets[i] for i in plain], dtype=torch.long))
+            entries = [sampled[i] for i in plain]
+            tokens = sample(rows, [s.seq.sampling for s in entries], [s.seq.generator for s in entries])
+            for row, (s, tok) in enumerate(zip(entries, tokens)):
+                self._emit(s.seq, [tok], rows[row:row + 1], now, finished)
+        self.stats["step_s"] += time.perf_counter() - t0
+        return finished
+
+    def _draft(self, step: list) -> None:
+        """Fill the reserved draft slots; a step entry shrinks to the drafts it actually got."""
+        assert self.drafter is not None
+        t0 = time.perf_counter()
+        wanted = [s for s in step if s.num_spec]
+        assert self.spec is not None
+        drafts = self.drafter.propose([DraftRequest(s.seq, s.num_spec, self.spec.alpha(s.seq)) for s in wanted])
+        for s, d in zip(wanted, drafts):
+            s.seq.spec_token_ids = d.tokens
+            s.seq.spec_draft_probs = d.probs
+            s.num_new_tokens -= s.num_spec - len(d.tokens)
+            s.num_spec = len(d.tokens)
+        self.stats["draft_s"] += time.perf_counter() - t0
+
+    def _verify(self, s, rows: torch.Tensor, now: float, finished: list[Result]) -> None:
+        """Keep the drafts the target agrees with, emit them plus one target token, and roll
+        the rest back: counters, cache slots and the draft model's own cache."""
+        seq = s.seq
+        drafts = seq.spec_token_ids
+        verdict = verify(rows, drafts, seq.spec_draft_probs, seq.sampling, seq.generator)
+        before = seq.num_tokens
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
+        seq.spec_draft_tokens += len(drafts)
+        seq.spec_accepted_tokens += verdict.num_accepted
+        seq.spec_target_steps += 1
+        self.stats["spec_draft_tokens"] += len(drafts)
+        self.stats["spec_accepted_tokens"] += verdict.num_accepted
+        self.stats["spec_target_steps"] += 1
+        assert self.spec is not None
+        self.spec.observe(seq, len(drafts), verdict.num_accepted)
+        if self._emit(seq, verdict.tokens, rows, now, finished):
+            return
+        # The kept drafts' K/V were written by this pass; later slots held rejected drafts.
+        seq.num_computed_tokens += verdict.num_accepted
+        self.block_manager.commit(seq)
+        self.block_manager.trim(seq)
+        self.drafter.after_verify(seq, before, verdict.num_accepted)
+
+    def _emit(self, seq: Sequence, tokens: list[int], rows: torch.Tensor, now: float,
+              finished: list[Result]) -> bool:
+        """Append tokens one by one (row i of ``rows`` scored token i), stopping at the first
+        that ends the request; True when it finished."""
+        for i, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             self.stats["output_tokens"] += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.sampling.logprobs is not None:
-                seq.logprobs.append(top_logprobs(logits[row], tok, seq.sampling.logprobs))
+                seq.logprobs.append(top_logprobs(rows[i], tok, seq.sampling.logprobs))
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 seq.finish_time = now
-                self.scheduler.finish(seq, reason)
+                self._finish(seq, reason)
                 finished.append(self._result(seq))
-        return finished
+                return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.spec is not None:
+            self.spec.release(seq)
+            self.drafter.release(seq)
 
     def _load_external(self, step: list) -> None:
         """Fetch the stored blocks the scheduler planned to load; a block that does not arrive
@@ -263,6 +350,9 @@ class LLM:
             logprobs=seq.logprobs if seq.sampling.logprobs is not None else None,
             num_loaded_tokens=seq.num_loaded_tokens,
             block_keys=self.prompt_block_keys(seq.prompt_token_ids),
+            spec_draft_tokens=seq.spec_draft_tokens,
+            spec_accepted_tokens=seq.spec_accepted_tokens,
+            spec_target_steps=seq.spec_target_steps,
         )
 
     def prompt_block_keys(self, prompt_token_ids: list[int]) -> list[str]:

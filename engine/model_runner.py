@@ -6,23 +6,34 @@ The runner owns the KV cache tensor and never sees the block manager: everything
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from kvbatch.engine.model import ForwardBatch, LlamaModel
 from kvbatch.engine.scheduler import ScheduledSeq
 
 
+@dataclass
+class WorkItem:
+    """Tokens to compute for one sequence in a forward pass."""
+
+    tokens: list[int]
+    start: int  # position of the first token
+    block_table: list[int]  # must already cover positions start .. start + len(tokens) - 1
+    num_logits: int = 0  # logits wanted for this many of the last tokens
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
-        c = model.config
         self.model = model
         self.block_size = block_size
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
-        # [layers, K/V, blocks, block_size, kv_heads, head_dim]: one block of every layer is the
-        # unit the KV store saves and loads. Allocated (and touched) once, then reused.
-        self.kv_cache = torch.zeros(
-            (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim), dtype=kv_dtype
-        )
+        # [layers, K/V, blocks, ...] as the model lays it out (Llama: [L, 2, blocks, block_size,
+        # kv_heads, head_dim]; MLA: [L, 1, blocks, block_size, 1, latent + rope]): one block of
+        # every layer is the unit the KV store saves and loads. Allocated (and touched) once.
+        self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype)
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V gather buffers for decode attention, kept across steps and grown on demand
@@ -34,66 +45,79 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype) -> int:
-        c = model.config
         elem = torch.empty((), dtype=kv_dtype).element_size()
-        return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * elem
+        return math.prod(model.kv_cache_shape(1, block_size)) * elem
 
     def prepare(self, step: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch, list[ScheduledSeq]]:
         """Pack the step's tokens decode-first; returns ids, the batch description and the
-        scheduled entries in the order of their logits rows."""
-        decode = [s for s in step if s.num_new_tokens == 1]
-        prefill = [s for s in step if s.num_new_tokens > 1]
+        scheduled entries whose logits are wanted, in the order of their logits rows (an entry
+        carrying ``num_spec`` drafted tokens gets ``num_spec + 1`` rows: one per draft to verify
+        plus the bonus position)."""
+        items: list[WorkItem] = []
+        for s in step:
+            seq = s.seq
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids[start:start + s.num_new_tokens - s.num_spec]
+            if s.num_spec:
+                tokens = tokens + seq.spec_token_ids[:s.num_spec]
+            items.append(WorkItem(tokens, start, seq.block_table, s.num_spec + 1 if s.samples else 0))
+        ids, batch, order = self.build(items)
+        return ids, batch, [step[i] for i in order if items[i].num_logits]
+
+    def build(self, items: list[WorkItem]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
+        """Tensors for one forward pass over ``items``; returns ids, the batch and the item
+        order (decode-first) in which their logits rows come back."""
         bs = self.block_size
+        decode = [i for i, it in enumerate(items) if len(it.tokens) == 1]
+        prefill = [i for i, it in enumerate(items) if len(it.tokens) > 1]
+        order = decode + prefill
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
-        sampled: list[ScheduledSeq] = []
-
-        def add_tokens(s: ScheduledSeq) -> None:
-            seq = s.seq
-            start = seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if s.samples:
-                logits_rows.append(len(ids) - 1)
-                sampled.append(s)
-
-        for s in decode:
-            add_tokens(s)
         cu = [0]
-        for s in prefill:
-            add_tokens(s)
-            cu.append(cu[-1] + s.num_new_tokens)
+        for i in order:
+            it = items[i]
+            end = it.start + len(it.tokens)
+            ids.extend(it.tokens)
+            positions.extend(range(it.start, end))
+            table = it.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(it.start, end))
+            logits_rows.extend(range(len(ids) - it.num_logits, len(ids)))
+            if len(it.tokens) > 1:
+                cu.append(cu[-1] + len(it.tokens))
 
-        def tables(entries: list[ScheduledSeq]) -> torch.Tensor:
-            width = max((len(s.seq.block_table) for s in entries), default=0)
-            return torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in entries],
-                                dtype=torch.int32).view(len(entries), width)
+        def tables(rows: list[int]) -> torch.Tensor:
+            width = max((len(items[i].block_table) for i in rows), default=0)
+            return torch.tensor([items[i].block_table + [0] * (width - len(items[i].block_table)) for i in rows],
+                                dtype=torch.int32).view(len(rows), width)
 
-        seq_index = [i for i, s in enumerate(decode)]
-        seq_index += [len(decode) + i for i, s in enumerate(prefill) for _ in range(s.num_new_tokens)]
         batch = ForwardBatch(
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decode=len(decode),
             decode_block_tables=tables(decode),
-            decode_context_lens=torch.tensor([s.seq.num_computed_tokens + 1 for s in decode], dtype=torch.int32),
+            decode_context_lens=torch.tensor([items[i].start + 1 for i in decode], dtype=torch.int32),
             prefill_block_tables=tables(prefill),
             prefill_cu_query_lens=torch.tensor(cu, dtype=torch.int32),
-            prefill_context_lens=torch.tensor(
-                [s.seq.num_computed_tokens + s.num_new_tokens for s in prefill], dtype=torch.int32),
+            prefill_context_lens=torch.tensor([items[i].start + len(items[i].tokens) for i in prefill],
+                                              dtype=torch.int32),
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
         )
         if decode:
             batch.decode_workspace = self._workspace(batch.decode_block_tables.numel())
         if self.model.batch_invariant:
-            batch.block_tables = tables(decode + prefill)
-            batch.seq_index = torch.tensor(seq_index, dtype=torch.int64)
-        return torch.tensor(ids, dtype=torch.int64), batch, sampled
+            batch.block_tables = tables(order)
+            batch.seq_index = torch.tensor([r for r, i in enumerate(order) for _ in items[i].tokens],
+                                           dtype=torch.int64)
+        return torch.tensor(ids, dtype=torch.int64), batch, order
+
+    @torch.inference_mode()
+    def run(self, items: list[WorkItem], num_layers: int | None = None) -> tuple[torch.Tensor, list[int]]:
+        """One forward pass over raw work items (drafters use it); logits rows come back in the
+        returned item order. ``num_layers``: exit early after that many layers."""
+        ids, batch, order = self.build(items)
+        return self.model.forward(ids, batch, self.kv_cache, num_layers), order
 
     @torch.inference_mode()
     def execute(self, step: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:

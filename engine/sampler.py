@@ -13,22 +13,23 @@ from kvbatch.engine.sampling_params import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature then top-k, top-p and min-p on one row of fp32 logits; removed tokens get -inf."""
+    """Temperature then top-k, top-p and min-p on fp32 logits ([V] or [N, V], each row on its
+    own); removed tokens get -inf."""
     x = logits / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
         cum_before = probs.cumsum(-1) - probs
         drop_sorted = cum_before >= p.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     if p.min_p > 0.0:
         probs = x.softmax(-1)
-        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        x = x.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return x
 
 

@@ -22,11 +22,14 @@ from kvbatch.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # Of ``num_new_tokens``, slots after the sequence's real tokens reserved for drafted tokens
+    # (speculative decoding); the drafter fills ``seq.spec_token_ids`` and may shrink this.
+    num_spec: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a token is sampled after it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_spec == self.seq.num_tokens
 
 
 class Scheduler:
@@ -69,9 +72,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_computed_tokens, seq.num_pending_tokens, budget)
+            pending = seq.num_pending_tokens
+            if pending == 1 and seq.num_lookahead:
+                # A decode step with room for drafted tokens, cut by the budget if need be.
+                n = min(1 + seq.num_lookahead, budget)
+            else:
+                n = self._chunk(seq.num_computed_tokens, pending, budget)
             assert n > 0, f"running sequence {seq.request_id!r} has nothing to compute"
             while not bm.can_append(seq, n):
+                if n > pending:  # drop the draft slots before preempting anyone for them
+                    n = pending
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -80,7 +91,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             bm.append_slots(seq, n)
-            out.append(ScheduledSeq(seq, n))
+            out.append(ScheduledSeq(seq, n, max(0, n - pending)))
             budget -= n
             i += 1
         bs = bm.block_size

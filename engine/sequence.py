@@ -42,6 +42,14 @@ class Sequence:
     prefill_only: bool = False  # compute (and store) the prompt's KV, sample nothing
     pending_loads: list[tuple[str, int]] = field(default_factory=list)  # (key, block id) to fetch before the step
     logprobs: list[dict] = field(default_factory=list)
+    # Speculative decoding: how many draft slots to reserve in the next decode step (set by the
+    # speculative controller), the drafts of the step in flight, and running totals.
+    num_lookahead: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V], None: deterministic drafter
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_target_steps: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

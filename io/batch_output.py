@@ -108,6 +108,7 @@ def result_line(
     token_ids: list[int] | None = None,
     logprobs: Sequence[TokenLogprob] | None = None,
     created: int | None = None,
+    draft_tokens: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """One successful request as an OpenAI Batch output line.
 
@@ -115,6 +116,8 @@ def result_line(
     it and ``custom_id`` seed the ids, so a request keeps its ids whether it succeeds or is
     rejected (see :func:`error_line`). ``token_ids`` goes into the choice as ``token_ids``,
     as vLLM's ``return_token_ids`` does. ``created`` defaults to now (Unix seconds).
+    ``draft_tokens``: (accepted, rejected) drafted tokens under speculative decoding, reported
+    where OpenAI reports predicted-output tokens (``usage.completion_tokens_details``).
     """
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
@@ -141,15 +144,23 @@ def result_line(
                 "created": int(time.time()) if created is None else created,
                 "model": model,
                 "choices": [choice],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
+                "usage": _usage(prompt_tokens, completion_tokens, draft_tokens),
             },
         },
         "error": None,
     }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, draft_tokens: tuple[int, int] | None) -> dict[str, Any]:
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if draft_tokens is not None:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": draft_tokens[0],
+                                              "rejected_prediction_tokens": draft_tokens[1]}
+    return usage
 
 
 def error_line(rejected: RejectedRow) -> dict[str, Any]:

@@ -1,0 +1,187 @@
+"""Speculative decoding against plain decoding, same model, same prompts, one process.
+
+    python benchmarks/bench_spec.py                 # SmolLM2-135M, copy-heavy and open chat
+    python benchmarks/bench_spec.py --quick         # a smoke run
+    python benchmarks/bench_spec.py --drafters ngram,early-exit:8,draft:smollm2-135m@bf16
+
+Figure: decode throughput = output tokens emitted in decode-only engine steps / seconds of
+those steps (steps that also prefilled are left out, so prompt processing, identical in both
+arms, does not dilute the ratio). Batch 1 runs the prompts one at a time; batch 16 runs 16 at
+once. Each arm runs ``--rounds`` times, interleaved with the baseline, and the median counts.
+Every arm's greedy outputs are compared with the plain run's, token for token.
+
+``draft:MODEL@bf16`` drafts with MODEL in bf16 (for the bundled model, the same weights at half
+the bytes: a cheaper drafter that agrees with the fp32 target most of the time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.workloads import WorkloadPrompt, chat_workload, copy_workload  # noqa: E402
+from kvbatch.engine.config import EngineConfig  # noqa: E402
+from kvbatch.engine.llm import LLM, GenerationRequest  # noqa: E402
+from kvbatch.engine.sampling_params import SamplingParams  # noqa: E402
+from kvbatch.engine.speculative import SpecConfig  # noqa: E402
+from kvbatch.engine.weights import load_checkpoint  # noqa: E402
+
+
+@dataclass
+class Arm:
+    name: str
+    spec: SpecConfig | None
+    draft_dtype: str | None = None
+
+
+@dataclass
+class Run:
+    tokens: int
+    seconds: float
+    outputs: list[list[int]]
+    drafted: int
+    accepted: int
+    target_steps: int
+    draft_s: float
+    step_s: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def decode_run(llm: LLM, requests: list[GenerationRequest]) -> Run:
+    """Drive the engine step by step, timing the steps that only decode."""
+    for r in requests:
+        llm.add_request(r)
+    st0 = dict(llm.stats)
+    tokens, seconds = 0, 0.0
+    results = {}
+    while llm.scheduler.has_work():
+        before_prompt, before_out = llm.stats["computed_prompt_tokens"], llm.stats["output_tokens"]
+        t0 = time.perf_counter()
+        for res in llm.step():
+            results[res.request_id] = res.output_token_ids
+        dt = time.perf_counter() - t0
+        if llm.stats["computed_prompt_tokens"] == before_prompt:
+            tokens += llm.stats["output_tokens"] - before_out
+            seconds += dt
+    st = llm.stats
+    return Run(tokens, seconds, [results[r.request_id] for r in requests],
+               st["spec_draft_tokens"] - st0["spec_draft_tokens"],
+               st["spec_accepted_tokens"] - st0["spec_accepted_tokens"],
+               st["spec_target_steps"] - st0["spec_target_steps"],
+               st["draft_s"] - st0["draft_s"], st["step_s"] - st0["step_s"])
+
+
+def merge(runs: list[Run]) -> Run:
+    return Run(sum(r.tokens for r in runs), sum(r.seconds for r in runs), [o for r in runs for o in r.outputs],
+               sum(r.drafted for r in runs), sum(r.accepted for r in runs), sum(r.target_steps for r in runs),
+               sum(r.draft_s for r in runs), sum(r.step_s for r in runs))
+
+
+def build(model, dtype: str, arm: Arm, threads: int | None) -> LLM:
+    spec = arm.spec
+    llm = LLM(model, dtype=dtype, num_threads=threads, engine_config=EngineConfig(max_num_seqs=16),
+              speculative=spec)
+    if arm.draft_dtype and llm.drafter is not None:  # rebuild the draft engine in its own dtype
+        from kvbatch.engine.drafters import DraftModelDrafter
+
+        draft = LLM(spec.draft_model, dtype=arm.draft_dtype, engine_config=EngineConfig(max_num_seqs=16))
+        llm.drafter = DraftModelDrafter(draft, llm.model_config.vocab_size,
+                                        spec.accept_threshold if spec.adaptive else None)
+    return llm
+
+
+def parse_arms(text: str, max_len: int) -> list[Arm]:
+    arms = []
+    for item in text.split(","):
+        method, _, dtype = item.partition("@")
+        for adaptive in (False, True):
+            spec = SpecConfig.parse(method, max_len, adaptive)
+            arms.append(Arm(f"{method}{'@' + dtype if dtype else ''} {'adaptive' if adaptive else f'fixed {max_len}'}",
+                            spec, dtype or None))
+    return arms
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--drafters", default="ngram", help="comma-separated --spec values, optionally METHOD@DTYPE")
+    ap.add_argument("--spec-max-len", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch1-prompts", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, 1 round")
+    ap.add_argument("--json", default=None, help="also write every figure here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batch1_prompts, args.batch, args.max_tokens, args.rounds = 2, 4, 32, 1
+    ckpt = load_checkpoint(args.model)
+    arms = [Arm("plain", None)] + parse_arms(args.drafters, args.spec_max_len)
+    workloads = {"copy-heavy": copy_workload(num_requests=max(args.batch, args.batch1_prompts)),
+                 "open chat": chat_workload(num_requests=max(args.batch, args.batch1_prompts))}
+    engines = {a.name: build(ckpt, args.dtype, a, args.threads) for a in arms}
+    tok = engines["plain"].tokenizer
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def requests(prompts: list[WorkloadPrompt], tag: str) -> list[GenerationRequest]:
+        return [GenerationRequest(f"{tag}-{p.request_id}", sampling, prompt_token_ids=tok.encode_chat(p.messages))
+                for p in prompts]
+
+    table = []
+    for wname, prompts in workloads.items():
+        modes = {"batch 1": [[p] for p in prompts[:args.batch1_prompts]], f"batch {args.batch}": [prompts[:args.batch]]}
+        for mode, groups in modes.items():
+            per_arm: dict[str, list[Run]] = {a.name: [] for a in arms}
+            for rnd in range(args.rounds):
+                for a in arms:  # interleaved, so drift on a shared machine hits every arm alike
+                    llm = engines[a.name]
+                    run = merge([decode_run(llm, requests(g, f"{rnd}")) for g in groups])
+                    per_arm[a.name].append(run)
+                    print(f"[{wname} / {mode} / round {rnd}] {a.name}: {run.tok_s:.1f} tok/s", file=sys.stderr)
+            base = statistics.median(r.tok_s for r in per_arm["plain"])
+            base_out = per_arm["plain"][0].outputs
+            for a in arms:
+                runs = per_arm[a.name]
+                tok_s = statistics.median(r.tok_s for r in runs)
+                r0 = merge(runs)
+                same = sum(x == y for x, y in zip(runs[0].outputs, base_out))
+                table.append({
+                    "workload": wname, "mode": mode, "arm": a.name, "tok_s": round(tok_s, 1),
+                    "ratio": round(tok_s / base, 3) if base else 0.0,
+                    "identical": f"{same}/{len(base_out)}",
+                    "acceptance": round(r0.accepted / r0.drafted, 3) if r0.drafted else None,
+                    "accepted_per_step": round(r0.accepted / r0.target_steps, 3) if r0.target_steps else None,
+                    "drafter_share": round(r0.draft_s / r0.step_s, 3) if r0.step_s else None,
+                })
+    print(f"\nkvbatch speculative decoding, {args.model} {args.dtype}, {args.max_tokens} tokens/request, "
+          f"threads={torch.get_num_threads()}, {args.rounds} round(s), median")
+    print(f"{'workload':<11} {'mode':<9} {'arm':<26} {'tok/s':>7} {'x plain':>8} {'greedy':>7} "
+          f"{'accept':>7} {'acc/step':>8} {'draft%':>7}")
+    for row in table:
+        fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        print(f"{row['workload']:<11} {row['mode']:<9} {row['arm']:<26} {row['tok_s']:>7.1f} {row['ratio']:>7.2f}x "
+              f"{row['identical']:>7} {fmt(row['acceptance'], '.2f'):>7} {fmt(row['accepted_per_step'], '.2f'):>8} "
+              f"{fmt(row['drafter_share'] and 100 * row['drafter_share'], '.1f'):>7}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": table}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

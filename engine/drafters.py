@@ -1,0 +1,289 @@
+"""Drafters: cheap proposals of the next few tokens, verified afterwards by the target.
+
+- :class:`NgramDrafter` (prompt lookup): find the most recent earlier occurrence of the
+  sequence's last n tokens (longest n first) and propose what followed it. Free to run, and
+  right often when the output copies from the input (summaries, edits, extraction).
+- :class:`EarlyExitDrafter` (self-speculation): the target's first K layers and its head. It
+  writes those layers' K/V into the target's own cache slots, which the verification pass
+  then overwrites, so there is no second cache to keep in sync.
+- :class:`DraftModelDrafter`: a smaller model with the same tokenizer and its own paged cache.
+  Each request has a shadow sequence in the draft's block manager; after verification the
+  shadow is cut back to the accepted tokens, so draft and target never disagree about history.
+
+Model drafters sample their proposals from the same filtered distribution the target uses
+(greedy requests take the argmax) and return it, since rejection sampling needs ``q``. In
+adaptive mode they stop early when the estimated chance that the next draft survives falls
+below the threshold. A token's acceptance estimate is the request's observed acceptance rate
+scaled by how confident the drafter is in this token relative to its average confidence for
+the request (raw draft probabilities are badly calibrated across models: a draft that copies
+the target well can still spread its mass thinly), and the estimates multiply along the draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvbatch.engine.model_runner import ModelRunner, WorkItem
+from kvbatch.engine.sampler import filter_logits
+from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.engine.sequence import Sequence
+
+
+@dataclass
+class DraftRequest:
+    seq: Sequence
+    max_len: int  # draft slots reserved for this request this step (>= 1)
+    alpha: float = 1.0  # the request's estimated per-token acceptance rate so far
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V] draft distributions; None: deterministic
+
+
+class NgramDrafter:
+    deterministic = True
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft(self.lookup(r.seq.token_ids, r.max_len)) for r in requests]
+
+    def after_verify(self, seq: Sequence, num_tokens_before: int, accepted: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        matching suffix (``max_n`` down to ``min_n`` tokens long); [] when nothing matches."""
+        if len(tokens) <= self.min_n:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
+            pattern = arr[-n:]
+            # Windows starting at 0 .. len - n - 1: every occurrence that ends before the suffix does.
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start:start + k].tolist()
+        return []
+
+
+class _ModelDrafter:
+    """Shared by the two model drafters: pick a token from draft logits, track confidence."""
+
+    deterministic = False
+
+    def __init__(self, threshold: float | None):
+        self.threshold = threshold  # None: draft every reserved slot (fixed length)
+        self._generators: dict[int, torch.Generator] = {}
+        self._mean_conf: dict[int, float] = {}  # per request: decayed mean draft confidence
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.generator is None:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            # The draft's own stream, derived from the request's seed: seeded requests stay
+            # reproducible and the target's stream is never consumed by drafting.
+            gen = torch.Generator().manual_seed((seq.generator.initial_seed() * 6364136223846793005 + 1) % 2**63)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+    def _pick(self, logits: torch.Tensor, p: SamplingParams, seq: Sequence) -> tuple[int, torch.Tensor, float]:
+        """(token, q row, confidence) from one row of draft logits."""
+        if p.greedy:
+            q = logits.softmax(-1)
+            tok = int(torch.argmax(logits))
+            return tok, q, float(q[tok])
+        q = filter_logits(logits, p).softmax(-1)
+        noise = torch.empty_like(q).exponential_(generator=self._generator(seq))
+        tok = int(torch.argmax(q / noise))
+        return tok, q, float(q[tok])
+
+    def release(self, seq: Sequence) -> None:
+        self._generators.pop(seq.seq_id, None)
+        self._mean_conf.pop(seq.seq_id, None)
+
+    def _survival(self, req: DraftRequest, confidence: float) -> float:
+        """Estimated probability that a draft with this confidence is accepted."""
+        mean = self._mean_conf.get(req.seq.seq_id, confidence)
+        self._mean_conf[req.seq.seq_id] = 0.9 * mean + 0.1 * confidence
+        return min(1.0, req.alpha * confidence / max(mean, 1e-9))
+
+    def _draft_loop(self, requests: list[DraftRequest], first: list[WorkItem], runner: ModelRunner,
+                    num_layers: int | None, vocab: int) -> list[Draft]:
+        """Autoregressive drafting: ``first`` computes what each request still lacks and gives
+        its first draft; then one token per request per pass until its slots or confidence run out."""
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        conf = [1.0] * len(requests)
+        active = list(range(len(requests)))
+        items = first
+        while active:
+            logits, order = runner.run([items[i] for i in range(len(active))], num_layers)
+            row_of = {item_idx: row for row, item_idx in enumerate(order)}
+            still: list[int] = []
+            next_items: list[WorkItem] = []
+            for j, r in enumerate(active):
+                req = requests[r]
+                tok, q, c = self._pick(logits[row_of[j]], req.seq.sampling, req.seq)
+                if self.threshold is not None:
+                    conf[r] *= self._survival(req, c)
+                    if conf[r] < self.threshold:
+                        continue
+                tokens[r].append(tok)
+                probs[r].append(_fit(q, vocab))
+                if len(tokens[r]) < req.max_len:
+                    it = items[j]
+                    pos = it.start + len(it.tokens)
+                    next_items.append(WorkItem([tok], pos, self._table(req.seq, pos), 1))
+                    still.append(r)
+            active, items = still, next_items
+        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _table(self, seq: Sequence, position: int) -> list[int]:
+        raise NotImplementedError
+
+
+def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A draft distribution over the target's vocabulary (padding rows differ between models)."""
+    if q.shape[0] == vocab:
+        return q
+    if q.shape[0] > vocab:
+        q = q[:vocab]
+        return q / q.sum()
+    return torch.cat([q, q.new_zeros(vocab - q.shape[0])])
+
+
+class EarlyExitDrafter(_ModelDrafter):
+    def __init__(self, runner: ModelRunner, exit_layer: int, threshold: float | None):
+        super().__init__(threshold)
+        layers = runner.model.config.num_layers
+        if not 1 <= exit_layer < layers:
+            raise ValueError(f"early-exit:{exit_layer} needs 1 <= K < {layers} (the model's layers)")
+        self.runner, self.exit_layer = runner, exit_layer
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        if not requests:
+            return []
+        # The scheduler reserved the draft slots in each target block table already.
+        first = [WorkItem([r.seq.token_ids[-1]], r.seq.num_tokens - 1, r.seq.block_table, 1) for r in requests]
+        vocab = self.runner.model.config.vocab_size
+        return self._draft_loop(requests, first, self.runner, self.exit_layer, vocab)
+
+    def _table(self, seq: Sequence, position: int) -> list[int]:
+        return seq.block_table
+
+    def after_verify(self, seq: Sequence, num_tokens_before: int, accepted: int) -> None:
+        pass  # the verification pass overwrote every slot the drafter wrote
+
+
+class DraftModelDrafter(_ModelDrafter):
+    """``draft``: an :class:`~kvbatch.engine.llm.LLM` of the smaller model; only its runner and
+    block manager are used, with one shadow sequence per target request."""
+
+    def __init__(self, draft, target_vocab: int, threshold: float | None):
+        super().__init__(threshold)
+        self.draft = draft
+        self.target_vocab = target_vocab
+        self.shadows: dict[int, Sequence] = {}
+
+    def _shadow(self, seq: Sequence) -> Sequence:
+        sh = self.shadows.get(seq.seq_id)
+        if sh is None:
+            sh = Sequence(seq.seq_id, seq.request_id, list(seq.prompt_token_ids), seq.sampling)
+            self.shadows[seq.seq_id] = sh
+        sh.token_ids = list(seq.token_ids)
+        return sh
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        bm = self.draft.block_manager
+        ready: list[DraftRequest] = []
+        first: list[WorkItem] = []
+        for r in requests:
+            sh = self._shadow(r.seq)
+            # Slots for what the shadow has not computed yet plus the drafts it feeds back.
+            if not sh.block_table:
+                cached = bm.cached_prefix(sh)
+                need = sh.num_tokens - len(cached) * bm.block_size + r.max_len - 1
+                if not bm.can_allocate(sh, need, cached):
+                    continue  # the draft cache is full: this request decodes without drafts
+                bm.allocate(sh, need, cached)
+            else:
+                need = sh.num_tokens - sh.num_computed_tokens + r.max_len - 1
+                if not bm.can_append(sh, need):
+                    continue
+                bm.append_slots(sh, need)
+            start = sh.num_computed_tokens
+            first.append(WorkItem(sh.token_ids[start:], start, sh.block_table, 1))
+            ready.append(r)
+        drafts = self._draft_loop(ready, first, self.draft.runner, None, self.target_vocab) if ready else []
+        by_seq = {r.seq.seq_id: d for r, d in zip(ready, drafts)}
+        for r in ready:
+            sh = self.shadows[r.seq.seq_id]
+            # Everything but the last draft went through the draft model.
+            sh.num_computed_tokens = sh.num_tokens + max(0, len(by_seq[r.seq.seq_id].tokens) - 1)
+        return [by_seq.get(r.seq.seq_id, Draft([])) for r in requests]
+
+    def _table(self, seq: Sequence, position: int) -> list[int]:
+        return self.shadows[seq.seq_id].block_table
+
+    def after_verify(self, seq: Sequence, num_tokens_before: int, accepted: int) -> None:
+        """Cut the shadow back to what the target kept: positions below ``num_tokens_before +
+        accepted`` hold tokens the target accepted, anything later is a rejected draft."""
+        sh = self.shadows.get(seq.seq_id)
+        if sh is None:
+            return
+        sh.token_ids = list(seq.token_ids)
+        sh.num_computed_tokens = min(sh.num_computed_tokens, num_tokens_before + accepted, sh.num_tokens - 1)
+        bm = self.draft.block_manager
+        bm.commit(sh)
+        bm.trim(sh)
+
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        sh = self.shadows.pop(seq.seq_id, None)
+        if sh is not None:
+            self.draft.block_manager.free(sh)
+
+
+def build_drafter(config, target, seed: int):
+    """The drafter a :class:`~kvbatch.engine.speculative.SpecConfig` asks for, bound to the
+    target ``LLM``; a draft model must speak the target's tokenizer."""
+    threshold = config.accept_threshold if config.adaptive else None
+    if config.method == "ngram":
+        return NgramDrafter(config.ngram_min, config.ngram_max)
+    if config.method == "early-exit":
+        return EarlyExitDrafter(target.runner, config.exit_layer, threshold)
+    from kvbatch.engine.config import EngineConfig
+    from kvbatch.engine.llm import LLM  # the draft is an engine of its own; imported late (cycle)
+
+    ec = target.engine_config
+    draft = LLM(config.draft_model, dtype=target.dtype, seed=seed, engine_config=EngineConfig(
+        block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, kv_cache_bytes=ec.kv_cache_bytes,
+        max_model_len=target.max_model_len, batch_invariant=ec.batch_invariant))
+    check_same_tokenizer(target, draft)
+    return DraftModelDrafter(draft, target.model_config.vocab_size, threshold)
+
+
+def check_same_tokenizer(target, draft) -> None:
+    """Draft tokens are target tokens: refuse a draft model whose vocabulary differs."""
+    t, d = target.tokenizer, draft.tokenizer
+    if t is not None and d is not None:
+        same = t.vocab_size == d.vocab_size and all(
+            t.decode([i], skip_special_tokens=False) == d.decode([i], skip_special_tokens=False)
+            for i in range(0, t.vocab_size, max(1, t.vocab_size // 512)))
+    else:
+        same = target.model_config.vocab_size == draft.model_config.vocab_size
+    if not same:
+        raise ValueError("the draft model's tokenizer differs from the target's: speculative decoding "
+                         "needs the same vocabulary")
