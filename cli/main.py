@@ -43,6 +43,37 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "chunking and KV source (slower at small batches)")
 
 
+def _spec_method(text: str) -> str:
+    from kvbatch.engine.speculative import SpecConfig
+
+    try:
+        SpecConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default=None, metavar="METHOD", type=_spec_method,
+                   help="speculative decoding: ngram (prompt lookup), draft:MODEL (a smaller model with the "
+                        "same tokenizer) or early-exit:K (the model's first K layers draft)")
+    p.add_argument("--spec-max-len", type=_positive_int, default=4, help="most tokens drafted per step")
+    p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="adapt the draft length per request from its observed acceptance and stop "
+                        "drafting when a draft is unlikely to be kept (default on)")
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_positive_int, default=1,
+                   help="ranks of a local worker group (torch.distributed, gloo): requests split over them, "
+                        "a MoE model's experts too (expert parallel)")
+    p.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
+                   help="with --workers > 1 on a MoE model: rebalance the experts over the ranks every STEPS "
+                        "steps from the observed loads (0: never)")
+    p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+                   help="extra expert slots for replicas of hot experts (experts + R must divide by --workers)")
+
+
 def _store_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--store", required=required, default=None,
                    help="KV store URL (s3://bucket/prefix, file:///path, or a local folder)")
@@ -62,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics", default=None, help="write run metrics (JSON) here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     _store_args(g, required=False)
+    _spec_args(g)
+    _worker_args(g)
     g.set_defaults(func=cmd_generate)
 
     pf = sub.add_parser("prefill", help="compute and store the prompts' KV; write decode manifests")
@@ -81,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--errors", default=None, help="also write the rejected rows here")
     dc.add_argument("--metrics", default=None, help="write run metrics (JSON) here")
     dc.add_argument("--no-progress", action="store_true")
+    _spec_args(dc)
+    _worker_args(dc)
     dc.set_defaults(func=cmd_decode)
 
     kv = sub.add_parser("kv", help="inspect or clean a KV store")
@@ -111,6 +146,7 @@ def _fail(msg: str) -> int:
 def _load_llm(args: argparse.Namespace) -> Any:
     from kvbatch.engine.config import EngineConfig
     from kvbatch.engine.llm import LLM
+    from kvbatch.engine.speculative import SpecConfig
     from kvbatch.engine.weights import load_checkpoint
     from kvbatch.io.kv_store import KVStore, KVStoreConfig
 
@@ -123,8 +159,11 @@ def _load_llm(args: argparse.Namespace) -> Any:
                                   disk_dir=args.store_disk, disk_bytes=int(args.store_disk_gb * (1 << 30)))
         # The store checks every block against the fingerprint of the exact KV layout.
         store = KVStore.from_config(store_cfg, _kv_fingerprint(ckpt.fingerprint, args.dtype, cfg.block_size))
+    spec = None
+    if getattr(args, "spec", None):
+        spec = SpecConfig.parse(args.spec, args.spec_max_len, args.spec_adaptive)
     return LLM(ckpt, dtype=args.dtype, engine_config=cfg, kv_store=store, seed=args.seed,
-               num_threads=args.threads)
+               num_threads=args.threads, speculative=spec)
 
 
 def _kv_fingerprint(model_fingerprint: str, dtype: str, block_size: int) -> str:
@@ -144,6 +183,8 @@ def _write_json(url: str, obj: dict) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvbatch.ops.batch_generate import run_batch
 
+    if args.workers > 1:
+        return _run_worker_group(args, "generate")
     try:
         llm = _load_llm(args)
     except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
@@ -170,6 +211,53 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{report.output_tokens} output tokens in {report.wall_s:.1f} s "
           f"({metrics['output_tokens_per_s']} tok/s) -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def _run_worker_group(args: argparse.Namespace, command: str) -> int:
+    """``--workers W``: start W local ranks of the worker-group entry point (the one torchrun
+    runs) and wait; rank 0 writes the output and the metrics."""
+    import os
+    import tempfile
+
+    from kvbatch.ops.worker_group import launch_local
+
+    if args.eplb_interval < 0 or args.redundant_experts < 0:
+        return _fail("--eplb-interval and --redundant-experts must be >= 0")
+    spec: dict[str, Any] = {
+        "command": command, "model": args.model, "dtype": args.dtype, "seed": args.seed, "threads": args.threads,
+        "engine": {"max_num_seqs": args.max_batch, "max_num_batched_tokens": args.max_step_tokens,
+                   "kv_cache_bytes": int(args.kv_cache_gb * (1 << 30)), "batch_invariant": args.deterministic},
+        "output": args.output, "errors": args.errors, "metrics": args.metrics, "model_name": args.model,
+        "eplb_interval": args.eplb_interval, "redundant_experts": args.redundant_experts,
+    }
+    if command == "generate":
+        spec["input"] = args.input
+    else:
+        spec["manifests"] = args.manifests
+    if getattr(args, "store", None):
+        spec["kv_store"] = {"url": args.store, "memory_bytes": int(args.store_memory_gb * (1 << 30)),
+                            "disk_dir": args.store_disk, "disk_bytes": int(args.store_disk_gb * (1 << 30))}
+    if getattr(args, "spec", None):
+        spec["speculative"] = {"method": args.spec, "max_len": args.spec_max_len, "adaptive": args.spec_adaptive}
+    with tempfile.TemporaryDirectory(prefix="kvbatch-workers-") as tmp:
+        spec["report"] = os.path.join(tmp, "report.json")
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w", encoding="utf-8") as f:
+            json.dump(spec, f)
+        code = launch_local(args.workers, ["--spec", spec_path])
+        if code not in (EXIT_OK, EXIT_REJECTS) or not os.path.exists(spec["report"]):
+            return code if code not in (EXIT_OK, EXIT_REJECTS) else EXIT_FATAL
+        with open(spec["report"], encoding="utf-8") as f:
+            m = json.load(f)
+    ep = m.get("expert_parallel")
+    ep_text = (f"; all-to-all {ep['a2a_bytes_per_token_per_layer']:.0f} B/token/layer, "
+               f"{ep['rebalances']} rebalances" if ep else "")
+    loaded = (f"; {m['loaded_prompt_tokens']} of {m['prompt_tokens']} prompt tokens loaded from the store"
+              if command == "decode" else "")
+    print(f"{m['succeeded']} succeeded, {m['rejected']} rejected{loaded}; {m['output_tokens']} output tokens in "
+          f"{m['wall_s']:.1f} s on {args.workers} workers ({m['output_tokens_per_s']} tok/s){ep_text} "
+          f"-> {args.output}", file=sys.stderr)
+    return code
 
 
 def _progress_bar(args: argparse.Namespace, desc: str) -> Any:
@@ -212,6 +300,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 def cmd_decode(args: argparse.Namespace) -> int:
     from kvbatch.ops.kv_handoff import ManifestMismatch, run_decode
 
+    if args.workers > 1:
+        return _run_worker_group(args, "decode")
     try:
         llm = _load_llm(args)
     except Exception as exc:  # noqa: BLE001

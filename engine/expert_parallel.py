@@ -1,0 +1,357 @@
+"""Expert parallelism: each rank of a worker group holds some experts; tokens travel to them.
+
+:class:`ExpertParallelCompute` is a ``model.expert_compute`` (see :mod:`kvbatch.engine.moe`)
+for one rank of a ``torch.distributed`` group. It keeps only this rank's physical expert slots
+(a :class:`~kvbatch.engine.eplb.Placement`; slots are rank-major) and, at every MoE layer:
+
+1. maps each (token, expert) pair to a physical slot (:func:`~kvbatch.engine.eplb.replica_choice`),
+   hence to the rank owning the slot;
+2. exchanges a small header with every rank (``all_to_all_single``): how many rows it sends
+   each rank, and which layer it is at (-1: idle);
+3. sends the token rows, each tagged with its slot (one ``all_to_all_single`` of packed bytes);
+4. computes what arrived with :func:`kvbatch.kernels.dispatch.fused_moe` on the local slots,
+   unweighted, and sends the rows back the way they came (``all_to_all_single``);
+5. combines on the token's own rank exactly as the local :func:`fused_moe` does (pairs in
+   expert order, weighted in fp32, one ``index_add_``), so a token's output is bitwise the
+   local one whenever each expert's GEMM rows are (they are when its batch is the same).
+
+Lockstep. Collectives need every rank. A rank that has finished its step (or has no requests
+left) calls :meth:`ExpertParallelCompute.finish_step`, which joins rounds as an idle rank
+(it still computes rows sent to its experts) until a round in which every rank is idle; all
+ranks see the same headers, so all leave together. Because each header names its layer, ranks
+need not even be at the same layer, or run the same number of forwards per step (early-exit
+drafts, speculative verification).
+
+:meth:`ExpertParallelCompute.rebalance` moves expert weights to a new placement (one
+``all_to_all_single`` of whole experts) and swaps it in; call it between steps, on every rank,
+with the same placement.
+
+The header and the three payload collectives are the all-to-all traffic; :class:`ExchangeStats`
+counts the bytes that left this rank, per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvbatch.engine.eplb import Placement, identity_placement, replica_choice
+from kvbatch.engine.moe import MoELayerWeights
+from kvbatch.kernels import dispatch as K
+
+IDLE = -1  # header layer of a rank that only serves other ranks' rows this round
+_SLOT_BYTES = 4  # each dispatched row carries its slot id as int32
+
+
+@dataclass
+class ExchangeStats:
+    """All-to-all traffic and expert work of one rank, per model layer index.
+
+    Bytes count only what left for another rank (a rank's rows to itself are a local copy).
+    ``tokens`` are this rank's own tokens through the layer; ``rows_computed`` are (token,
+    expert) pairs its experts computed, from any rank: the rank's expert load.
+    """
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    dispatch_bytes: dict[int, int] = field(default_factory=dict)
+    combine_bytes: dict[int, int] = field(default_factory=dict)
+    rows_computed: dict[int, int] = field(default_factory=dict)
+    header_bytes: int = 0
+    rounds: int = 0  # exchange rounds joined, active or idle
+    idle_rounds: int = 0
+    rebalance_bytes: int = 0
+    rebalances: int = 0
+
+    def add(self, table: dict[int, int], layer: int, n: int) -> None:
+        table[layer] = table.get(layer, 0) + n
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens": dict(sorted(self.tokens.items())),
+            "dispatch_bytes": dict(sorted(self.dispatch_bytes.items())),
+            "combine_bytes": dict(sorted(self.combine_bytes.items())),
+            "rows_computed": dict(sorted(self.rows_computed.items())),
+            "header_bytes": self.header_bytes,
+            "rounds": self.rounds,
+            "idle_rounds": self.idle_rounds,
+            "rebalance_bytes": self.rebalance_bytes,
+            "rebalances": self.rebalances,
+        }
+
+
+def a2a_bytes_per_token_per_layer(per_rank: list[dict[str, Any]]) -> float:
+    """Group-wide all-to-all payload bytes (dispatch + combine) per token per MoE layer, from
+    every rank's :meth:`ExchangeStats.to_json`."""
+    moved = sum(sum(s["dispatch_bytes"].values()) + sum(s["combine_bytes"].values()) for s in per_rank)
+    token_layers = sum(sum(s["tokens"].values()) for s in per_rank)
+    return moved / token_layers if token_layers else 0.0
+
+
+class ExpertParallelCompute:
+    """``model.expert_compute`` for one rank of an expert-parallel group (module docstring).
+
+    ``moe_layers``: the model's full MoE weights (layer index -> weights); only this rank's
+    slots are copied out of them. ``placement``: rows indexed by model layer (as
+    :class:`~kvbatch.engine.eplb.ExpertLoadWindow` and ``rebalance_experts`` make them); None is
+    the identity, which needs the expert count to divide by the group size.
+    """
+
+    def __init__(self, moe_layers: Mapping[int, MoELayerWeights], num_layers: int,
+                 placement: Placement | None = None, group: dist.ProcessGroup | None = None) -> None:
+        if not moe_layers:
+            raise ValueError("expert parallelism needs a model with MoE layers")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.layer_ids = sorted(moe_layers)
+        first = moe_layers[self.layer_ids[0]]
+        self.num_experts = first.num_experts
+        self.dtype = first.w_gate_up.dtype
+        self.device = first.w_gate_up.device
+        self.hidden = first.w_gate_up.shape[2]
+        if placement is None:
+            if self.num_experts % self.world:
+                raise ValueError(
+                    f"{self.num_experts} experts do not split over {self.world} ranks: add redundant "
+                    f"experts so that experts + redundant is a multiple of {self.world}")
+            placement = identity_placement(num_layers, self.num_experts, self.world)
+        self._check(placement)
+        self.placement = placement
+        self.per_rank = placement.slots_per_rank(self.world)
+        # layer -> (w_gate_up [S/W, 2I, H], w_down [S/W, H, I]) of this rank's slots, slot order.
+        self.local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for li in self.layer_ids:
+            experts = placement.experts_on_rank(li, self.rank, self.world).to(self.device)
+            lw = moe_layers[li]
+            self.local[li] = (lw.w_gate_up.index_select(0, experts), lw.w_down.index_select(0, experts))
+        self.stats = ExchangeStats()
+        self.step_offset = 0  # replica_choice offset; advanced per step so remainders rotate
+
+    def _check(self, placement: Placement) -> None:
+        placement.validate(self.world)
+        if placement.num_experts != self.num_experts:
+            raise ValueError(f"placement is for {placement.num_experts} experts, the model has {self.num_experts}")
+        if placement.num_layers <= self.layer_ids[-1]:
+            raise ValueError(f"placement has {placement.num_layers} layer rows; MoE layer {self.layer_ids[-1]} "
+                             "needs one (rows are model layer indices)")
+
+    # -- the model hook ----------------------------------------------------------------------------
+    def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        out = self._round(layer_idx, x, topk_ids, topk_weights)
+        assert out is not None
+        return out
+
+    def finish_step(self) -> int:
+        """Serve other ranks' rows until every rank has finished its step; returns the idle
+        rounds joined. Every rank calls this once per step, after its own forwards (if any)."""
+        n = 0
+        while self._round(IDLE) is not None:
+            n += 1
+        self.step_offset += 1
+        return n
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank (one all_reduce)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def _collective_device(self) -> torch.device:
+        # NCCL moves CUDA tensors only; gloo is happy with CPU ones.
+        return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    # -- one exchange round ------------------------------------------------------------------------
+    def _round(self, layer_idx: int, x: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
+               topk_weights: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One round of the protocol. Active (``layer_idx`` >= 0): returns the combined routed
+        output [T, H]. Idle: returns None when every rank was idle (the step is over), else an
+        empty tensor after serving the active ranks."""
+        W, rank, st = self.world, self.rank, self.stats
+        dev = self._collective_device()
+        active = layer_idx != IDLE
+        H = self.hidden
+        row_bytes = H * torch.empty((), dtype=self.dtype).element_size()
+        if active:
+            assert x is not None and topk_ids is not None and topk_weights is not None
+            T, k = topk_ids.shape
+            slots = replica_choice(topk_ids, self.placement, layer_idx, offset=self.step_offset + rank).reshape(-1)
+            dest = torch.div(slots, self.per_rank, rounding_mode="floor")
+            # Rows grouped by destination rank, then by slot, so each receiver gets runs per slot.
+            send_order = torch.argsort(slots, stable=True)
+            send_counts = torch.bincount(dest, minlength=W).cpu()
+        else:
+            T, k = 0, 0
+            send_counts = torch.zeros(W, dtype=torch.long)
+        header = torch.stack([send_counts, torch.full((W,), layer_idx, dtype=torch.long)], dim=1).to(dev)
+        recv_header = torch.empty_like(header)
+        dist.all_to_all_single(recv_header, header, group=self.group)
+        recv_header = recv_header.cpu()
+        st.rounds += 1
+        st.header_bytes += (W - 1) * header[0].numel() * header.element_size()
+        src_layers = recv_header[:, 1].tolist()
+        if all(li == IDLE for li in src_layers):
+            assert not active
+            return None
+        if not active:
+            st.idle_rounds += 1
+        recv_counts = recv_header[:, 0].tolist()
+        send_list = send_counts.tolist()
+
+        # Dispatch: each row is x[token] as bytes, then its slot id as int32 bytes.
+        if active and T * k:
+            tokens = torch.div(send_order, k, rounding_mode="floor")
+            rows = x.index_select(0, tokens).contiguous().view(torch.uint8).view(T * k, row_bytes)
+            tags = slots.index_select(0, send_order).to(torch.int32).view(torch.uint8).view(T * k, _SLOT_BYTES)
+            send_buf = torch.cat([rows, tags], dim=1).to(dev)
+        else:
+            send_buf = torch.empty((0, row_bytes + _SLOT_BYTES), dtype=torch.uint8, device=dev)
+        recv_buf = torch.empty((sum(recv_counts), row_bytes + _SLOT_BYTES), dtype=torch.uint8, device=dev)
+        dist.all_to_all_single(recv_buf, send_buf, output_split_sizes=recv_counts, input_split_sizes=send_list,
+                               group=self.group)
+        if active:
+            remote = sum(send_list) - send_list[rank]
+            st.add(st.tokens, layer_idx, T)
+            st.add(st.dispatch_bytes, layer_idx, remote * (row_bytes + _SLOT_BYTES))
+
+        # Compute what arrived, source block by source block, with the layer each source is at.
+        recv_buf = recv_buf.to(self.device)
+        recv_x = recv_buf[:, :row_bytes].contiguous().view(self.dtype)
+        recv_slot = recv_buf[:, row_bytes:].contiguous().view(torch.int32).reshape(-1).long()
+        y = torch.empty((recv_x.shape[0], H), dtype=self.dtype, device=self.device)
+        start = 0
+        blocks: dict[int, list[tuple[int, int]]] = {}
+        for src in range(W):
+            n = recv_counts[src]
+            if n:
+                blocks.setdefault(src_layers[src], []).append((start, start + n))
+            start += n
+        for li, spans in blocks.items():
+            rows_idx = torch.cat([torch.arange(a, b, device=self.device) for a, b in spans])
+            local_slot = recv_slot.index_select(0, rows_idx) - rank * self.per_rank
+            w_gate_up, w_down = self.local[li]
+            ones = torch.ones((rows_idx.numel(), 1), dtype=torch.float32, device=self.device)
+            # Weight 1 keeps the expert's output as is: the weighting happens at home, in fp32.
+            y[rows_idx] = K.fused_moe(recv_x.index_select(0, rows_idx), w_gate_up, w_down,
+                                      local_slot.view(-1, 1), ones)
+            st.add(st.rows_computed, li, rows_idx.numel())
+
+        # Combine: the rows go back the way they came.
+        back = torch.empty((sum(send_list), H), dtype=self.dtype, device=dev)
+        dist.all_to_all_single(back, y.to(dev), output_split_sizes=send_list, input_split_sizes=recv_counts,
+                               group=self.group)
+        for src in range(W):
+            if src != rank and recv_counts[src]:
+                st.add(st.combine_bytes, src_layers[src], recv_counts[src] * row_bytes)
+        if not active:
+            return torch.empty(0)
+        assert x is not None and topk_weights is not None and topk_ids is not None
+        y_pairs = torch.empty((T * k, H), dtype=self.dtype, device=x.device)
+        y_pairs[send_order.to(x.device)] = back.to(x.device)
+        return _combine(y_pairs, topk_ids, topk_weights, T, H, x.dtype)
+
+    # -- rebalancing -------------------------------------------------------------------------------
+    def rebalance(self, placement: Placement) -> int:
+        """Move expert weights so this rank holds its slots of ``placement``, then use it.
+
+        Collective: every rank calls it between steps with the same placement. Experts a rank
+        already holds are copied locally; the rest come from a rank holding them under the old
+        placement (one ``all_to_all_single`` of whole experts). Returns bytes this rank sent.
+        """
+        self._check(placement)
+        old, W, rank = self.placement, self.world, self.rank
+        old_per, new_per = old.slots_per_rank(W), placement.slots_per_rank(W)
+        dev = self._collective_device()
+        # The plan is a pure function of the two placements, so every rank computes the same one.
+        # transfers: (src, dst, layer, dst local slot, expert), in a fixed order.
+        transfers: list[tuple[int, int, int, int, int]] = []
+        for li in self.layer_ids:
+            old_row = old.phy2log[li].tolist()
+            new_row = placement.phy2log[li].tolist()
+            holders: dict[int, list[int]] = {}
+            for slot, e in enumerate(old_row):
+                r = slot // old_per
+                if r not in holders.setdefault(e, []):
+                    holders[e].append(r)
+            for slot, e in enumerate(new_row):
+                dst, j = divmod(slot, new_per)
+                if dst in holders[e]:
+                    continue
+                src = holders[e][slot % len(holders[e])]  # spread the sending over the holders
+                transfers.append((src, dst, li, j, e))
+
+        def expert_row(li: int, e: int) -> torch.Tensor:
+            local_slot = old_row_of[li].index(e)
+            gu, dn = self.local[li]
+            return torch.cat([gu[local_slot].reshape(-1), dn[local_slot].reshape(-1)])
+
+        old_row_of = {li: old.experts_on_rank(li, rank, W).tolist() for li in self.layer_ids}
+        outgoing = sorted((t for t in transfers if t[0] == rank), key=lambda t: (t[1], t[2], t[3]))
+        incoming = sorted((t for t in transfers if t[1] == rank), key=lambda t: (t[0], t[2], t[3]))
+        gu0, dn0 = self.local[self.layer_ids[0]]
+        row_numel = gu0[0].numel() + dn0[0].numel()
+        send = (torch.stack([expert_row(li, e) for _, _, li, _, e in outgoing]) if outgoing
+                else torch.empty((0, row_numel), dtype=self.dtype, device=self.device))
+        recv = torch.empty((len(incoming), row_numel), dtype=self.dtype, device=dev)
+        send_counts = [sum(1 for t in outgoing if t[1] == d) for d in range(W)]
+        recv_counts = [sum(1 for t in incoming if t[0] == s) for s in range(W)]
+        dist.all_to_all_single(recv, send.to(dev), output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                               group=self.group)
+        recv = recv.to(self.device)
+        arrived = {(li, j): recv[i] for i, (_, _, li, j, _) in enumerate(incoming)}
+        new_local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for li in self.layer_ids:
+            gu, dn = self.local[li]
+            new_gu = gu.new_empty((new_per, *gu.shape[1:]))
+            new_dn = dn.new_empty((new_per, *dn.shape[1:]))
+            for j, e in enumerate(placement.experts_on_rank(li, rank, W).tolist()):
+                if (li, j) in arrived:
+                    flat = arrived[(li, j)]
+                    new_gu[j] = flat[:gu[0].numel()].view(gu.shape[1:])
+                    new_dn[j] = flat[gu[0].numel():].view(dn.shape[1:])
+                else:
+                    s = old_row_of[li].index(e)
+                    new_gu[j], new_dn[j] = gu[s], dn[s]
+            new_local[li] = (new_gu, new_dn)
+        # Swap only once every weight is in place: the next step sees the whole new placement.
+        self.local, self.placement, self.per_rank = new_local, placement, new_per
+        sent = len(outgoing) * row_numel * send.element_size()
+        self.stats.rebalance_bytes += sent
+        self.stats.rebalances += 1
+        return sent
+
+    def local_experts(self) -> dict[int, list[int]]:
+        """Layer -> the logical experts in this rank's slots (for tests and logs)."""
+        return {li: self.placement.experts_on_rank(li, self.rank, self.world).tolist() for li in self.layer_ids}
+
+
+def _combine(y_pairs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, T: int, H: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """``sum_j w[t, j] * y[t, j]`` with the arithmetic of the local ``fused_moe``: pairs in expert
+    order (stable), weighted in fp32, added into zeros with one ``index_add_``."""
+    k = topk_ids.shape[1]
+    out = torch.zeros((T, H), dtype=torch.float32, device=y_pairs.device)
+    if T * k == 0:
+        return out.to(dtype)
+    order = torch.argsort(topk_ids.reshape(-1), stable=True)
+    weights = topk_weights.reshape(-1).index_select(0, order).float()
+    ys = y_pairs.index_select(0, order).float()
+    out.index_add_(0, torch.div(order, k, rounding_mode="floor"), ys * weights[:, None])
+    return out.to(dtype)
+
+
+def install(model: Any, placement: Placement | None = None,
+            group: dist.ProcessGroup | None = None) -> ExpertParallelCompute:
+    """Put an :class:`ExpertParallelCompute` on ``model`` (its ``expert_compute``) and drop the
+    model's full expert weights, which this rank no longer needs."""
+    ep = ExpertParallelCompute(model.moe_layers, model.config.num_layers, placement, group)
+    model.expert_compute = ep
+    for lw in model.moe_layers.values():
+        # Shapes stay [0, ...] so code that reads them sees no experts, not stale ones.
+        lw.w_gate_up = lw.w_gate_up.new_empty((0, *lw.w_gate_up.shape[1:]))
+        lw.w_down = lw.w_down.new_empty((0, *lw.w_down.shape[1:]))
+    return ep

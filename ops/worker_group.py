@@ -1,0 +1,539 @@
+"""A decode worker group: W ranks that split the requests and share the experts.
+
+    python -m kvbatch.ops.worker_group --spec spec.json                 (one rank; env says which)
+    torchrun --nproc-per-node 4 -m kvbatch.ops.worker_group --spec spec.json
+    launch_local(4, ["--spec", "spec.json"])                             (what ``--workers 4`` does)
+
+Each rank reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun and a Kubernetes pod
+set them; :func:`launch_local` sets them for local processes) and joins a ``torch.distributed``
+group (gloo: the engine computes on the CPU; ``KVBATCH_DIST_BACKEND`` overrides).
+
+- Data parallel: rank ``r`` takes input rows ``r, r + W, r + 2W, ...``; attention and dense
+  layers run on each rank's own requests only.
+- Expert parallel (MoE models, W > 1): each rank keeps only its expert slots
+  (:class:`~kvbatch.engine.expert_parallel.ExpertParallelCompute`) and tokens travel to their
+  experts by all-to-all. Ranks step in lockstep: every step starts with an all_reduce of "has
+  work", and a rank without work still serves the other ranks' tokens.
+- Live EPLB (``eplb_interval`` > 0): every rank counts its routing
+  (:class:`~kvbatch.engine.eplb.ExpertLoadWindow`); every ``eplb_interval`` steps the counts
+  are summed over ranks, :func:`~kvbatch.engine.eplb.rebalance_experts` places ``E +
+  redundant_experts`` slots, and the expert weights move (between steps, on all ranks).
+- Rank 0 gathers every rank's output lines, writes them in input order (the same file a
+  single process writes), and the metrics.
+
+The spec is the decode worker's (:mod:`kvbatch.ops.decode_worker`) plus: ``command``
+(``"generate"`` with ``input``, or ``"decode"`` with ``manifests``), ``output``, ``errors``,
+``metrics``, ``model_name``, ``report`` (a JSON file rank 0 writes for the launcher),
+``eplb_interval``, ``redundant_experts``, ``eplb_window`` (steps of load history, default the
+interval) and, for tests, ``eplb_force`` (``"rotate"``: at each interval move every expert to the
+next rank instead of balancing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+EXIT_OK, EXIT_REJECTS, EXIT_FATAL = 0, 1, 2
+DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer than this fails the group
+
+
+# ------------------------------------------------------------------------------------------------
+# Lockstep stepping
+
+
+class LockstepLLM:
+    """An ``LLM`` whose :meth:`stream` keeps step with the other ranks of an expert-parallel
+    group; everything else is the wrapped engine's (``run_jobs`` takes it as an ``LLM``)."""
+
+    def __init__(self, llm: Any, ep: Any, on_step: Callable[[int], None] | None = None) -> None:
+        self.llm = llm
+        self.ep = ep
+        self.on_step = on_step
+        self.steps = 0
+        self.step_s: list[float] = []  # wall time of each group step, as this rank saw it
+        self.step_had_work: list[bool] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.llm, name)
+
+    def stream(self, requests: Iterable[Any], max_waiting: int | None = None) -> Iterator[Any]:
+        """:meth:`LLM.stream`, except that a step is a group step: it runs while any rank has
+        work, and a rank with none joins it idle (its experts serve the others)."""
+        llm = self.llm
+        cap = max_waiting or 2 * llm.engine_config.max_num_seqs
+        it = iter(requests)
+        exhausted = False
+        while True:
+            while not exhausted and len(llm.scheduler.waiting) < cap:
+                try:
+                    llm.add_request(next(it))
+                except StopIteration:
+                    exhausted = True
+            mine = llm.scheduler.has_work()
+            if not self.ep.any_rank(mine):
+                return
+            started = time.perf_counter()
+            finished = llm.step() if mine else []
+            self.ep.finish_step()
+            self.step_s.append(time.perf_counter() - started)
+            self.step_had_work.append(mine)
+            self.steps += 1
+            if self.on_step is not None:
+                self.on_step(self.steps)
+            yield from finished
+
+
+class LiveBalancer:
+    """EPLB during the run: counts routing, and every ``interval`` steps rebalances the group.
+
+    ``on_step`` must run on every rank after the same step (it is collective)."""
+
+    def __init__(self, llm: Any, ep: Any, interval: int, num_slots: int, window_steps: int | None = None,
+                 force: str | None = None) -> None:
+        from kvbatch.engine.eplb import ExpertLoadWindow
+
+        self.ep = ep
+        self.interval = interval
+        self.num_slots = num_slots
+        self.force = force
+        cfg = llm.model.config
+        self.window = ExpertLoadWindow(cfg.num_layers, ep.num_experts, window_steps or interval)
+        llm.model.routing_observers.append(self.window.observe)
+        self.history: list[dict[str, Any]] = []
+        # rows each rank's experts computed, per layer, at each rebalance (segment boundaries)
+        self.boundaries: list[tuple[int, dict[int, int]]] = []
+
+    def on_step(self, step: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from kvbatch.engine.eplb import Placement, rank_loads, rebalance_experts
+
+        self.window.end_step()
+        if step % self.interval:
+            return
+        load = self.window.load().cpu()
+        dist.all_reduce(load, group=self.ep.group)
+        W = self.ep.world
+        if self.force == "rotate":
+            old = self.ep.placement.phy2log
+            per = old.shape[1] // W
+            placement = Placement.from_phy2log(torch.roll(old, per, dims=1), self.ep.num_experts)
+        else:
+            placement = rebalance_experts(load.float(), self.num_slots, 1, 1, W)
+        # Every rank computed the same placement from the same sums; rank 0's is sent anyway,
+        # so a future non-deterministic search cannot split the group.
+        phy2log = placement.phy2log.clone()
+        dist.broadcast(phy2log, src=0, group=self.ep.group)
+        placement = Placement.from_phy2log(phy2log, self.ep.num_experts)
+        before = _max_over_mean(rank_loads(load, self.ep.placement, W))
+        after = _max_over_mean(rank_loads(load, placement, W))
+        self.boundaries.append((step, dict(self.ep.stats.rows_computed)))
+        started = time.perf_counter()
+        moved = self.ep.rebalance(placement)
+        self.history.append({"step": step, "predicted_max_over_mean_before": before,
+                             "predicted_max_over_mean_after": after, "weight_bytes_sent_by_rank": moved,
+                             "rebalance_s": time.perf_counter() - started})
+
+
+def _max_over_mean(rank_load: Any) -> float | None:
+    """Mean over layers with load of max_r / mean_r ([L, W] rank loads)."""
+    active = rank_load.sum(-1) > 0
+    if not bool(active.any()):
+        return None
+    rl = rank_load[active]
+    return float((rl.max(-1).values / rl.mean(-1)).mean())
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"{name} is not set: start workers with torchrun or launch_local")
+        return default
+    return int(value)
+
+
+def init_group(timeout_s: float | None = None) -> tuple[int, int]:
+    """Join the group described by the environment; returns (rank, world size)."""
+    import torch.distributed as dist
+
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if world > 1 and "MASTER_PORT" not in os.environ:
+        raise RuntimeError("MASTER_PORT is not set: start workers with torchrun or launch_local")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = os.environ.get("KVBATCH_DIST_BACKEND", "gloo")
+    timeout = timedelta(seconds=timeout_s or float(os.environ.get("KVBATCH_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    return rank, world
+
+
+def build_llm(spec: dict[str, Any]) -> Any:
+    """This rank's engine, as the CLI would build it from the same options."""
+    from kvbatch.engine.config import EngineConfig
+    from kvbatch.engine.llm import LLM
+    from kvbatch.engine.weights import load_checkpoint
+
+    ckpt = load_checkpoint(spec["model"])
+    engine_config = EngineConfig(**spec.get("engine", {}))
+    dtype = spec.get("dtype", "fp32")
+    store = None
+    if spec.get("kv_store"):
+        from kvbatch.io.kv_store import KVStore, KVStoreConfig
+        from kvbatch.ops.shards import kv_fingerprint
+
+        fingerprint = spec.get("kv_fingerprint") or kv_fingerprint(ckpt.fingerprint, dtype, engine_config.block_size)
+        store = KVStore.from_config(KVStoreConfig(**spec["kv_store"]), fingerprint)
+    speculative = None
+    if spec.get("speculative"):
+        from kvbatch.engine.speculative import SpecConfig
+
+        s = spec["speculative"]
+        speculative = SpecConfig.parse(s["method"], s.get("max_len", 4), s.get("adaptive", True))
+    return LLM(ckpt, dtype=dtype, engine_config=engine_config, kv_store=store, seed=spec.get("seed", 0),
+               num_threads=spec.get("threads"), speculative=speculative)
+
+
+def initial_placement(model: Any, world: int, redundant: int) -> Any:
+    """Identity when the experts split evenly and nothing is redundant; otherwise ``E + R``
+    slots holding experts round-robin (``rebalance`` improves on it once loads are known)."""
+    from kvbatch.engine.eplb import identity_placement
+
+    num_experts = next(iter(model.moe_layers.values())).num_experts
+    slots = num_experts + redundant
+    if slots % world:
+        raise ValueError(f"{num_experts} experts + {redundant} redundant = {slots} slots do not split over "
+                         f"{world} workers: choose --redundant-experts so the sum is a multiple of {world}")
+    return identity_placement(model.config.num_layers, num_experts, world, slots)
+
+
+def _my_rows(items: Iterable[Any], rank: int, world: int) -> Iterator[Any]:
+    for i, item in enumerate(items):
+        if i % world == rank:
+            yield item
+
+
+def _renumbered(jobs: Iterable[Any]) -> Iterator[Any]:
+    """Jobs numbered by their place in this rank's share (the rank's output has no gaps)."""
+    for i, job in enumerate(jobs):
+        job.index = i
+        yield job
+
+
+def _rank_jobs(llm: Any, spec: dict[str, Any], rank: int, world: int) -> Iterator[Any]:
+    from kvbatch.io.batch_requests import read_requests
+    from kvbatch.ops.batch_generate import tokenize_requests
+    from kvbatch.ops.kv_handoff import manifest_jobs, read_manifests
+
+    so = spec.get("storage_options") or {}
+    if spec["command"] == "generate":
+        return tokenize_requests(llm, _my_rows(read_requests(spec["input"], storage_options=so), rank, world))
+    if spec["command"] == "decode":
+        return _renumbered(manifest_jobs(llm, _my_rows(read_manifests(spec["manifests"], so), rank, world)))
+    raise ValueError(f"unknown worker command {spec['command']!r} (generate or decode)")
+
+
+def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | None = None) -> int:
+    """Run this rank's share; rank 0 writes the output. Returns the exit status."""
+    import fsspec
+    import torch.distributed as dist
+
+    from kvbatch.engine.expert_parallel import install
+    from kvbatch.ops.batch_generate import run_jobs
+
+    rank, world = init_group(spec.get("timeout_s"))
+    try:
+        llm = build_llm(spec)
+        engine: Any = llm
+        ep = balancer = None
+        if world > 1 and getattr(llm.model, "moe_layers", None):
+            redundant = int(spec.get("redundant_experts", 0))
+            ep = install(llm.model, initial_placement(llm.model, world, redundant))
+            on_step = None
+            interval = int(spec.get("eplb_interval") or 0)
+            if interval > 0:
+                balancer = LiveBalancer(llm, ep, interval, ep.placement.num_slots, spec.get("eplb_window"),
+                                        spec.get("eplb_force"))
+                on_step = balancer.on_step
+            engine = LockstepLLM(llm, ep, on_step)
+        sink = f"memory://kvbatch-worker-{uuid.uuid4().hex}/out.jsonl"
+        report = run_jobs(engine, _rank_jobs(llm, spec, rank, world), sink,
+                          model_name=spec.get("model_name", "kvbatch"), on_progress=on_progress if rank == 0 else None)
+        fs, path = fsspec.core.url_to_fs(sink)
+        lines = fs.cat_file(path).splitlines(keepends=True)
+        fs.rm(path)
+        mine = {"lines": lines, "report": report, "ep": ep.stats.to_json() if ep else None,
+                "balancer": _balancer_json(balancer, ep), "step_s": getattr(engine, "step_s", []),
+                "step_had_work": getattr(engine, "step_had_work", [])}
+        parts: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(mine, parts if rank == 0 else None, dst=0)
+        if rank != 0:
+            return EXIT_OK
+        return _write_outputs(spec, parts, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _balancer_json(balancer: LiveBalancer | None, ep: Any) -> dict[str, Any] | None:
+    if balancer is None:
+        return None
+    return {"history": balancer.history,
+            "boundaries": [(step, rows) for step, rows in balancer.boundaries],
+            "final_rows": dict(ep.stats.rows_computed)}
+
+
+def rank_load_segments(parts: Sequence[dict[str, Any]], world: int) -> list[dict[str, Any]]:
+    """Measured max / mean rank load (expert rows computed) between rebalances: one segment per
+    stretch of steps with one placement, each the mean over MoE layers of max_r / mean_r."""
+    def ratio(rows_by_rank: list[dict[int, int]]) -> float | None:
+        layers = sorted({li for rows in rows_by_rank for li in rows})
+        ratios = []
+        for li in layers:
+            loads = [rows.get(li, 0) for rows in rows_by_rank]
+            mean = sum(loads) / world
+            if mean > 0:
+                ratios.append(max(loads) / mean)
+        return sum(ratios) / len(ratios) if ratios else None
+
+    def diff(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+        return {li: a.get(li, 0) - b.get(li, 0) for li in set(a) | set(b)}
+
+    per_rank_marks = []
+    for p in parts:
+        if p["balancer"] is not None:
+            marks = [(s, {int(k): v for k, v in rows.items()}) for s, rows in p["balancer"]["boundaries"]]
+            final = {int(k): v for k, v in p["balancer"]["final_rows"].items()}
+        else:
+            marks, final = [], {int(k): v for k, v in (p["ep"] or {}).get("rows_computed", {}).items()}
+        per_rank_marks.append(marks + [(None, final)])
+    segments = []
+    prev_rows: list[dict[int, int]] = [{} for _ in parts]
+    prev_step = 0
+    for i in range(len(per_rank_marks[0])):
+        step = per_rank_marks[0][i][0]
+        rows = [marks[i][1] for marks in per_rank_marks]
+        seg = [diff(rows[r], prev_rows[r]) for r in range(world)]
+        segments.append({"from_step": prev_step, "to_step": step, "rank_load_max_over_mean": ratio(seg)})
+        prev_rows, prev_step = rows, step
+    return segments
+
+
+def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int) -> int:
+    """Rank 0: every rank's lines in input order (row i came from rank i % W), the metrics."""
+    from kvbatch.io.batch_output import JsonlWriter
+    from kvbatch.ops.batch_generate import BatchReport
+
+    so = spec.get("storage_options") or {}
+    total = sum(len(p["lines"]) for p in parts)
+    for r, p in enumerate(parts):
+        want = len(range(r, total, world))
+        if len(p["lines"]) != want:
+            raise RuntimeError(f"rank {r} returned {len(p['lines'])} lines, expected {want}")
+    with JsonlWriter(spec["output"], storage_options=so) as out:
+        errors = JsonlWriter(spec["errors"], storage_options=so) if spec.get("errors") else None
+        try:
+            for i in range(total):
+                line = parts[i % world]["lines"][i // world]
+                out.write_encoded(line)
+                if errors is not None and json.loads(line).get("error") is not None:
+                    errors.write_encoded(line)
+        except BaseException:
+            if errors is not None:
+                errors.abort()
+            raise
+        if errors is not None:
+            errors.close()
+    report = BatchReport()
+    for p in parts:
+        r = p["report"]
+        for name in ("requests", "succeeded", "rejected", "prompt_tokens", "cached_prompt_tokens",
+                     "loaded_prompt_tokens", "output_tokens", "preemptions"):
+            setattr(report, name, getattr(report, name) + getattr(r, name))
+        report.ttft_s += r.ttft_s
+        report.tpot_s += r.tpot_s
+        report.wall_s = max(report.wall_s, r.wall_s)
+        for k, v in r.rejects_by_field.items():
+            report.rejects_by_field[k] = report.rejects_by_field.get(k, 0) + v
+    metrics = report.to_json()
+    metrics["workers"] = world
+    if parts[0]["ep"] is not None:
+        metrics["expert_parallel"] = group_metrics(parts, world)
+    if spec.get("metrics"):
+        with open_url(spec["metrics"], so) as f:
+            json.dump(metrics, f, indent=2)
+            f.write("\n")
+    if spec.get("report"):
+        with open(spec["report"], "w", encoding="utf-8") as f:
+            json.dump(metrics, f)
+    return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def group_metrics(parts: Sequence[dict[str, Any]], world: int) -> dict[str, Any]:
+    """The expert-parallel figures of a run, from every rank's gathered part."""
+    import statistics
+
+    eps = [p["ep"] for p in parts]
+    steps = parts[0]["step_s"]
+    out: dict[str, Any] = {
+        "a2a_bytes_per_token_per_layer": round(a2a_bytes(eps), 3),
+        "a2a_payload_bytes": sum(sum(e["dispatch_bytes"].values()) + sum(e["combine_bytes"].values()) for e in eps),
+        "a2a_header_bytes": sum(e["header_bytes"] for e in eps),
+        "steps": len(steps),
+        "step_s_median": statistics.median(steps) if steps else None,
+        "idle_rounds": sum(e["idle_rounds"] for e in eps),
+        "rebalances": eps[0]["rebalances"],
+        "rebalance_bytes": sum(e["rebalance_bytes"] for e in eps),
+        "rank_load_segments": rank_load_segments(parts, world),
+        "rows_computed_by_rank": [sum(e["rows_computed"].values()) for e in eps],
+    }
+    if parts[0]["balancer"] is not None:
+        history = parts[0]["balancer"]["history"]
+        out["eplb_history"] = history
+        if history:  # step i (1-based) ran under the first rebalanced placement when i > its step
+            after = steps[history[0]["step"]:]
+            out["step_s_median_after_first_rebalance"] = statistics.median(after) if after else None
+    return out
+
+
+def a2a_bytes(eps: Sequence[dict[str, Any]]) -> float:
+    from kvbatch.engine.expert_parallel import a2a_bytes_per_token_per_layer
+
+    return a2a_bytes_per_token_per_layer(list(eps))
+
+
+def open_url(url: str, storage_options: dict[str, Any]) -> Any:
+    import fsspec
+
+    return fsspec.open(url, "w", **storage_options)
+
+
+# ------------------------------------------------------------------------------------------------
+# The local launcher
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In a child: get SIGTERM if the launcher dies, even by SIGKILL (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def launch_local(world_size: int, argv: Sequence[str], *, grace_s: float = 10.0,
+                 env: dict[str, str] | None = None) -> int:
+    """Run ``world_size`` local processes of this module's entry point with ``argv``, as
+    torchrun would; returns rank 0's exit status, or ``EXIT_FATAL`` when any rank fails.
+
+    A rank that dies takes the group down: the others are sent SIGTERM (SIGKILL after
+    ``grace_s``), and the message names the rank. SIGTERM/SIGINT to the launcher go to the
+    workers too; a worker also gets SIGTERM if the launcher itself is killed.
+    """
+    port = _free_port()
+    base = {**os.environ, **(env or {})}
+    # Like torchrun: one thread per worker unless told otherwise (W processes share the cores).
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    procs: list[subprocess.Popen] = []
+    received: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for rank in range(world_size):
+            child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(subprocess.Popen([sys.executable, "-m", "kvbatch.ops.worker_group", *argv], env=child_env,
+                                          preexec_fn=_die_with_parent))
+        return _supervise(procs, received, grace_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _supervise(procs: list[subprocess.Popen], received: list[int], grace_s: float) -> int:
+    failed: tuple[int, int] | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if failed is None:
+            for rank, code in enumerate(codes):
+                if code is not None and code not in (EXIT_OK, EXIT_REJECTS):
+                    failed = (rank, code)
+                    break
+        if received or failed is not None:
+            break
+        if all(c is not None for c in codes):
+            return codes[0] if codes[0] is not None else EXIT_FATAL
+        time.sleep(0.05)
+    # Stop the rest: SIGTERM (already forwarded on a signal), SIGKILL after the grace period.
+    for p in procs:
+        if p.poll() is None and not received:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if received:
+        print(f"kvbatch: error: worker group stopped by signal {received[0]}", file=sys.stderr)
+        return 128 + received[0]
+    assert failed is not None
+    rank, code = failed
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    print(f"kvbatch: error: worker rank {rank} {how}; the group of {len(procs)} was stopped", file=sys.stderr)
+    return EXIT_FATAL
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvbatch.ops.worker_group")
+    p.add_argument("--spec", required=True, help="worker group spec JSON (module docstring)")
+    args = p.parse_args(argv)
+    with open(args.spec, encoding="utf-8") as f:
+        spec = json.load(f)
+    rank = os.environ.get("RANK", "0")
+    try:
+        return run_rank(spec)
+    except Exception as exc:  # noqa: BLE001 - one line naming the rank; the launcher stops the group
+        print(f"kvbatch: error: worker rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FATAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())
