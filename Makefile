@@ -24,22 +24,24 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 # The main job: the whole Dagster asset graph on the embedded default (SmolLM2, a generated sample
-# dataset, a local folder as the object store), through `dagster asset materialize`.
+# dataset, a local folder as the object store), through `dagster asset materialize`: the ingest
+# for one date partition (today, UTC), then every (date, shard) partition of that day.
 DEMO_ABS   = $(abspath $(DEMO))
-DEMO_ENV   = DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS)
+DEMO_ENV   = DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS) KVBATCH_TIMEZONE=UTC
 DEMO_SHARDS ?= 4
 DEMO_ROWS  ?= 200
+DEMO_DATE  ?= $(shell date -u +%F)
 MATERIALIZE = $(DEMO_ENV) $(BIN)/dagster asset materialize -m kvbatch.pipelines.definitions
 
 demo: install
 	mkdir -p $(DEMO)/dagster_home
 	$(BIN)/kvbatch sample-data --output $(DEMO)/requests.jsonl --requests $(DEMO_ROWS)
-	$(MATERIALIZE) --select prompts,prompt_shards \
+	$(MATERIALIZE) --select prompts,prompt_shards --partition $(DEMO_DATE) \
 		--config-json '{"ops": {"prompts": {"config": {"url": "$(DEMO_ABS)/requests.jsonl"}}}}'
 	for shard in $$(seq -f "%04g" 0 $$(($(DEMO_SHARDS) - 1))); do \
-		$(MATERIALIZE) --select prefill_kv,decode_results,cost_metrics --partition $$shard || exit 1; \
+		$(MATERIALIZE) --select prefill_kv,decode_results,cost_metrics --partition "$(DEMO_DATE)|$$shard" || exit 1; \
 	done
-	$(BIN)/python -m kvbatch.ops.demo_report $(DEMO_ABS)/data
+	$(BIN)/python -m kvbatch.ops.demo_report $(DEMO_ABS)/data $(DEMO_DATE)
 	@echo "UI: DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS) $(BIN)/dagster dev -w workspace.yaml"
 
 test: install-test

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvbatch.engine.llm import LLM, GenerationRequest, Result
 from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.engine.tokenizer import ChatTokenizer
 from kvbatch.io.batch_output import JsonlWriter, OrderedJsonlWriter, TokenLogprob, error_line, result_line
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow, read_requests, reject
 from kvbatch.ops.metrics import percentile
@@ -39,6 +40,29 @@ class BatchReport:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     rejects_by_field: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: drafted tokens, drafts kept, target passes that decoded, seconds
+    # spent drafting and in engine steps (the drafter's share of the step time).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_target_steps: int = 0
+    spec_enabled: bool = False
+    draft_s: float = 0.0
+    step_s: float = 0.0
+    _since: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), repr=False)
+
+    @classmethod
+    def start(cls, llm: LLM) -> "BatchReport":
+        """An empty report for a run of ``llm`` from now (its clock and drafter counters)."""
+        report = cls(spec_enabled=llm.spec is not None)
+        report._since = (time.perf_counter(), llm.stats["draft_s"], llm.stats["step_s"])
+        return report
+
+    def finish(self, llm: LLM) -> None:
+        """Close the run started by :meth:`start`: wall time and the drafter's share of it."""
+        t0, draft0, step0 = self._since
+        self.wall_s = time.perf_counter() - t0
+        self.draft_s = llm.stats["draft_s"] - draft0
+        self.step_s = llm.stats["step_s"] - step0
 
     def add_result(self, result: Result) -> None:
         self.succeeded += 1
@@ -47,6 +71,9 @@ class BatchReport:
         self.loaded_prompt_tokens += result.num_loaded_tokens
         self.output_tokens += len(result.output_token_ids)
         self.preemptions += result.num_preemptions
+        self.spec_draft_tokens += result.spec_draft_tokens
+        self.spec_accepted_tokens += result.spec_accepted_tokens
+        self.spec_target_steps += result.spec_target_steps
         self.ttft_s.append(result.ttft_s)
         if result.tpot_s is not None:
             self.tpot_s.append(result.tpot_s)
@@ -70,7 +97,21 @@ class BatchReport:
             "tpot_s_p50": percentile(self.tpot_s, 50),
             "tpot_s_p95": percentile(self.tpot_s, 95),
             "preemptions": self.preemptions,
+            **(self._spec_json() if self.spec_enabled else {}),
         }
+
+    def _spec_json(self) -> dict[str, Any]:
+        steps = self.spec_target_steps
+        return {"speculative": {
+            "draft_tokens": self.spec_draft_tokens,
+            "accepted_tokens": self.spec_accepted_tokens,
+            "acceptance_rate": round(self.spec_accepted_tokens / self.spec_draft_tokens, 4)
+            if self.spec_draft_tokens else 0.0,
+            "target_steps": steps,
+            # Tokens each decoding target pass kept from the drafter (the bonus token not counted).
+            "mean_accepted_per_step": round(self.spec_accepted_tokens / steps, 4) if steps else 0.0,
+            "drafter_time_share": round(self.draft_s / self.step_s, 4) if self.step_s else 0.0,
+        }}
 
 
 @dataclass
@@ -115,19 +156,23 @@ def tokenize_requests(llm: LLM, items: Iterator[ChatRequest | RejectedRow]) -> I
     if llm.tokenizer is None:
         raise ValueError("chat requests need a model with a tokenizer")
     for index, item in enumerate(items):
-        if isinstance(item, RejectedRow):
-            yield Rejected(index, item)
-            continue
-        try:
-            ids = llm.tokenizer.encode_chat(item.messages)
-        except ValueError as exc:  # a template that raises for this conversation
-            yield Rejected(index, reject(item, "body.messages", f"chat template failed: {exc}"))
-            continue
-        if len(ids) >= llm.max_model_len:
-            yield Rejected(index, reject(item, "body.messages",
-                                         f"prompt is {len(ids)} tokens; the context window is {llm.max_model_len}"))
-            continue
-        yield Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model)
+        yield tokenize_request(llm.tokenizer, llm.max_model_len, index, item)
+
+
+def tokenize_request(tokenizer: ChatTokenizer, max_model_len: int, index: int,
+                     item: ChatRequest | RejectedRow) -> Job | Rejected:
+    """One row of :func:`tokenize_requests`; needs only the tokenizer, so a worker process that
+    rebuilt it from the checkpoint's tokenizer source gives exactly the same answer."""
+    if isinstance(item, RejectedRow):
+        return Rejected(index, item)
+    try:
+        ids = tokenizer.encode_chat(item.messages)
+    except ValueError as exc:  # a template that raises for this conversation
+        return Rejected(index, reject(item, "body.messages", f"chat template failed: {exc}"))
+    if len(ids) >= max_model_len:
+        return Rejected(index, reject(item, "body.messages",
+                                      f"prompt is {len(ids)} tokens; the context window is {max_model_len}"))
+    return Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model)
 
 
 def run_jobs(
@@ -141,9 +186,8 @@ def run_jobs(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> BatchReport:
     """Run the jobs through ``llm``, writing one output line per job in index order."""
-    report = BatchReport()
+    report = BatchReport.start(llm)
     in_flight: dict[str, Job] = {}
-    started = time.perf_counter()
     with OrderedJsonlWriter(output_url, storage_options=storage_options) as out, \
             (JsonlWriter(errors_url, storage_options=storage_options) if errors_url else nullcontext()) as errors:
 
@@ -171,11 +215,13 @@ def run_jobs(
                 job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
                 prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
                 model=job.model or model_name, logprobs=_logprobs(llm, result),
+                draft_tokens=(result.spec_accepted_tokens, result.spec_draft_tokens - result.spec_accepted_tokens)
+                if llm.spec is not None else None,
             ))
             report.add_result(result)
             if on_progress:
                 on_progress(report.succeeded + report.rejected, report.rejected)
-    report.wall_s = time.perf_counter() - started
+    report.finish(llm)
     return report
 
 

@@ -7,6 +7,12 @@ Dollars: ``device_s / 3600 * usd_per_device_hour`` for compute (prefill + decode
 times the devices used), ``kv_bytes_written / 1e9 * usd_per_gb_stored`` for the KV blocks the
 shard added to the store, and ``(kv_bytes_read + results_bytes) / 1e9 * usd_per_gb_moved`` for
 the bytes moved. Every column carries its unit in its name.
+
+Optional inputs, absent when the engine does not produce them (nothing breaks, the columns are
+0 or null): per request ``spec_draft_tokens`` / ``spec_accepted_tokens`` / ``spec_target_steps``
+(speculative decoding: ``spec_acceptance_rate`` = accepted / drafted, null when nothing was
+drafted; ``spec_tokens_per_target_step`` = output tokens / target-model steps), and per shard
+``speculative.drafter_time_share`` and ``expert_load_balancedness`` in the decode stats (MoE: mean / max rank load, 1 is perfect).
 """
 
 from __future__ import annotations
@@ -44,6 +50,13 @@ METRICS_SCHEMA = pa.schema([
     ("kv_bytes_written", pa.int64()),
     ("kv_bytes_read", pa.int64()),
     ("results_bytes", pa.int64()),
+    ("spec_draft_tokens", pa.int64()),
+    ("spec_accepted_tokens", pa.int64()),
+    ("spec_target_steps", pa.int64()),
+    ("spec_acceptance_rate", pa.float64()),
+    ("spec_tokens_per_target_step", pa.float64()),
+    ("spec_drafter_time_share", pa.float64()),
+    ("expert_load_balancedness", pa.float64()),
     ("ttft_s_p50", pa.float64()),
     ("ttft_s_p95", pa.float64()),
     ("tpot_s_p50", pa.float64()),
@@ -56,6 +69,28 @@ METRICS_SCHEMA = pa.schema([
     ("cost_transfer_usd", pa.float64()),
     ("cost_usd", pa.float64()),
 ])
+
+
+SPEC_FIELDS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
+
+
+def _total(cols: Mapping[str, list], name: str) -> int:
+    """Sum of an optional integer column (missing column or nulls count as 0)."""
+    return int(sum(x for x in cols.get(name, []) if x is not None))
+
+
+def _speculative(cols: Mapping[str, list]) -> dict[str, Any]:
+    drafted, accepted, steps = (_total(cols, f) for f in SPEC_FIELDS)
+    # Output tokens of the requests that went through the target model step by step.
+    outputs = sum(c for c, s in zip(cols.get("completion_tokens", []), cols.get("spec_target_steps", []), strict=False)
+                  if s)
+    return {
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_target_steps": steps,
+        "spec_acceptance_rate": round(accepted / drafted, 6) if drafted else None,
+        "spec_tokens_per_target_step": round(outputs / steps, 6) if steps else None,
+    }
 
 
 def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping[str, Any],
@@ -93,6 +128,11 @@ def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping
         "kv_bytes_written": written,
         "kv_bytes_read": int(read),
         "results_bytes": results_bytes,
+        **_speculative(cols),
+        # Seconds drafting / seconds in engine steps (the decode's own view; None without a drafter).
+        "spec_drafter_time_share": (decode.get("speculative") or {}).get("drafter_time_share"),
+        "expert_load_balancedness": (None if decode.get("expert_load_balancedness") is None
+                                     else float(decode["expert_load_balancedness"])),
         "ttft_s_p50": percentile(ttft, 50),
         "ttft_s_p95": percentile(ttft, 95),
         "tpot_s_p50": percentile(tpot, 50),

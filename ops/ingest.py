@@ -7,6 +7,13 @@ Inputs: JSONL in OpenAI Batch or plain chat format (validated by
 mapping (each row is turned into a plain chat object and goes through the same validation, so
 both formats accept and reject exactly the same things). Every input row ends up in exactly one
 of the two outputs: ``prompts`` (valid) or ``rejects`` (row, custom_id, field, reason).
+
+Streaming: a dataset can be many GB, so nothing holds it whole. Rows are read one line (JSONL)
+or one record batch (Parquet) at a time, and both outputs are written as they come, one
+Parquet row group per ``batch_rows`` rows, into a file that becomes visible only on commit
+(:class:`TableStream`). Memory is bounded by one batch of each output plus the set of
+``custom_id`` values seen (the duplicate check needs it). The output is the same file a
+one-shot ``pa.Table.from_pylist`` of every row would give, row for row.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from kvbatch.io.batch_requests import (
     parse_request_line,
     read_requests,
 )
-from kvbatch.io.shard_tables import write_table
+from kvbatch.io.batch_output import AtomicSink
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
@@ -177,6 +184,69 @@ def reject_record(r: RejectedRow) -> dict[str, Any]:
     return {"row": r.line_no, "custom_id": r.custom_id, "field": r.field, "reason": r.reason}
 
 
+class _CountingSink:
+    """The file-like face pyarrow's writer needs (write, tell, flush, closed) over an AtomicSink."""
+
+    def __init__(self, sink: AtomicSink) -> None:
+        self._sink = sink
+        self.bytes_written = 0
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        self._sink.write(bytes(data))
+        self.bytes_written += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.bytes_written
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:  # the writer closes its stream; the sink is committed separately
+        self.closed = True
+
+
+class TableStream:
+    """Rows in, one Parquet file out, written a row group at a time and visible at ``url`` only
+    on :meth:`commit` (an exception before that leaves the previous commit, as ``write_table``)."""
+
+    def __init__(self, url: str, schema: pa.Schema, *, storage_options: Mapping[str, Any] | None = None,
+                 batch_rows: int = 8192) -> None:
+        self.schema = schema
+        self.batch_rows = batch_rows
+        self.rows = 0
+        self._pending: list[dict[str, Any]] = []
+        self._sink = AtomicSink(url, storage_options)
+        self._file = _CountingSink(self._sink)
+        self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
+
+    def add(self, record: dict[str, Any]) -> None:
+        self._pending.append(record)
+        if len(self._pending) >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._writer.write_table(pa.Table.from_pylist(self._pending, self.schema))
+            self.rows += len(self._pending)
+            self._pending = []
+
+    def commit(self) -> int:
+        """Write what is left, close the file and publish it; returns the bytes written."""
+        self._flush()
+        self._writer.close()
+        self._sink.commit()
+        return self._file.bytes_written
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        except Exception:  # noqa: BLE001 - the error in flight matters more
+            pass
+        self._sink.abort()
+
+
 def ingest(
     url: str,
     prompts_url: str,
@@ -187,25 +257,30 @@ def ingest(
     default_max_tokens: int = 256,
     storage_options: Mapping[str, Any] | None = None,
     output_storage_options: Mapping[str, Any] | None = None,
+    batch_rows: int = 8192,
 ) -> IngestReport:
-    """Validate every row of ``url``; write the valid rows to ``prompts_url`` and the others to
-    ``rejects_url`` (both Parquet, committed atomically)."""
+    """Validate every row of ``url``; stream the valid rows to ``prompts_url`` and the others to
+    ``rejects_url`` (both Parquet, ``batch_rows`` rows per row group, each committed atomically;
+    an error while reading commits neither)."""
     report = IngestReport()
-    good: list[dict[str, Any]] = []
-    bad: list[dict[str, Any]] = []
-    for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
-                             storage_options=storage_options):
-        report.rows += 1
-        if isinstance(item, RejectedRow):
-            report.rejected += 1
-            report.rejects_by_field[item.field] = report.rejects_by_field.get(item.field, 0) + 1
-            bad.append(reject_record(item))
-        else:
-            report.valid += 1
-            good.append(request_record(item))
     out_opts = output_storage_options if output_storage_options is not None else storage_options
-    report.prompts_bytes = write_table(pa.Table.from_pylist(good, PROMPTS_SCHEMA), prompts_url,
-                                       storage_options=out_opts)
-    report.rejects_bytes = write_table(pa.Table.from_pylist(bad, REJECTS_SCHEMA), rejects_url,
-                                       storage_options=out_opts)
+    good = TableStream(prompts_url, PROMPTS_SCHEMA, storage_options=out_opts, batch_rows=batch_rows)
+    bad = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=out_opts, batch_rows=batch_rows)
+    try:
+        for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
+                                 storage_options=storage_options):
+            report.rows += 1
+            if isinstance(item, RejectedRow):
+                report.rejected += 1
+                report.rejects_by_field[item.field] = report.rejects_by_field.get(item.field, 0) + 1
+                bad.add(reject_record(item))
+            else:
+                report.valid += 1
+                good.add(request_record(item))
+    except BaseException:
+        good.abort()
+        bad.abort()
+        raise
+    report.prompts_bytes = good.commit()
+    report.rejects_bytes = bad.commit()
     return report

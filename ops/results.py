@@ -7,7 +7,8 @@ can also be decoded by ``kvbatch decode`` and the other way round.
 
 Results table (one row per request of the shard, ordered by input row): ``row, custom_id,
 text, output_token_ids, finish_reason, prompt_tokens, completion_tokens, cached_prompt_tokens,
-loaded_prompt_tokens, max_tokens, ttft_s, tpot_s``. It is written whole, atomically, at the end:
+loaded_prompt_tokens, max_tokens, ttft_s, tpot_s`` and, null unless the engine speculated,
+``spec_draft_tokens, spec_accepted_tokens, spec_target_steps``. It is written whole, atomically, at the end:
 a crash leaves the previous commit, a re-run replaces it.
 """
 
@@ -39,7 +40,12 @@ RESULTS_SCHEMA = pa.schema([
     ("max_tokens", pa.int64()),
     ("ttft_s", pa.float64()),
     ("tpot_s", pa.float64()),
+    # Speculative decoding, null when the engine did not speculate for this request.
+    ("spec_draft_tokens", pa.int64()),
+    ("spec_accepted_tokens", pa.int64()),
+    ("spec_target_steps", pa.int64()),
 ])
+SPEC_FIELDS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
 
 
 class ShardModelMismatch(ValueError):
@@ -105,22 +111,24 @@ def prefill_shard(
     return stats
 
 
-def decode_shard(
+def decode_rows(
     llm: LLM,
     manifests_url: str,
-    results_url: str,
     *,
-    stats_url: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Generate every request of a shard's manifests, loading the stored prompt KV; write results."""
-    report = BatchReport()
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[list[dict[str, Any]], BatchReport]:
+    """Generate the requests of a shard's manifests that belong to ``rank`` (the i-th request goes
+    to rank ``i mod world_size``), loading the stored prompt KV. Returns (result rows, report)."""
+    report = BatchReport.start(llm)
     jobs: dict[str, Job] = {}
     rows: list[dict[str, Any]] = []
-    started = time.perf_counter()
 
     def engine_requests() -> Iterator[GenerationRequest]:
-        for job in manifest_jobs(llm, read_manifests(manifests_url, dict(storage_options or {}))):
+        for i, job in enumerate(manifest_jobs(llm, read_manifests(manifests_url, dict(storage_options or {})))):
+            if i % world_size != rank:
+                continue
             report.requests += 1
             if isinstance(job, Rejected):  # manifests written by `kvbatch prefill` may hold rejects
                 report.rejected += 1
@@ -137,14 +145,49 @@ def decode_shard(
             "prompt_tokens": len(result.prompt_token_ids), "completion_tokens": len(result.output_token_ids),
             "cached_prompt_tokens": result.num_cached_tokens, "loaded_prompt_tokens": result.num_loaded_tokens,
             "max_tokens": job.sampling.max_tokens, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
+            **{f: getattr(result, f, None) for f in SPEC_FIELDS},
         })
-    report.wall_s = time.perf_counter() - started
-    rows.sort(key=lambda r: r["row"])
-    nbytes = write_table(pa.Table.from_pylist(rows, RESULTS_SCHEMA), results_url, storage_options=storage_options)
+    report.finish(llm)
+    return rows, report
+
+
+def decode_stats(llm: LLM, report: BatchReport) -> dict[str, Any]:
+    """The stats a decode commits beside its results (one rank's view)."""
     stats = report.to_json()
-    stats["results_bytes"] = nbytes
     if llm.connector is not None:
         stats["connector"] = llm.connector.stats.to_json()
+    balance = llm.stats.get("expert_load_balancedness")  # MoE engines only
+    if balance is not None:
+        stats["expert_load_balancedness"] = float(balance)
+    return stats
+
+
+def commit_results(
+    rows: list[dict[str, Any]],
+    stats: dict[str, Any],
+    results_url: str,
+    *,
+    stats_url: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the shard's results table (ordered by input row) and then its stats, each atomically."""
+    rows = sorted(rows, key=lambda r: r["row"])
+    stats = dict(stats, results_bytes=write_table(pa.Table.from_pylist(rows, RESULTS_SCHEMA), results_url,
+                                                  storage_options=storage_options))
     if stats_url:
         write_json(stats, stats_url, storage_options=storage_options)
     return stats
+
+
+def decode_shard(
+    llm: LLM,
+    manifests_url: str,
+    results_url: str,
+    *,
+    stats_url: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Generate every request of a shard's manifests, loading the stored prompt KV; write results."""
+    rows, report = decode_rows(llm, manifests_url, storage_options=storage_options)
+    return commit_results(rows, decode_stats(llm, report), results_url, stats_url=stats_url,
+                          storage_options=storage_options)

@@ -2,10 +2,13 @@
 
 Plain Python (no Dagster); the pipeline's ``prompt_shards`` asset calls :func:`build_shards`.
 
-Tokenization runs once, in input order, through the same :func:`tokenize_requests` as
-``kvbatch generate``, so a row's ``prompt_token_ids`` are exactly what a sequential run would
-compute; rows the template refuses or that do not fit the context window become rejects (row,
-custom_id, field, reason), never dropped. A row's shard is ``sha256(custom_id) mod N``: stable
+Tokenization goes through the same per-row :func:`tokenize_request` as ``kvbatch generate``,
+so a row's ``prompt_token_ids`` are exactly what a sequential run would compute; rows the
+template refuses or that do not fit the context window become rejects (row, custom_id, field,
+reason), never dropped. With ``tokenize_workers > 1`` a pool of spawned processes tokenizes
+chunks of rows, each worker holding a tokenizer rebuilt once from the checkpoint's tokenizer
+source (no weights); results are consumed in submission order, so shard files, rejects and
+their order are those of the sequential path. A row's shard is ``sha256(custom_id) mod N``: stable
 across runs, machines and Python versions (``hash()`` is salted per process), independent of
 row order, so a re-ingested dataset puts every id in the same shard again.
 """
@@ -13,17 +16,37 @@ row order, so a re-ingested dataset puts every id in the same shard again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+import multiprocessing
+import os
+import pickle
+import tempfile
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import fsspec
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from kvbatch.engine.block_hash import store_fingerprint
+from kvbatch.engine.block_hash import chain_keys, store_fingerprint
 from kvbatch.engine.llm import LLM, parse_dtype
-from kvbatch.io.shard_tables import read_table, shard_url, write_table
-from kvbatch.ops.batch_generate import Job, Rejected, tokenize_requests
-from kvbatch.ops.ingest import PROMPTS_SCHEMA, REJECTS_SCHEMA, record_request, reject_record, request_record
+from kvbatch.engine.tokenizer import ChatTokenizer
+from kvbatch.engine.weights import TokenizerSource
+from kvbatch.io.batch_requests import ChatRequest, RejectedRow
+from kvbatch.io.shard_tables import shard_url
+from kvbatch.ops.batch_generate import Rejected, tokenize_request, tokenize_requests
+from kvbatch.ops.ingest import (
+    PROMPTS_SCHEMA,
+    REJECTS_SCHEMA,
+    TableStream,
+    record_request,
+    reject_record,
+    request_record,
+)
 
 SHARD_SCHEMA = pa.schema([
     *PROMPTS_SCHEMA,
@@ -58,15 +81,166 @@ class ShardReport:
     rows_by_shard: dict[str, int] = field(default_factory=dict)
     prompt_tokens_by_shard: dict[str, int] = field(default_factory=dict)
     rejects_by_field: dict[str, int] = field(default_factory=dict)
+    tokenize_workers: int = 1  # processes that tokenized (1: this process)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def iter_prompts(table: pa.Table) -> Iterator[Any]:
-    for batch in table.to_batches(max_chunksize=4096):
-        for rec in batch.to_pylist():
-            yield record_request(rec)
+def iter_prompt_batches(url: str, *, batch_rows: int = 4096,
+                        storage_options: Mapping[str, Any] | None = None) -> Iterator[list[dict[str, Any]]]:
+    """The prompts table a record batch at a time (never the whole table in memory)."""
+    with fsspec.open(url, "rb", **dict(storage_options or {})) as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_rows):
+            yield batch.to_pylist()
+
+
+# ---------------------------------------------------------------- tokenizing, in order
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A row that fits: its prompt ids and the content keys of its full KV blocks."""
+
+    prompt_token_ids: list[int]
+    block_keys: list[str]
+
+
+def tokenized_in_process(llm: LLM, batches: Iterable[list[ChatRequest]]
+                         ) -> Iterator[tuple[ChatRequest, Tokenized | RejectedRow]]:
+    """Every request with its outcome, in input order, tokenized in this process."""
+    for requests in batches:
+        for req, item in zip(requests, tokenize_requests(llm, iter(requests)), strict=True):
+            if isinstance(item, Rejected):
+                yield req, item.row
+            else:
+                yield req, Tokenized(item.prompt_token_ids, llm.prompt_block_keys(item.prompt_token_ids))
+
+
+@dataclass(frozen=True)
+class RowTokenizer:
+    """What a worker process needs to tokenize rows as ``llm`` does: plain, picklable data (the
+    tokenizer files or GGUF tokenizer metadata, the context window, the KV key root), no weights."""
+
+    source: TokenizerSource
+    max_model_len: int
+    kv_root_key: str
+    block_size: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> RowTokenizer:
+        if llm.tokenizer is None:
+            raise ValueError("chat requests need a model with a tokenizer")
+        return cls(llm.checkpoint.tokenizer_source, llm.max_model_len, llm.kv_root_key,
+                   llm.engine_config.block_size)
+
+    def build(self) -> ChatTokenizer:
+        return ChatTokenizer.from_source(self.source)
+
+    def tokenize(self, tokenizer: ChatTokenizer, requests: list[ChatRequest]) -> list[Tokenized | RejectedRow]:
+        out: list[Tokenized | RejectedRow] = []
+        for req in requests:
+            item = tokenize_request(tokenizer, self.max_model_len, 0, req)
+            if isinstance(item, Rejected):
+                out.append(item.row)
+            else:
+                ids = item.prompt_token_ids
+                out.append(Tokenized(ids, chain_keys(self.kv_root_key, ids, self.block_size)))
+        return out
+
+
+class TokenizerWorkerError(RuntimeError):
+    """A tokenizer worker process died (killed, out of memory, a crash in native code)."""
+
+
+# The worker process's tokenizer, built once by the pool initializer (a process-wide slot is
+# how ProcessPoolExecutor hands per-worker state to its tasks).
+_worker_state: tuple[RowTokenizer, ChatTokenizer] | None = None
+
+
+def _init_worker(row_tokenizer_path: str) -> None:
+    global _worker_state
+    with open(row_tokenizer_path, "rb") as f:
+        row_tokenizer: RowTokenizer = pickle.load(f)
+    _worker_state = (row_tokenizer, row_tokenizer.build())
+
+
+def _tokenize_chunk(requests: list[ChatRequest]) -> list[Tokenized | RejectedRow]:
+    assert _worker_state is not None, "the pool initializer builds the tokenizer first"
+    row_tokenizer, tokenizer = _worker_state
+    return row_tokenizer.tokenize(tokenizer, requests)
+
+
+def _chunks(batches: Iterable[list[ChatRequest]], chunk_rows: int) -> Iterator[list[ChatRequest]]:
+    for requests in batches:
+        for start in range(0, len(requests), chunk_rows):
+            yield requests[start:start + chunk_rows]
+
+
+def tokenized_in_pool(row_tokenizer: RowTokenizer, batches: Iterable[list[ChatRequest]], *, workers: int,
+                      chunk_rows: int = 512) -> Iterator[tuple[ChatRequest, Tokenized | RejectedRow]]:
+    """The same stream as :func:`tokenized_in_process`, tokenized by ``workers`` spawned processes
+    (spawn, not fork: a forked child would inherit torch's OpenMP state and the parent's threads).
+
+    Chunks of ``chunk_rows`` are submitted in input order and collected in the same order, with
+    at most ``2 * workers`` chunks in flight, so memory stays bounded however long the input is.
+    Close the generator (or exhaust it) to stop the pool."""
+    # The tokenizer source (~1 MB) reaches the workers through a file, not as an initializer
+    # argument: spawn writes a worker's arguments into a pipe whose read end the parent keeps
+    # open until the write ends, so a worker that dies while starting would hang the parent
+    # on any payload larger than the pipe buffer, instead of breaking the pool.
+    spec_dir = tempfile.TemporaryDirectory(prefix="kvbatch-tokenizer-")
+    spec_path = os.path.join(spec_dir.name, "row_tokenizer.pickle")
+    with open(spec_path, "wb") as f:
+        pickle.dump(row_tokenizer, f, protocol=pickle.HIGHEST_PROTOCOL)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(spec_path,))
+    pending: deque[tuple[list[ChatRequest], Future[list[Tokenized | RejectedRow]]]] = deque()
+
+    def died(first: ChatRequest, last: ChatRequest) -> TokenizerWorkerError:
+        return TokenizerWorkerError(
+            f"a tokenizer worker process died (crashed, killed or out of memory) while input rows "
+            f"{first.line_no}..{last.line_no} were in flight (from custom_id {first.custom_id!r})")
+
+    def collect() -> Iterator[tuple[ChatRequest, Tokenized | RejectedRow]]:
+        chunk, future = pending[0]
+        try:
+            results = future.result()
+        except BrokenProcessPool as exc:
+            raise died(chunk[0], pending[-1][0][-1]) from exc
+        pending.popleft()
+        assert len(results) == len(chunk), "a worker answers every row of its chunk"
+        yield from zip(chunk, results)
+
+    try:
+        for chunk in _chunks(batches, chunk_rows):
+            try:
+                future = pool.submit(_tokenize_chunk, chunk)
+            except BrokenProcessPool as exc:  # a worker died since the last collect
+                raise died((pending[0][0] if pending else chunk)[0], chunk[-1]) from exc
+            pending.append((chunk, future))
+            if len(pending) >= 2 * workers:
+                yield from collect()
+        while pending:
+            yield from collect()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        spec_dir.cleanup()  # every worker has exited: none still needs the file
+
+
+def default_tokenize_workers() -> int:
+    """min(4, the CPUs this process may run on): tokenizing is CPU-bound, and beyond a few
+    workers the parent (reading, hashing, writing Parquet) becomes the bottleneck."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cpus))
+
+
+def _num_rows(url: str, storage_options: Mapping[str, Any] | None) -> int:
+    with fsspec.open(url, "rb", **dict(storage_options or {})) as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+# ---------------------------------------------------------------- sharding
 
 
 def build_shards(
@@ -78,34 +252,67 @@ def build_shards(
     table: str = "shards",
     rejects_url: str,
     storage_options: Mapping[str, Any] | None = None,
+    batch_rows: int = 4096,
+    tokenize_workers: int | None = None,
+    tokenize_chunk_rows: int = 512,
+    pool_min_rows: int = 16384,
 ) -> ShardReport:
     """Tokenize ``prompts_url`` and write ``<root>/<table>/shard=XXXX/part.parquet`` for every
     shard (empty ones too, so every partition has a committed table), plus the tokenization
-    rejects at ``rejects_url``."""
+    rejects at ``rejects_url``. Streams: prompts are read ``batch_rows`` at a time and each shard
+    is written as it fills; the files are committed together at the end (none on an error).
+
+    ``tokenize_workers`` processes tokenize chunks of ``tokenize_chunk_rows`` rows (default
+    :func:`default_tokenize_workers`; 1 tokenizes in this process). A table of fewer than
+    ``pool_min_rows`` rows is tokenized in this process anyway: workers take ~1.4 s to start
+    (spawn, imports, tokenizer build), and on a 2-core machine two workers only pay that back
+    past ~12k rows. Either way the files are identical."""
+    if tokenize_workers is not None and tokenize_workers < 1:
+        raise ValueError(f"tokenize_workers must be >= 1, got {tokenize_workers}")
+    if tokenize_chunk_rows < 1:
+        raise ValueError(f"tokenize_chunk_rows must be >= 1, got {tokenize_chunk_rows}")
+    workers = tokenize_workers or default_tokenize_workers()
     keys = shard_keys(num_shards)
-    prompts = read_table(prompts_url, storage_options=storage_options)
-    report = ShardReport(rows=prompts.num_rows)
-    buckets: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
-    rejects: list[dict[str, Any]] = []
-    requests = list(iter_prompts(prompts))
-    for item in tokenize_requests(llm, iter(requests)):
-        if isinstance(item, Rejected):
-            report.rejected += 1
-            report.rejects_by_field[item.row.field] = report.rejects_by_field.get(item.row.field, 0) + 1
-            rejects.append(reject_record(item.row))
-            continue
-        assert isinstance(item, Job)
-        rec = request_record(requests[item.index])
-        rec["prompt_token_ids"] = item.prompt_token_ids
-        rec["block_keys"] = llm.prompt_block_keys(item.prompt_token_ids)
-        key = keys[shard_of(item.custom_id, num_shards)]
-        buckets[key].append(rec)
-        report.tokenized += 1
-        report.prompt_tokens += len(item.prompt_token_ids)
-        report.prompt_tokens_by_shard[key] = report.prompt_tokens_by_shard.get(key, 0) + len(item.prompt_token_ids)
-    for key, rows in buckets.items():
-        write_table(pa.Table.from_pylist(rows, SHARD_SCHEMA), shard_url(root, table, key),
-                    storage_options=storage_options)
-        report.rows_by_shard[key] = len(rows)
-    write_table(pa.Table.from_pylist(rejects, REJECTS_SCHEMA), rejects_url, storage_options=storage_options)
+    report = ShardReport(rows_by_shard={k: 0 for k in keys})
+
+    def request_batches() -> Iterator[list[ChatRequest]]:
+        for records in iter_prompt_batches(prompts_url, batch_rows=batch_rows, storage_options=storage_options):
+            report.rows += len(records)
+            yield [record_request(rec) for rec in records]
+
+    if workers > 1 and _num_rows(prompts_url, storage_options) >= pool_min_rows:
+        rows = tokenized_in_pool(RowTokenizer.of(llm), request_batches(), workers=workers,
+                                 chunk_rows=tokenize_chunk_rows)
+        report.tokenize_workers = workers
+    else:
+        rows = tokenized_in_process(llm, request_batches())
+
+    writers = {k: TableStream(shard_url(root, table, k), SHARD_SCHEMA, storage_options=storage_options,
+                              batch_rows=max(256, batch_rows // num_shards)) for k in keys}
+    rejects = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=storage_options, batch_rows=batch_rows)
+    try:
+        with closing(rows):  # stops the worker pool on an error too
+            for req, outcome in rows:
+                if isinstance(outcome, RejectedRow):
+                    report.rejected += 1
+                    report.rejects_by_field[outcome.field] = report.rejects_by_field.get(outcome.field, 0) + 1
+                    rejects.add(reject_record(outcome))
+                    continue
+                rec = request_record(req)
+                rec["prompt_token_ids"] = outcome.prompt_token_ids
+                rec["block_keys"] = outcome.block_keys
+                key = keys[shard_of(req.custom_id, num_shards)]
+                writers[key].add(rec)
+                n_tokens = len(outcome.prompt_token_ids)
+                report.tokenized += 1
+                report.rows_by_shard[key] += 1
+                report.prompt_tokens += n_tokens
+                report.prompt_tokens_by_shard[key] = report.prompt_tokens_by_shard.get(key, 0) + n_tokens
+    except BaseException:
+        for w in (*writers.values(), rejects):
+            w.abort()
+        raise
+    for w in writers.values():
+        w.commit()
+    rejects.commit()
     return report

@@ -1,23 +1,34 @@
 """The asset graph: prompts -> prompt_shards -> prefill_kv -> decode_results -> cost_metrics.
 
 Wiring only: each asset calls a plain-Python step in ``kvbatch.ops`` and reports metadata.
-Tables live on the object store (``ObjectStoreResource.url``), not in Dagster's IO managers:
+``prompts`` and ``prompt_shards`` are partitioned by date, the rest by date x shard (see
+``partitions``). Tables live on the object store (``ObjectStoreResource.url``), hive-style
+(see ``layout``), not in Dagster's IO managers:
 
-    prompts/part.parquet, rejects/part.parquet          every input row, valid or rejected
-    shards/shard=XXXX/part.parquet, shard_rejects/...   tokenized rows by hash of custom_id
-    manifests/shard=XXXX/manifests.jsonl                prefill -> decode hand-off (KV in <kv url>)
-    results/shard=XXXX/part.parquet                     one row per request
-    cost_metrics/shard=XXXX/part.parquet                one row per shard
+    prompts/date=D/part.parquet, rejects/date=D/...            every input row, valid or rejected
+    shards/date=D/shard=XXXX/part.parquet, shard_rejects/...   tokenized rows by hash of custom_id
+    manifests/date=D/shard=XXXX/manifests.jsonl                prefill -> decode hand-off (KV in <kv url>)
+    results/date=D/shard=XXXX/part.parquet                     one row per request
+    cost_metrics/date=D/shard=XXXX/part.parquet                one row per shard
 """
 
 
+import os
 from typing import Literal
 
 import dagster as dg
 from pydantic import Field
 
-from kvbatch.io.shard_tables import read_json, read_table, shard_url, table_url, write_table
-from kvbatch.pipelines.partitions import NUM_SHARDS, shard_partitions
+from kvbatch.io.shard_tables import read_json, read_table, write_table
+from kvbatch.pipelines.layout import DayLayout
+from kvbatch.pipelines.partitions import (
+    NUM_SHARDS,
+    check_date,
+    date_partitions,
+    date_shard_partitions,
+    shard_to_date,
+    split_date_shard,
+)
 from kvbatch.resources import (
     DecodeClusterResource,
     KVStoreResource,
@@ -31,15 +42,62 @@ STEP_RETRY = dg.RetryPolicy(max_retries=1, delay=5, backoff=dg.Backoff.EXPONENTI
 REJECTS_SHOWN = 20
 
 
-class PromptsConfig(dg.Config):
-    """Which dataset to ingest, launch by launch."""
+NIGHTLY_DATASET_ENV = "KVBATCH_NIGHTLY_DATASET"
 
-    url: str = Field(description="dataset: s3://..., file://... or a local path; .jsonl(.gz) or .parquet")
+
+class PromptsConfig(dg.Config):
+    """Which dataset to ingest into the run's date partition, launch by launch."""
+
+    url: str | None = Field(default=None, description=(
+        "dataset: s3://..., file://... or a local path; .jsonl(.gz) or .parquet. Default: the nightly "
+        "dataset, KVBATCH_NIGHTLY_DATASET with {date} replaced by the partition's date"))
     format: Literal["auto", "jsonl", "parquet"] = Field(default="auto", description="auto: from the extension")
     columns: dict[str, str] = Field(default_factory=dict,
                                     description="Parquet only: field -> column, e.g. {custom_id: id, prompt: text}")
     default_max_tokens: int = Field(default=256, ge=1, description="max_tokens for rows that give none")
     max_reject_rate: float = Field(default=0.05, ge=0, le=1, description="the reject-rate check fails above this")
+
+
+def dataset_url(config: PromptsConfig, date: str) -> str:
+    """The run config's URL (an ad-hoc dataset), else the nightly dataset of ``date``."""
+    if config.url:
+        return config.url
+    template = os.environ.get(NIGHTLY_DATASET_ENV)
+    if not template:
+        raise ValueError(f"no dataset for {date}: give ops.prompts.config.url in the run config, "
+                         f"or set {NIGHTLY_DATASET_ENV} (e.g. s3://bucket/in/{{date}}.jsonl)")
+    return template.format(date=date)
+
+
+def _day(context: dg.AssetExecutionContext, object_store: ObjectStoreResource) -> DayLayout:
+    return DayLayout(object_store.url, check_date(context.partition_key))
+
+
+def _day_shard(context: dg.AssetExecutionContext, object_store: ObjectStoreResource) -> tuple[DayLayout, str]:
+    date, shard = split_date_shard(context.partition_key)
+    return DayLayout(object_store.url, date), shard
+
+
+def _head(url: str, opts: dict, rows: int, columns: list[str] | None = None):
+    """The first ``rows`` rows of a Parquet table (tables can be large: never read them whole here)."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with fsspec.open(url, "rb", **opts) as f:
+        pf = pq.ParquetFile(f)
+        batch = next(pf.iter_batches(batch_size=rows, columns=columns), None)
+        return pa.Table.from_batches([batch]) if batch is not None else pf.schema_arrow.empty_table()
+
+
+def _duplicates(url: str, opts: dict) -> int:
+    """Duplicate custom_ids in a table, reading only that column."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    with fsspec.open(url, "rb", **opts) as f:
+        ids = pq.read_table(f, columns=["custom_id"]).column("custom_id")
+    return len(ids) - len(ids.unique())
 
 
 def _rejects_metadata(table) -> dict[str, dg.MetadataValue]:
@@ -52,31 +110,33 @@ def _rejects_metadata(table) -> dict[str, dg.MetadataValue]:
 
 @dg.asset(
     group_name="kvbatch",
+    partitions_def=date_partitions,
     retry_policy=IO_RETRY,
     check_specs=[dg.AssetCheckSpec("reject_rate_below_threshold", asset="prompts"),
                  dg.AssetCheckSpec("unique_custom_ids", asset="prompts")],
 )
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_store: ObjectStoreResource):
-    """Every row of the input dataset, validated: valid rows normalized to ``prompts/part.parquet``,
-    the others to ``rejects/part.parquet`` with (row, custom_id, field, reason). Nothing is dropped."""
+    """Every row of the day's dataset, validated and streamed (never held whole in memory): valid
+    rows normalized to ``prompts/date=D/part.parquet``, the others to ``rejects/date=D/part.parquet``
+    with (row, custom_id, field, reason). Nothing is dropped."""
     from kvbatch.ops.ingest import ingest
 
-    root, opts = object_store.url, object_store.storage_options()
-    report = ingest(config.url, table_url(root, "prompts"), table_url(root, "rejects"), fmt=config.format,
+    day, opts = _day(context, object_store), object_store.storage_options()
+    url = dataset_url(config, day.date)
+    report = ingest(url, day.table("prompts"), day.table("rejects"), fmt=config.format,
                     columns=config.columns or None, default_max_tokens=config.default_max_tokens,
-                    storage_options=object_store.options_for(config.url), output_storage_options=opts)
-    rejects = read_table(table_url(root, "rejects"), storage_options=opts)
-    ids = read_table(table_url(root, "prompts"), storage_options=opts).column("custom_id")
-    dup = len(ids) - len(ids.unique())
+                    storage_options=object_store.options_for(url), output_storage_options=opts)
+    dup = _duplicates(day.table("prompts"), opts)
     yield dg.MaterializeResult(metadata={
         "dagster/row_count": report.valid,
         "input_rows": report.rows,
         "rejected_rows": report.rejected,
         "reject_rate": report.reject_rate,
         "rejects_by_field": dg.MetadataValue.json(report.rejects_by_field),
-        "prompts_url": dg.MetadataValue.path(table_url(root, "prompts")),
-        "rejects_url": dg.MetadataValue.path(table_url(root, "rejects")),
-        **_rejects_metadata(rejects),
+        "dataset_url": dg.MetadataValue.path(url),
+        "prompts_url": dg.MetadataValue.path(day.table("prompts")),
+        "rejects_url": dg.MetadataValue.path(day.table("rejects")),
+        **_rejects_metadata(_head(day.table("rejects"), opts, REJECTS_SHOWN)),
     })
     yield dg.AssetCheckResult(check_name="reject_rate_below_threshold",
                               passed=report.reject_rate <= config.max_reject_rate,
@@ -84,18 +144,27 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_sto
     yield dg.AssetCheckResult(check_name="unique_custom_ids", passed=dup == 0, metadata={"duplicates": dup})
 
 
-@dg.asset(group_name="kvbatch", deps=[prompts], retry_policy=IO_RETRY)
-def prompt_shards(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource):
-    """The valid prompts tokenized (exactly as a sequential run would) and split by a stable hash of
-    ``custom_id`` into the shard partitions: ``shards/shard=XXXX/part.parquet`` with messages,
-    sampling params, prompt token ids and prefix block keys. Rows the chat template refuses or that
-    exceed the context window go to ``shard_rejects/part.parquet``."""
+class ShardsConfig(dg.Config):
+    """How ``prompt_shards`` tokenizes; the shard files are the same whatever is chosen."""
+
+    tokenize_workers: int | None = Field(default=None, ge=1, description=(
+        "tokenizer processes (1: tokenize in the step's own process). Default: min(4, CPUs); "
+        "tables under 16384 rows are tokenized in-process anyway"))
+
+
+@dg.asset(group_name="kvbatch", deps=[prompts], partitions_def=date_partitions, retry_policy=IO_RETRY)
+def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, object_store: ObjectStoreResource,
+                  model: ModelResource):
+    """The day's valid prompts tokenized (exactly as a sequential run would) and split by a stable
+    hash of ``custom_id`` into the shard partitions: ``shards/date=D/shard=XXXX/part.parquet`` with
+    messages, sampling params, prompt token ids and prefix block keys. Rows the chat template
+    refuses or that exceed the context window go to ``shard_rejects/date=D/part.parquet``."""
     from kvbatch.ops.shards import build_shards
 
-    root, opts = object_store.url, object_store.storage_options()
-    report = build_shards(model.load(), table_url(root, "prompts"), root, NUM_SHARDS,
-                          rejects_url=table_url(root, "shard_rejects"), storage_options=opts)
-    rejects = read_table(table_url(root, "shard_rejects"), storage_options=opts)
+    day, opts = _day(context, object_store), object_store.storage_options()
+    report = build_shards(model.load(), day.table("prompts"), day.root, NUM_SHARDS, table=day.folder("shards"),
+                          rejects_url=day.table("shard_rejects"), storage_options=opts,
+                          tokenize_workers=config.tokenize_workers)
     return dg.MaterializeResult(metadata={
         "dagster/row_count": report.tokenized,
         "num_shards": NUM_SHARDS,
@@ -103,8 +172,8 @@ def prompt_shards(context: dg.AssetExecutionContext, object_store: ObjectStoreRe
         "rejected_rows": report.rejected,
         "rows_by_shard": dg.MetadataValue.json(report.rows_by_shard),
         "prompt_tokens_by_shard": dg.MetadataValue.json(report.prompt_tokens_by_shard),
-        "shards_url": dg.MetadataValue.path(root + "/shards"),
-        **_rejects_metadata(rejects),
+        "shards_url": dg.MetadataValue.path(day.root + "/" + day.folder("shards")),
+        **_rejects_metadata(_head(day.table("shard_rejects"), opts, REJECTS_SHOWN)),
     })
 
 
@@ -112,18 +181,21 @@ def _kv(object_store: ObjectStoreResource, model: ModelResource, kv_store: KVSto
     return kv_store.open(object_store.url, object_store.storage_options(), model.kv_fingerprint())
 
 
-@dg.asset(group_name="kvbatch", deps=[prompt_shards], partitions_def=shard_partitions, retry_policy=STEP_RETRY,
-          pool="gpu")
+SHARD_DEPS_ON_DAY = dg.AssetDep(prompt_shards, partition_mapping=shard_to_date)
+
+
+@dg.asset(group_name="kvbatch", deps=[SHARD_DEPS_ON_DAY], partitions_def=date_shard_partitions,
+          retry_policy=STEP_RETRY, pool="gpu")
 def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                kv_store: KVStoreResource):
-    """The shard's prompt KV blocks in the tiered KV store (each block once, under its content key)
-    and the decode manifests, ``manifests/shard=XXXX/manifests.jsonl``."""
+    """The (date, shard)'s prompt KV blocks in the tiered KV store (each block once, under its
+    content key, shared across days) and the decode manifests, ``manifests/date=D/shard=XXXX/manifests.jsonl``."""
     from kvbatch.ops.results import prefill_shard
 
-    shard, root, opts = context.partition_key, object_store.url, object_store.storage_options()
+    (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
     llm = model.load(_kv(object_store, model, kv_store))
-    stats = prefill_shard(llm, shard_url(root, "shards", shard), shard_url(root, "manifests", shard, "manifests.jsonl"),
-                          stats_url=shard_url(root, "prefill_stats", shard, "stats.json"), model_name=model.model,
+    stats = prefill_shard(llm, day.shard("shards", shard), day.shard("manifests", shard, "manifests.jsonl"),
+                          stats_url=day.shard("prefill_stats", shard, "stats.json"), model_name=model.model,
                           storage_options=opts)
     conn = stats["connector"]
     return dg.MaterializeResult(metadata={
@@ -138,47 +210,48 @@ def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResou
 
 
 @dg.asset(
-    group_name="kvbatch", deps=[prefill_kv], partitions_def=shard_partitions, retry_policy=STEP_RETRY, pool="gpu",
+    group_name="kvbatch", deps=[prefill_kv], partitions_def=date_shard_partitions, retry_policy=STEP_RETRY,
+    pool="gpu",
     check_specs=[dg.AssetCheckSpec("one_result_per_custom_id", asset="decode_results"),
                  dg.AssetCheckSpec("output_within_max_tokens", asset="decode_results")],
 )
 def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                    kv_store: KVStoreResource, decode_cluster: DecodeClusterResource,
                    pipes_subprocess_client: dg.PipesSubprocessClient):
-    """One row per request of the shard, ``results/shard=XXXX/part.parquet``: custom_id, text, token
-    ids, finish_reason, usage and timings; decoded from the stored prompt KV, in process or in a
-    subprocess through Dagster Pipes (``decode_cluster.launcher``).
+    """One row per request of the (date, shard), ``results/date=D/shard=XXXX/part.parquet``:
+    custom_id, text, token ids, finish_reason, usage and timings; decoded from the stored prompt
+    KV, in process, or by a worker group launched through Dagster Pipes (``decode_cluster``:
+    a subprocess, ``world_size`` ranks under torchrun, or a Kubernetes pod).
     Committed whole: a re-run replaces the shard, a crash leaves the last good commit."""
     from kvbatch.ops.results import decode_shard
 
-    shard, root, opts = context.partition_key, object_store.url, object_store.storage_options()
-    manifests = shard_url(root, "manifests", shard, "manifests.jsonl")
-    stats_url = shard_url(root, "decode_stats", shard, "stats.json")
-    if decode_cluster.launcher == "pipes_subprocess":
+    (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
+    manifests = day.shard("manifests", shard, "manifests.jsonl")
+    results_url = day.shard("results", shard)
+    stats_url = day.shard("decode_stats", shard, "stats.json")
+    piped = decode_cluster.launcher != "in_process"
+    if piped:
         import dataclasses
-        import sys
 
         spec = {"model": model.model, "dtype": model.dtype, "seed": model.seed, "threads": model.threads,
                 "engine": dataclasses.asdict(model.engine_config()), "kv_fingerprint": model.kv_fingerprint(),
-                "kv_store": kv_store.store_config(root, opts).model_dump(), "manifests_url": manifests,
-                "results_url": shard_url(root, "results", shard), "stats_url": stats_url, "storage_options": opts}
-        invocation = pipes_subprocess_client.run(command=[sys.executable, "-m", "kvbatch.ops.decode_worker"],
-                                                 context=context, extras={"spec": spec})
-        yield from invocation.get_results()
+                "kv_store": kv_store.store_config(day.root, opts).model_dump(), "manifests_url": manifests,
+                "results_url": results_url, "stats_url": stats_url, "storage_options": opts,
+                "speculative": model.speculative()}
+        yield from decode_cluster.run(context, spec, pipes_subprocess_client)
         stats = read_json(stats_url, storage_options=opts)
     else:
-        llm = model.load(_kv(object_store, model, kv_store))
-        stats = decode_shard(llm, manifests, shard_url(root, "results", shard), stats_url=stats_url,
-                             storage_options=opts)
-    results = read_table(shard_url(root, "results", shard), storage_options=opts)
-    expected = read_table(shard_url(root, "shards", shard), storage_options=opts).column("custom_id").to_pylist()
+        llm = model.load(_kv(object_store, model, kv_store), decode=True)
+        stats = decode_shard(llm, manifests, results_url, stats_url=stats_url, storage_options=opts)
+    results = read_table(results_url, storage_options=opts)
+    expected = read_table(day.shard("shards", shard), storage_options=opts).column("custom_id").to_pylist()
     got = results.column("custom_id").to_pylist()
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
     dups = len(got) - len(set(got))
     over = [r["custom_id"] for r in results.select(["custom_id", "completion_tokens", "max_tokens"]).to_pylist()
             if r["completion_tokens"] > r["max_tokens"]]
-    if decode_cluster.launcher == "pipes_subprocess":
+    if piped:  # the worker's rank 0 reported the materialization through Pipes
         yield from _decode_checks(missing, extra, dups, over)
         return
     yield dg.MaterializeResult(metadata={
@@ -190,7 +263,7 @@ def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreR
         "output_tokens_per_s": stats["output_tokens_per_s"],
         "ttft_s_p50": stats["ttft_s_p50"] or 0.0,
         "tpot_s_p50": stats["tpot_s_p50"] or 0.0,
-        "results_url": dg.MetadataValue.path(shard_url(root, "results", shard)),
+        "results_url": dg.MetadataValue.path(results_url),
         "decode_world_size": decode_cluster.world_size,
     })
     yield from _decode_checks(missing, extra, dups, over)
@@ -204,19 +277,20 @@ def _decode_checks(missing: list, extra: list, dups: int, over: list):
                               metadata={"over_limit": len(over), "ids_preview": dg.MetadataValue.json(over[:20])})
 
 
-@dg.asset(group_name="kvbatch", deps=[decode_results], partitions_def=shard_partitions, retry_policy=IO_RETRY)
+@dg.asset(group_name="kvbatch", deps=[decode_results], partitions_def=date_shard_partitions, retry_policy=IO_RETRY)
 def cost_metrics(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, pricing: PricingResource,
                  decode_cluster: DecodeClusterResource):
-    """One row per shard, ``cost_metrics/shard=XXXX/part.parquet``: tokens by class, KV cache hits by
-    tier, TTFT/TPOT p50/p95, prefill/decode wall seconds, device seconds and dollars."""
+    """One row per (date, shard), ``cost_metrics/date=D/shard=XXXX/part.parquet``: tokens by class,
+    KV cache hits by tier, TTFT/TPOT p50/p95, speculative acceptance, expert-load balancedness,
+    prefill/decode wall seconds, device seconds and dollars."""
     from kvbatch.ops.cost import metrics_table, shard_metrics
 
-    shard, root, opts = context.partition_key, object_store.url, object_store.storage_options()
-    row = shard_metrics(read_table(shard_url(root, "results", shard), storage_options=opts),
-                        read_json(shard_url(root, "prefill_stats", shard, "stats.json"), storage_options=opts),
-                        read_json(shard_url(root, "decode_stats", shard, "stats.json"), storage_options=opts),
+    (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
+    row = shard_metrics(read_table(day.shard("results", shard), storage_options=opts),
+                        read_json(day.shard("prefill_stats", shard, "stats.json"), storage_options=opts),
+                        read_json(day.shard("decode_stats", shard, "stats.json"), storage_options=opts),
                         pricing.pricing(decode_cluster.world_size))
-    write_table(metrics_table(row), shard_url(root, "cost_metrics", shard), storage_options=opts)
+    write_table(metrics_table(row), day.shard("cost_metrics", shard), storage_options=opts)
     # Stable numeric keys: the UI plots them over time; plus a readable table and a token chart.
     metadata: dict = {k: (0.0 if v is None else v) for k, v in row.items()}
     metadata["summary"] = dg.MetadataValue.md(_cost_markdown(row))
@@ -224,7 +298,9 @@ def cost_metrics(context: dg.AssetExecutionContext, object_store: ObjectStoreRes
 
 
 _SUMMARY_KEYS = ("requests", "prompt_tokens", "output_tokens", "ttft_s_p50", "ttft_s_p95", "tpot_s_p50",
-                 "tpot_s_p95", "prefill_wall_s", "decode_wall_s", "device_s", "kv_bytes_written", "kv_bytes_read",
+                 "tpot_s_p95", "spec_acceptance_rate", "spec_tokens_per_target_step", "spec_drafter_time_share",
+                 "expert_load_balancedness",
+                 "prefill_wall_s", "decode_wall_s", "device_s", "kv_bytes_written", "kv_bytes_read",
                  "cost_compute_usd", "cost_storage_usd", "cost_transfer_usd", "cost_usd")
 _TOKEN_CLASSES = (("computed at prefill", "prompt_tokens_prefill_computed"),
                   ("already stored", "prompt_tokens_prefill_already_stored"),
@@ -237,7 +313,7 @@ _TOKEN_CLASSES = (("computed at prefill", "prompt_tokens_prefill_computed"),
 def _cost_markdown(row: dict) -> str:
     """The shard's figures as a markdown table, and its tokens by class as a bar chart."""
     lines = ["| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {row.get(k)} |" for k in _SUMMARY_KEYS if k in row]
+    lines += [f"| {k} | {'–' if row.get(k) is None else row[k]} |" for k in _SUMMARY_KEYS if k in row]
     counts = [(label, int(row.get(key) or 0)) for label, key in _TOKEN_CLASSES]
     top = max((c for _, c in counts), default=0) or 1
     lines += ["", "Tokens by class:", "", "```"]

@@ -1,70 +1,80 @@
 """Jobs, the nightly schedule and the sensors.
 
-- ``kvbatch_ingest``: prompts + prompt_shards (unpartitioned; needs the ``prompts`` run config).
-- ``kvbatch_prefill``: prefill_kv, per shard.  ``kvbatch_decode``: decode_results + cost_metrics, per shard.
-- ``kvbatch_shard``: prefill + decode + metrics of one shard (what a failed shard re-runs).
-- ``kvbatch_all``: the whole graph; launched for shard K it ingests, then runs shard K.
-- ``nightly_ingest`` (02:00, timezone from ``KVBATCH_TIMEZONE``, STOPPED until turned on) runs
-  ``kvbatch_ingest`` on ``KVBATCH_NIGHTLY_DATASET``; ``shards_after_ingest`` then requests one
-  ``kvbatch_shard`` run per shard, so shards run in parallel and fail and retry alone.
-- ``new_dataset_files`` (STOPPED) ingests each new file under ``KVBATCH_INPUT_PREFIX``.
+- ``kvbatch_ingest``: prompts + prompt_shards, for one date partition.
+- ``kvbatch_prefill``: prefill_kv; ``kvbatch_decode``: decode_results + cost_metrics;
+  ``kvbatch_shard``: prefill + decode + metrics. Each for one (date, shard) partition, which is
+  what a failed shard re-runs.
+- The whole graph of a day is ``kvbatch_ingest`` for the date, then ``kvbatch_shard`` for each
+  of its (date, shard) partitions, started by ``shards_after_ingest``. (Dagster runs one
+  partitions definition per job, and ingest is per date while the rest is per (date, shard):
+  one job cannot hold both. In the UI, "Materialize all" over a date range is the same thing
+  as a backfill.)
+- ``nightly_ingest`` (02:00 in ``KVBATCH_TIMEZONE``, STOPPED until turned on) ingests the day
+  that just ended from ``KVBATCH_NIGHTLY_DATASET`` (``{date}`` filled in).
+- ``new_dataset_files`` (STOPPED) ingests each new file under ``KVBATCH_INPUT_PREFIX`` into the
+  date partition its path names (``.../2026-11-29.jsonl``, ``.../date=2026-11-29/x.parquet``), or
+  the day it was last modified when the path names none.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
+import re
 
 import dagster as dg
 
 from kvbatch.pipelines.assets import cost_metrics, decode_results, prefill_kv, prompt_shards, prompts
-from kvbatch.pipelines.partitions import shard_partitions
+from kvbatch.pipelines.partitions import TIMEZONE, date_partitions, date_shard_keys
 
 ingest_job = dg.define_asset_job("kvbatch_ingest", selection=[prompts, prompt_shards],
-                                 description="Validate the dataset and tokenize it into shards.")
+                                 description="Validate one day's dataset and tokenize it into shards.")
 prefill_job = dg.define_asset_job("kvbatch_prefill", selection=[prefill_kv],
-                                  description="Prefill one shard into the KV store.")
+                                  description="Prefill one (date, shard) into the KV store.")
 decode_job = dg.define_asset_job("kvbatch_decode", selection=[decode_results, cost_metrics],
-                                 description="Decode one shard from the stored KV and meter it.")
+                                 description="Decode one (date, shard) from the stored KV and meter it.")
 shard_job = dg.define_asset_job("kvbatch_shard", selection=[prefill_kv, decode_results, cost_metrics],
-                                description="Prefill, decode and meter one shard.")
-all_job = dg.define_asset_job("kvbatch_all", selection=dg.AssetSelection.all(),
-                              description="The whole graph: ingest, then one shard.")
+                                description="Prefill, decode and meter one (date, shard).")
 
-JOBS = [ingest_job, prefill_job, decode_job, shard_job, all_job]
+JOBS = [ingest_job, prefill_job, decode_job, shard_job]
+DATE_IN_PATH = re.compile(r"(?<!\d)(\d{4}-\d{2}-\d{2})(?!\d)")
 
 
 def prompts_run_config(url: str) -> dict:
     return {"ops": {"prompts": {"config": {"url": url}}}}
 
 
-@dg.schedule(job=ingest_job, cron_schedule="0 2 * * *",
-             execution_timezone=os.environ.get("KVBATCH_TIMEZONE", "UTC"),
+@dg.schedule(job=ingest_job, cron_schedule="0 2 * * *", execution_timezone=TIMEZONE,
              default_status=dg.DefaultScheduleStatus.STOPPED)
 def nightly_ingest(context: dg.ScheduleEvaluationContext):
-    """Every night at 02:00: ingest ``KVBATCH_NIGHTLY_DATASET`` (``{date}`` becomes the run's date)."""
+    """Every night at 02:00: ingest the day that just ended, ``KVBATCH_NIGHTLY_DATASET`` with
+    ``{date}`` set to that day, into its date partition; the shards follow (``shards_after_ingest``)."""
     template = os.environ.get("KVBATCH_NIGHTLY_DATASET")
     if not template:
         return dg.SkipReason("KVBATCH_NIGHTLY_DATASET is not set")
-    date = context.scheduled_execution_time.strftime("%Y-%m-%d")
-    return dg.RunRequest(run_key=f"nightly-{date}", run_config=prompts_run_config(template.format(date=date)),
-                         tags={"kvbatch/date": date})
+    date = (context.scheduled_execution_time - dt.timedelta(days=1)).strftime("%Y-%m-%d")
+    return dg.RunRequest(run_key=f"nightly-{date}", partition_key=date,
+                         run_config=prompts_run_config(template.format(date=date)))
 
 
 @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[ingest_job], request_job=shard_job,
                       default_status=dg.DefaultSensorStatus.RUNNING)
 def shards_after_ingest(context: dg.RunStatusSensorContext):
-    """After a successful ingest, one ``kvbatch_shard`` run per shard partition."""
-    run_id = context.dagster_run.run_id
-    return [dg.RunRequest(run_key=f"{run_id}-{key}", partition_key=key, tags={"kvbatch/ingest_run": run_id})
-            for key in shard_partitions.get_partition_keys()]
+    """After a successful ingest of a date, one ``kvbatch_shard`` run per (date, shard)."""
+    run = context.dagster_run
+    date = run.tags.get("dagster/partition")
+    if not date:
+        return dg.SkipReason(f"ingest run {run.run_id} has no date partition")
+    return [dg.RunRequest(run_key=f"{run.run_id}-{key}", partition_key=key, tags={"kvbatch/ingest_run": run.run_id})
+            for key in date_shard_keys(date)]
 
 
 @dg.sensor(job=ingest_job, minimum_interval_seconds=300, default_status=dg.DefaultSensorStatus.STOPPED)
 def new_dataset_files(context: dg.SensorEvaluationContext):
     """Ingest each new (or changed) ``.jsonl``/``.jsonl.gz``/``.parquet`` file under
-    ``KVBATCH_INPUT_PREFIX``. The cursor holds the files seen; the run key is path + version,
-    so a re-evaluation never launches a file twice."""
+    ``KVBATCH_INPUT_PREFIX`` into its date partition. The cursor holds the files seen; the run
+    key is path + version, so a re-evaluation never launches a file twice."""
     prefix = os.environ.get("KVBATCH_INPUT_PREFIX")
     if not prefix:
         return dg.SkipReason("KVBATCH_INPUT_PREFIX is not set")
@@ -77,13 +87,34 @@ def _input_options(prefix: str) -> dict:
     return {}
 
 
+def date_of_file(path: str, info: dict) -> str | None:
+    """The date partition a landed file belongs to: the last YYYY-MM-DD in its path, else the UTC
+    day it was last modified; None when that is not a date partition (before the start date, or
+    not a real date)."""
+    found = DATE_IN_PATH.findall(path)
+    if found:
+        date = found[-1]
+    else:
+        modified = info.get("LastModified") or info.get("mtime") or info.get("created")
+        if isinstance(modified, (int, float)):
+            modified = dt.datetime.fromtimestamp(modified, tz=dt.timezone.utc)
+        if not isinstance(modified, dt.datetime):
+            return None
+        date = modified.strftime("%Y-%m-%d")
+    try:
+        dt.date.fromisoformat(date)
+    except ValueError:
+        return None
+    return date if date_partitions.has_partition_key(date) else None
+
+
 def new_file_requests(prefix: str, cursor: str | None, storage_options: dict | None = None) -> dg.SensorResult:
     import fsspec
 
     fs, base = fsspec.core.url_to_fs(prefix, **(storage_options or {}))
     seen: dict[str, str] = json.loads(cursor) if cursor else {}
     protocol = prefix.split("://", 1)[0] + "://" if "://" in prefix else ""
-    requests = []
+    requests, skipped = [], []
     for path, info in sorted(fs.find(base, detail=True).items()):
         if not path.endswith((".jsonl", ".jsonl.gz", ".parquet")):
             continue
@@ -91,6 +122,12 @@ def new_file_requests(prefix: str, cursor: str | None, storage_options: dict | N
         if seen.get(path) == version:
             continue
         seen[path] = version
+        date = date_of_file(path, info)
+        if date is None:
+            skipped.append(path)
+            continue
         url = protocol + path if protocol else path
-        requests.append(dg.RunRequest(run_key=f"{path}@{version}", run_config=prompts_run_config(url)))
-    return dg.SensorResult(run_requests=requests, cursor=json.dumps(seen, sort_keys=True))
+        requests.append(dg.RunRequest(run_key=f"{path}@{version}", partition_key=date,
+                                      run_config=prompts_run_config(url)))
+    return dg.SensorResult(run_requests=requests, cursor=json.dumps(seen, sort_keys=True),
+                           skip_reason=f"no date partition for {skipped[:5]}" if skipped and not requests else None)

@@ -6,7 +6,9 @@ Resources default from the environment, so one module serves a laptop and a depl
 - ``KVBATCH_ROOT``: root of every table (default: ``./kvbatch_data`` under the working directory);
 - ``KVBATCH_S3_ENDPOINT_URL``, ``KVBATCH_S3_REGION``; credentials from ``AWS_ACCESS_KEY_ID`` /
   ``AWS_SECRET_ACCESS_KEY`` (as Dagster ``EnvVar``\\ s: resolved at run time, never shown);
-- ``KVBATCH_MODEL``, ``KVBATCH_DTYPE``; ``KVBATCH_KV_URL`` (default ``<root>/kv``).
+- ``KVBATCH_MODEL``, ``KVBATCH_DTYPE``; ``KVBATCH_KV_URL`` (default ``<root>/kv``);
+- ``KVBATCH_DECODE_LAUNCHER`` and ``KVBATCH_DECODE_WORLD_SIZE`` (the decode worker group);
+- partitions: ``KVBATCH_NUM_SHARDS``, ``KVBATCH_START_DATE``, ``KVBATCH_TIMEZONE`` (see ``partitions``).
 Every value can still be overridden per launch under ``resources:`` in the run config.
 """
 
@@ -44,7 +46,8 @@ def default_resources() -> dict:
                                dtype=os.environ.get("KVBATCH_DTYPE", "fp32")),
         "kv_store": KVStoreResource(url=os.environ.get("KVBATCH_KV_URL")),
         "pricing": PricingResource(),
-        "decode_cluster": DecodeClusterResource(launcher=os.environ.get("KVBATCH_DECODE_LAUNCHER", "in_process")),
+        "decode_cluster": DecodeClusterResource(launcher=os.environ.get("KVBATCH_DECODE_LAUNCHER", "in_process"),
+                                                world_size=int(os.environ.get("KVBATCH_DECODE_WORLD_SIZE", "1"))),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
     }
 

@@ -6,7 +6,7 @@ import threading
 from typing import Any, Literal
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, field_validator
 
 _CHECKPOINTS: dict[str, Any] = {}
 _LOCK = threading.Lock()
@@ -35,6 +35,25 @@ class ModelResource(dg.ConfigurableResource):
     seed: int = Field(default=0, description="seed for requests that give none")
     threads: int | None = Field(default=None, ge=1, description="torch threads (default: all cores)")
     deterministic: bool = Field(default=False, description="batch-invariant numerics")
+    spec: str | None = Field(default=None, description="speculative decoding at decode: ngram, draft:MODEL or "
+                                                        "early-exit:K (none by default)")
+    spec_max_len: int = Field(default=4, ge=1, description="most tokens drafted per step")
+    spec_adaptive: bool = Field(default=True, description="adaptive, cost-aware draft length")
+
+    @field_validator("spec")
+    @classmethod
+    def _check_spec(cls, value: str | None) -> str | None:
+        if value:
+            from kvbatch.engine.speculative import SpecConfig
+
+            SpecConfig.parse(value)  # raises with the accepted forms named
+        return value or None
+
+    def speculative(self) -> dict[str, Any] | None:
+        """The decode worker's ``speculative`` entry (None: plain decoding)."""
+        if not self.spec:
+            return None
+        return {"method": self.spec, "max_len": self.spec_max_len, "adaptive": self.spec_adaptive}
 
     def engine_config(self) -> Any:
         from kvbatch.engine.config import EngineConfig
@@ -47,9 +66,14 @@ class ModelResource(dg.ConfigurableResource):
 
         return kv_fingerprint(_checkpoint(self.model).fingerprint, self.dtype, self.engine_config().block_size)
 
-    def load(self, kv_store: Any = None) -> Any:
-        """A fresh ``LLM`` (engines are cheap next to the weights, which are shared)."""
+    def load(self, kv_store: Any = None, decode: bool = False) -> Any:
+        """A fresh ``LLM`` (engines are cheap next to the weights, which are shared); ``decode``:
+        with the speculative drafter, if one is configured (prefill never drafts)."""
         from kvbatch.engine.llm import LLM
+        from kvbatch.engine.speculative import SpecConfig
 
+        spec = None
+        if decode and self.spec:
+            spec = SpecConfig.parse(self.spec, self.spec_max_len, self.spec_adaptive)
         return LLM(_checkpoint(self.model), dtype=self.dtype, engine_config=self.engine_config(),
-                   kv_store=kv_store, seed=self.seed, num_threads=self.threads)
+                   kv_store=kv_store, seed=self.seed, num_threads=self.threads, speculative=spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -163,3 +164,140 @@ def test_cost_metrics_arithmetic(tmp_path):
     assert m["prompt_tokens_decode_computed"] == 20 and m["kv_tokens_hit_object"] == 80 and m["kv_tokens_hit_disk"] == 0
     assert m["ttft_s_p50"] == 0.2 and m["tpot_s_p95"] == 0.01
     write_table(pa.Table.from_pylist([m]), str(tmp_path / "m.parquet"))
+
+
+def _one_shot_ingest(src: str, **kw) -> tuple[pa.Table, pa.Table]:
+    """The non-streaming reference: every row in memory, one table each."""
+    from kvbatch.io.batch_requests import RejectedRow
+    from kvbatch.ops.ingest import PROMPTS_SCHEMA, REJECTS_SCHEMA, read_dataset, reject_record, request_record
+
+    items = list(read_dataset(src, **kw))
+    good = [request_record(i) for i in items if not isinstance(i, RejectedRow)]
+    bad = [reject_record(i) for i in items if isinstance(i, RejectedRow)]
+    return pa.Table.from_pylist(good, PROMPTS_SCHEMA), pa.Table.from_pylist(bad, REJECTS_SCHEMA)
+
+
+def test_streaming_ingest_equals_one_shot(tmp_path):
+    rows: list = []
+    for i in range(3000):
+        if i % 97 == 5:
+            rows.append("{not json")
+        elif i % 89 == 7:
+            rows.append({"custom_id": f"id-{i}", "messages": [{"role": "user", "content": "x"}], "temperature": -1})
+        else:
+            rows.append({"custom_id": f"id-{i % 2990}", "messages": [{"role": "system", "content": SYSTEM},
+                                                                     {"role": "user", "content": f"q {i}"}],
+                         "max_tokens": 1 + i % 9, "stop": ["\n"] if i % 3 else []})
+    src = _write_jsonl(tmp_path / "in.jsonl", rows)
+    rep = ingest(src, str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"), batch_rows=256)
+    good, bad = _one_shot_ingest(src)
+    assert rep.valid == good.num_rows and rep.rejected == bad.num_rows > 40 and rep.rows == 3000
+    assert pq.read_table(tmp_path / "p.parquet").equals(good)
+    assert pq.read_table(tmp_path / "r.parquet").equals(bad)
+    assert pq.ParquetFile(tmp_path / "p.parquet").num_row_groups == -(-good.num_rows // 256)  # written in batches
+
+    # Parquet input streams the same way.
+    pq.write_table(pq.read_table(tmp_path / "p.parquet").select(["custom_id", "messages", "max_tokens"]),
+                   tmp_path / "in.parquet", row_group_size=300)
+    rep = ingest(str(tmp_path / "in.parquet"), str(tmp_path / "p2.parquet"), str(tmp_path / "r2.parquet"),
+                 batch_rows=100)
+    good2, bad2 = _one_shot_ingest(str(tmp_path / "in.parquet"))
+    assert pq.read_table(tmp_path / "p2.parquet").equals(good2) and rep.valid == good.num_rows
+
+
+def test_failed_ingest_keeps_the_previous_commit(tmp_path, monkeypatch):
+    import kvbatch.ops.ingest as ingest_mod
+
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "messages": [{"role": "user", "content": "x"}]}
+                                               for i in range(50)])
+    ingest(src, str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"))
+    before = (tmp_path / "p.parquet").read_bytes()
+    real = ingest_mod.read_dataset
+
+    def dying(*a, **kw):
+        for n, item in enumerate(real(*a, **kw)):
+            if n == 20:
+                raise OSError("connection reset")
+            yield item
+
+    monkeypatch.setattr(ingest_mod, "read_dataset", dying)
+    with pytest.raises(OSError):
+        ingest(src, str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"), batch_rows=8)
+    assert (tmp_path / "p.parquet").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "p.parquet", "r.parquet"]
+
+
+MEMORY_SCRIPT = r"""
+import json, os, resource, sys
+from kvbatch.ops.ingest import ingest
+src, small, out = sys.argv[1], sys.argv[2], sys.argv[3]
+ingest(small, out + "/warm_p.parquet", out + "/warm_r.parquet")  # allocator pools, lazy imports, codecs
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+rep = ingest(src, out + "/p.parquet", out + "/r.parquet")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"growth": peak - base, "rows": rep.rows, "valid": rep.valid, "rejected": rep.rejected}))
+"""
+
+
+def test_ingest_of_200k_rows_keeps_memory_bounded(tmp_path):
+    """A file of 200k chat rows (~140 MB) is ingested with peak memory growing by a small fraction
+    of its size (holding every row, as a one-shot ingest does, costs ~5x the file)."""
+    import subprocess
+    import sys
+
+    n = 200_000
+    src, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
+    system = "You are a careful assistant for a bakery. " * 12
+    with src.open("w") as f, small.open("w") as g:
+        for i in range(n):
+            line = json.dumps({"custom_id": f"req-{i:07d}", "max_tokens": 16 + i % 7, "temperature": 0,
+                               "messages": [{"role": "system", "content": system},
+                                            {"role": "user", "content": f"Question {i}: how long do they keep?"}]})
+            f.write(("{bad json" if i % 10_000 == 3 else line) + "\n")
+            if i < 20_000:
+                g.write(line + "\n")
+    size = src.stat().st_size
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(src), str(small), str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (got["rows"], got["rejected"]) == (n, 20)
+    assert got["growth"] < 0.25 * size, (got["growth"], size)
+    pf = pq.ParquetFile(tmp_path / "p.parquet")
+    assert pf.metadata.num_rows == n - 20 and pf.num_row_groups > 1
+    first = next(pf.iter_batches(batch_size=4)).to_pylist()
+    assert [r["custom_id"] for r in first] == ["req-0000000", "req-0000001", "req-0000002", "req-0000004"]
+    assert [r["row"] for r in pq.read_table(tmp_path / "r.parquet").to_pylist()][:2] == [4, 10_004]
+
+
+def test_cost_metrics_speculative_and_expert_columns():
+    base = {"prompt_tokens": [10, 10], "loaded_prompt_tokens": [0, 0], "cached_prompt_tokens": [0, 0],
+            "completion_tokens": [8, 4], "ttft_s": [0.1, 0.1], "tpot_s": [0.01, 0.01]}
+    plain = shard_metrics(pa.table(base), {}, {}, Pricing())
+    assert plain["spec_draft_tokens"] == 0 and plain["spec_acceptance_rate"] is None
+    assert plain["expert_load_balancedness"] is None
+    spec = pa.table({**base, "spec_draft_tokens": [8, None], "spec_accepted_tokens": [6, None],
+                     "spec_target_steps": [3, None]})
+    m = shard_metrics(spec, {}, {"expert_load_balancedness": 0.8}, Pricing())
+    assert (m["spec_draft_tokens"], m["spec_accepted_tokens"], m["spec_target_steps"]) == (8, 6, 3)
+    assert m["spec_acceptance_rate"] == 0.75 and m["spec_tokens_per_target_step"] == round(8 / 3, 6)
+    assert m["expert_load_balancedness"] == 0.8
+    from kvbatch.ops.cost import metrics_table
+
+    assert metrics_table(m).column("spec_acceptance_rate").to_pylist() == [0.75]
+    assert metrics_table(plain).column("spec_acceptance_rate").to_pylist() == [None]
+
+
+def test_group_stats_merge_and_balancedness():
+    from kvbatch.ops.decode_worker import balancedness, merge_stats
+
+    per_rank = [{"requests": 3, "succeeded": 3, "output_tokens": 9, "wall_s": 2.0, "expert_rows_computed": {"1": 30},
+                 "connector": {"kv_bytes_read_by_tier": {"object": 100}}},
+                {"requests": 2, "succeeded": 2, "output_tokens": 4, "wall_s": 3.0, "expert_rows_computed": {"1": 10},
+                 "connector": {"kv_bytes_read_by_tier": {"object": 50}}}]
+    rows = [{"ttft_s": 0.1 * i, "tpot_s": None} for i in range(1, 6)]
+    m = merge_stats(per_rank, rows)
+    assert (m["requests"], m["output_tokens"], m["wall_s"]) == (5, 13, 3.0)
+    assert m["connector"]["kv_bytes_read_by_tier"]["object"] == 150
+    assert m["expert_load_balancedness"] == round(20 / 30, 6) == balancedness([{"1": 30}, {"1": 10}])
+    assert m["ttft_s_p50"] == pytest.approx(0.3) and len(m["by_rank"]) == 2

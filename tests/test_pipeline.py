@@ -1,11 +1,14 @@
 """The Dagster asset graph end to end on a tiny model, with a loopback S3 as the object store:
-every valid row gets exactly one result equal to an in-process generate, rejects are kept,
-one shard re-runs alone, and the CLI entry points (validate, materialize) work."""
+every valid row of a date partition gets exactly one result equal to an in-process generate,
+rejects are kept, one (date, shard) re-runs alone, the decode worker group (1 or 2 ranks through
+Pipes) gives the same tokens, and the CLI entry points (validate, materialize) work."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -15,11 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import dagster as dg
-from kvbatch.io.shard_tables import read_shards, shard_url, table_url
+from kvbatch.io.shard_tables import read_shards
 from kvbatch.pipelines.assets import ASSETS, cost_metrics, decode_results, prefill_kv, prompt_shards, prompts
-from kvbatch.pipelines.automation import new_file_requests, nightly_ingest, shards_after_ingest
+from kvbatch.pipelines.automation import date_of_file, new_file_requests, nightly_ingest, shards_after_ingest
 from kvbatch.pipelines.definitions import defs
-from kvbatch.pipelines.partitions import shard_partitions
+from kvbatch.pipelines.layout import DayLayout
+from kvbatch.pipelines.partitions import date_shard_key, date_shard_keys, shard_partitions
 from kvbatch.resources import (
     DecodeClusterResource,
     KVStoreResource,
@@ -33,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
 SYSTEM = "You answer questions about a small bakery. Be brief and polite, and never invent prices. " * 2
 SHARD_ASSETS = [prefill_kv, decode_results, cost_metrics]
+DATE, OTHER_DATE = "2026-11-29", "2026-11-28"
 
 
 @pytest.fixture(scope="module")
@@ -92,103 +97,145 @@ def _reference(tiny: Path, tmp_path: Path) -> dict[str, tuple[str, int]]:
     return ref
 
 
-def _ingest(resources: dict, data: str):
-    return dg.materialize([prompts, prompt_shards], resources=resources,
+def _ingest(resources: dict, data: str, date: str = DATE, instance=None):
+    return dg.materialize([prompts, prompt_shards], resources=resources, partition_key=date, instance=instance,
                           run_config={"ops": {"prompts": {"config": {"url": data, "max_reject_rate": 0.5}}}})
+
+
+def _path(url: str) -> str:
+    return url.removeprefix("s3://")
 
 
 def test_whole_graph_on_loopback_s3(tiny, dataset, tmp_path):
     data, root, opts, fs = dataset
     resources = _resources(tiny, root, opts)
     instance = dg.DagsterInstance.ephemeral()
-    res = _ingest(resources, data)
+    day = DayLayout(root, DATE)
+    res = _ingest(resources, data, instance=instance)
     assert res.success
     checks = {c.check_name: c.passed for c in res.get_asset_check_evaluations()}
     assert checks == {"reject_rate_below_threshold": True, "unique_custom_ids": True}
     meta = res.asset_materializations_for_node("prompts")[0].metadata
     assert meta["rejected_rows"].value == 3 and meta["input_rows"].value == 17
     assert "rejects_preview" in meta
-    rejects = pq.read_table(fs.open(table_url(root, "rejects").removeprefix("s3://"))).to_pylist()
+    assert meta["dataset_url"].value == data
+    rejects = pq.read_table(fs.open(_path(day.table("rejects")))).to_pylist()
     assert sorted((r["row"], r["field"]) for r in rejects) == [(4, "temperature"), (8, "$"), (17, "custom_id")]
 
-    for key in shard_partitions.get_partition_keys():
+    for key in date_shard_keys(DATE):
         r = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=key, instance=instance,
                            selection=SHARD_ASSETS)
         assert r.success
         assert all(c.passed for c in r.get_asset_check_evaluations())
+    materialized = instance.get_materialized_partitions(decode_results.key)
+    assert materialized == {str(k) for k in date_shard_keys(DATE)}
 
-    results = read_shards(root, "results", storage_options=opts)
+    results = read_shards(root, day.folder("results"), storage_options=opts)
     assert sorted(results.column("custom_id").to_pylist()) == [f"r{i:02d}" for i in range(14)]
     ref = _reference(tiny, tmp_path)
     got = {r["custom_id"]: (r["text"], r["completion_tokens"]) for r in results.to_pylist()}
     assert got == ref  # decoding from the stored KV gives exactly the in-process tokens
     assert all(len(r["output_token_ids"]) == r["completion_tokens"] <= r["max_tokens"] for r in results.to_pylist())
 
-    metrics = read_shards(root, "cost_metrics", storage_options=opts)
+    metrics = read_shards(root, day.folder("cost_metrics"), storage_options=opts)
     assert sum(metrics.column("requests").to_pylist()) == 14
     assert sum(metrics.column("kv_tokens_hit_object").to_pylist()) > 0  # shared system prompt loaded
     assert sum(metrics.column("cost_usd").to_pylist()) > 0
-    assert fs.exists(shard_url(root, "results", "0000").removeprefix("s3://"))
+    assert metrics.column("spec_acceptance_rate").null_count == metrics.num_rows  # no speculation here
+    # Hive layout: a dataset reader over the table folder sees date and shard columns.
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(_path(root) + "/results", filesystem=fs, format="parquet", partitioning="hive").to_table()
+    assert set(table.column("date").to_pylist()) == {DATE} and table.num_rows == 14
+    assert fs.exists(_path(day.shard("results", "0000")))
 
 
-def test_rerun_of_one_shard_replaces_it_and_nothing_else(tiny, dataset):
+def test_rerun_of_one_date_shard_replaces_it_and_nothing_else(tiny, dataset):
     data, root, opts, fs = dataset
     resources = _resources(tiny, root, opts)
     assert _ingest(resources, data).success
-    keys = shard_partitions.get_partition_keys()
-    for key in keys[:3]:
-        assert dg.materialize(SHARD_ASSETS, resources=resources, partition_key=key, selection=SHARD_ASSETS).success
+    assert _ingest(resources, data, date=OTHER_DATE).success
+    keys = shard_partitions.get_partition_keys()[:3]
+    done = [(DATE, k) for k in keys] + [(OTHER_DATE, keys[1])]
+    for date, key in done:
+        assert dg.materialize(SHARD_ASSETS, resources=resources, partition_key=date_shard_key(date, key),
+                              selection=SHARD_ASSETS).success
 
     def stamps():
         out = {}
-        for key in keys[:3]:
+        for date, key in done:
             for table in ("results", "cost_metrics"):
-                info = fs.info(shard_url(root, table, key).removeprefix("s3://"), refresh=True)
-                out[(table, key)] = info["LastModified"]
+                info = fs.info(_path(DayLayout(root, date).shard(table, key)), refresh=True)
+                out[(table, date, key)] = info["LastModified"]
         return out
 
+    day = DayLayout(root, DATE)
     before = stamps()
-    contents = fs.cat(shard_url(root, "results", keys[1]).removeprefix("s3://"))
+    contents = fs.cat(_path(day.shard("results", keys[1])))
     time.sleep(1.1)  # S3 timestamps have one-second resolution
-    assert dg.materialize([decode_results, cost_metrics], resources=resources, partition_key=keys[1],
+    assert dg.materialize([decode_results, cost_metrics], resources=resources, partition_key=f"{DATE}|{keys[1]}",
                           selection=[decode_results, cost_metrics]).success
     after = stamps()
     changed = {k for k in before if before[k] != after[k]}
-    assert changed == {("results", keys[1]), ("cost_metrics", keys[1])}
-    rerun = pq.read_table(fs.open(shard_url(root, "results", keys[1]).removeprefix("s3://")))
+    assert changed == {("results", DATE, keys[1]), ("cost_metrics", DATE, keys[1])}
+    rerun = pq.read_table(fs.open(_path(day.shard("results", keys[1]))))
     first = pq.read_table(__import__("io").BytesIO(contents))
     assert rerun.select(["custom_id", "text"]).equals(first.select(["custom_id", "text"]))
-    assert len(fs.ls(shard_url(root, "results", keys[1], "").removeprefix("s3://").rstrip("/"))) == 1
+    assert len(fs.ls(_path(day.shard("results", keys[1], "")).rstrip("/"))) == 1
 
 
 def test_definitions_surface():
     dg.Definitions.validate_loadable(defs)
     assert {a.key.to_user_string() for a in ASSETS} == {"prompts", "prompt_shards", "prefill_kv", "decode_results",
                                                          "cost_metrics"}
-    for name in ("kvbatch_all", "kvbatch_ingest", "kvbatch_prefill", "kvbatch_decode", "kvbatch_shard"):
+    for name in ("kvbatch_ingest", "kvbatch_prefill", "kvbatch_decode", "kvbatch_shard"):
         defs.resolve_job_def(name)
     assert decode_results.op.pool == "gpu" and prefill_kv.op.pool == "gpu"
     assert prompts.op.retry_policy.max_retries == 3
+    assert isinstance(prompts.partitions_def, dg.DailyPartitionsDefinition)
+    assert prompt_shards.partitions_def == prompts.partitions_def
+    multi = decode_results.partitions_def
+    assert isinstance(multi, dg.MultiPartitionsDefinition)
+    assert [d.name for d in multi.partitions_defs] == ["date", "shard"]
+    key = date_shard_key(DATE, "0003")
+    assert str(key) == f"{DATE}|0003" and multi.has_partition_key(f"{DATE}|0003")
+    # A (date, shard) reads the date partition of prompt_shards, and one day needs every shard of it.
+    graph = defs.resolve_asset_graph()
+    mapping = graph.get(prefill_kv.key).partition_mappings[prompt_shards.key]
+    up = mapping.get_upstream_mapped_partitions_result_for_partitions(
+        multi.subset_with_partition_keys([key]), multi, prompt_shards.partitions_def)
+    assert up.partitions_subset.get_partition_keys() == [DATE]
     sched = defs.resolve_schedule_def("nightly_ingest")
     assert sched.cron_schedule == "0 2 * * *" and sched.default_status == dg.DefaultScheduleStatus.STOPPED
 
 
 def test_schedule_and_sensors(tmp_path, monkeypatch):
+    ctx = dg.build_schedule_context(scheduled_execution_time=__import__("datetime").datetime(2026, 11, 29, 2))
+    assert isinstance(nightly_ingest(ctx), dg.SkipReason)  # no dataset configured: nothing starts
     monkeypatch.setenv("KVBATCH_NIGHTLY_DATASET", "s3://bucket/in/{date}.jsonl")
-    ctx = dg.build_schedule_context(scheduled_execution_time=__import__("datetime").datetime(2026, 11, 28, 2))
     req = nightly_ingest(ctx)
+    # At 02:00 the day that just ended is ingested, into its date partition.
+    assert req.partition_key == "2026-11-28" and req.run_key == "nightly-2026-11-28"
     assert req.run_config["ops"]["prompts"]["config"]["url"] == "s3://bucket/in/2026-11-28.jsonl"
-    assert req.run_key == "nightly-2026-11-28"
 
-    (tmp_path / "a.jsonl").write_text("{}\n")
+    (tmp_path / "2026-11-27.jsonl").write_text("{}\n")
+    (tmp_path / "date=2026-11-26").mkdir()
+    (tmp_path / "date=2026-11-26" / "part-1.parquet").write_bytes(b"x")
     (tmp_path / "skip.txt").write_text("x")
     first = new_file_requests(str(tmp_path), None)
-    assert [r.run_config["ops"]["prompts"]["config"]["url"] for r in first.run_requests] == [str(tmp_path / "a.jsonl")]
+    assert sorted((r.partition_key, r.run_config["ops"]["prompts"]["config"]["url"]) for r in first.run_requests) == [
+        ("2026-11-26", str(tmp_path / "date=2026-11-26" / "part-1.parquet")),
+        ("2026-11-27", str(tmp_path / "2026-11-27.jsonl"))]
     again = new_file_requests(str(tmp_path), first.cursor)
     assert again.run_requests == []
-    (tmp_path / "b.parquet").write_bytes(b"x")
+    (tmp_path / "undated.jsonl").write_text("{}\n")  # no date in the path: the day it was written
     third = new_file_requests(str(tmp_path), first.cursor)
-    assert [r.run_key.split("@")[0] for r in third.run_requests] == [str(tmp_path / "b.parquet")]
+    [undated] = third.run_requests
+    assert undated.run_key.split("@")[0] == str(tmp_path / "undated.jsonl")
+    assert undated.partition_key == __import__("datetime").datetime.now(__import__("datetime").timezone.utc).strftime(
+        "%Y-%m-%d")
+    assert date_of_file("in/1999-01-01.jsonl", {}) is None  # before the first date partition
+    assert date_of_file("in/2026-13-45.jsonl", {}) is None
     assert shards_after_ingest.job_name == "kvbatch_shard"
 
 
@@ -197,11 +244,52 @@ def test_resource_validation_errors():
         ObjectStoreResource(url="ftp://host/x")
     with pytest.raises(Exception, match="absolute path"):
         ObjectStoreResource(url="relative/folder")
-    with pytest.raises(Exception, match="multi-rank decode is not implemented"):
+    with pytest.raises(Exception, match="needs launcher 'local', 'torchrun' or 'kubernetes'"):
         DecodeClusterResource(world_size=4)
+    with pytest.raises(Exception, match="needs an image"):
+        DecodeClusterResource(launcher="kubernetes", world_size=2)
+    with pytest.raises(Exception, match="not divisible"):
+        DecodeClusterResource(launcher="torchrun", world_size=3, nnodes=2)
     store = ObjectStoreResource(url="s3://b/p", access_key_id="AKIA-SECRET", secret_access_key="very-secret")
     assert "SECRET" not in repr(store) and "very-secret" not in str(store)
     assert store.storage_options()["secret"] == "very-secret"
+
+
+def test_decode_cluster_commands_and_pod_spec():
+    local = DecodeClusterResource(launcher="local", world_size=2, backend="gloo")
+    cmd = local.command(python="py")
+    assert cmd == ["py", "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m",
+                   "kvbatch.ops.decode_worker"]
+    multi = DecodeClusterResource(launcher="torchrun", world_size=8, nnodes=2, node_rank=1, master_addr="10.0.0.5",
+                                  master_port=29400, backend="nccl")
+    assert multi.command(python="py")[3:8] == ["--nproc-per-node=4", "--nnodes=2", "--node-rank=1",
+                                               "--master-addr=10.0.0.5", "--master-port=29400"]
+    assert DecodeClusterResource(launcher="pipes_subprocess").command(python="py") == [
+        "py", "-m", "kvbatch.ops.decode_worker"]
+
+    k8s = DecodeClusterResource(launcher="kubernetes", world_size=4, image="ghcr.io/acme/kvbatch:1", namespace="llm",
+                                secret_env="kvbatch-s3", node_selector={"gpu": "h200"}, master_port=29501)
+    pod = k8s.pod_spec("KVBatch Decode/2026-11-29|0003")
+    assert pod["apiVersion"] == "v1" and pod["kind"] == "Pod"
+    assert pod["metadata"]["namespace"] == "llm"
+    name = pod["metadata"]["name"]
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["nodeSelector"] == {"gpu": "h200"}
+    [container] = spec["containers"]
+    assert container["image"] == "ghcr.io/acme/kvbatch:1"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container["command"][0] == "torchrun" and "--nproc-per-node=4" in container["command"]
+    assert container["command"][-2:] == ["-m", "kvbatch.ops.decode_worker"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501", "WORLD_SIZE": "4",
+                   "KVBATCH_DIST_BACKEND": "nccl"}
+    assert "--master-port=$(MASTER_PORT)" in container["command"]  # Kubernetes substitutes it from env
+    assert container["envFrom"] == [{"secretRef": {"name": "kvbatch-s3"}}]
+    assert "secret" not in json.dumps(pod).replace("secretRef", "").lower()  # no credentials in the manifest
+    cpu = DecodeClusterResource(launcher="kubernetes", world_size=2, image="img", gpus_per_rank=0).pod_spec("x")
+    assert "nvidia.com/gpu" not in json.dumps(cpu) and cpu["spec"]["containers"][0]["env"][3]["value"] == "gloo"
 
 
 def _cli_env(tmp_path: Path, tiny: Path) -> dict:
@@ -221,20 +309,22 @@ def test_cli_validate_and_materialize(tiny, tmp_path):
     data.write_text("\n".join(_rows()) + "\n")
     base = [DAGSTER, "asset", "materialize", "-m", "kvbatch.pipelines.definitions"]
     cfg = json.dumps({"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}})
-    a = subprocess.run(base + ["--select", "prompts,prompt_shards", "--config-json", cfg], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    a = subprocess.run(base + ["--select", "prompts,prompt_shards", "--partition", DATE, "--config-json", cfg],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
-    b = subprocess.run(base + ["--select", "prefill_kv,decode_results,cost_metrics", "--partition", "0001"],
+    b = subprocess.run(base + ["--select", "prefill_kv,decode_results,cost_metrics", "--partition", f"{DATE}|0001"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
-    root = str(tmp_path / "data")
-    results = pq.read_table(shard_url(root, "results", "0001"))
-    shard = pq.read_table(shard_url(root, "shards", "0001"))
+    day = DayLayout(str(tmp_path / "data"), DATE)
+    results = pq.read_table(day.shard("results", "0001"))
+    shard = pq.read_table(day.shard("shards", "0001"))
     assert results.num_rows == shard.num_rows > 0
-    assert not Path(shard_url(root, "results", "0000")).exists()
+    assert not Path(day.shard("results", "0000")).exists()
 
 
-def test_whole_graph_job_for_one_shard(tiny, tmp_path):
+def test_day_runs_ingest_then_every_shard_of_the_date(tiny, tmp_path):
+    """The whole graph of a day as the deployment runs it: kvbatch_ingest for the date, then the
+    run requests shards_after_ingest makes from that run, executed with kvbatch_shard."""
     from kvbatch.pipelines.automation import JOBS
 
     data = tmp_path / "requests.jsonl"
@@ -248,36 +338,124 @@ def test_whole_graph_job_for_one_shard(tiny, tmp_path):
         "decode_cluster": DecodeClusterResource(),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
     }
-    job = dg.Definitions(assets=ASSETS, jobs=JOBS, resources=resources).resolve_job_def("kvbatch_all")
-    key = shard_partitions.get_partition_keys()[2]
-    res = job.execute_in_process(partition_key=key, run_config={
-        "ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}})
+    instance = dg.DagsterInstance.ephemeral()
+    local_defs = dg.Definitions(assets=ASSETS, jobs=JOBS, resources=resources)
+    ingest = local_defs.resolve_job_def("kvbatch_ingest").execute_in_process(
+        partition_key=DATE, instance=instance,
+        run_config={"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}})
+    assert ingest.success
+    ctx = dg.build_run_status_sensor_context(sensor_name="shards_after_ingest", dagster_instance=instance,
+                                             dagster_run=ingest.dagster_run,
+                                             dagster_event=ingest.get_run_success_event())
+    requests = shards_after_ingest(ctx)
+    assert [r.partition_key for r in requests] == [str(k) for k in date_shard_keys(DATE)]
+    key = requests[2].partition_key
+    res = local_defs.resolve_job_def("kvbatch_shard").execute_in_process(partition_key=key, instance=instance)
     assert res.success
-    done = read_shards(root, "results")
-    assert set(done.column("shard").to_pylist()) == {key}
-    assert done.num_rows == pq.read_table(shard_url(root, "shards", key)).num_rows
+    day = DayLayout(root, DATE)
+    done = read_shards(root, day.folder("results"))
+    assert set(done.column("shard").to_pylist()) == {key.split("|")[1]}
+    assert done.num_rows == pq.read_table(day.shard("shards", key.split("|")[1])).num_rows
+
+
+def _pipes_resources(tiny: Path, root: str, cluster: DecodeClusterResource) -> dict:
+    return {
+        "object_store": ObjectStoreResource(url=root),
+        "model": ModelResource(model=str(tiny), max_batch=8, deterministic=True, threads=1),
+        "kv_store": KVStoreResource(memory_gb=0),
+        "pricing": PricingResource(),
+        "decode_cluster": cluster,
+        "pipes_subprocess_client": dg.PipesSubprocessClient(env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}),
+    }
+
+
+def _largest_shard(day: DayLayout) -> str:
+    return max(shard_partitions.get_partition_keys(), key=lambda k: pq.read_table(day.shard("shards", k)).num_rows)
 
 
 def test_decode_through_pipes_subprocess(tiny, tmp_path):
     data = tmp_path / "requests.jsonl"
     data.write_text("\n".join(_rows()) + "\n")
     root = str(tmp_path / "data")
-    resources = {
-        "object_store": ObjectStoreResource(url=root),
-        "model": ModelResource(model=str(tiny), max_batch=8, deterministic=True),
-        "kv_store": KVStoreResource(memory_gb=0),
-        "pricing": PricingResource(),
-        "decode_cluster": DecodeClusterResource(launcher="pipes_subprocess"),
-        "pipes_subprocess_client": dg.PipesSubprocessClient(env={"PYTHONPATH": str(REPO)}),
-    }
+    resources = _pipes_resources(tiny, root, DecodeClusterResource(launcher="pipes_subprocess"))
     assert _ingest(resources, str(data)).success
-    key = max(shard_partitions.get_partition_keys(), key=lambda k: pq.read_table(shard_url(root, "shards", k)).num_rows)
-    res = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=key, selection=SHARD_ASSETS)
+    day = DayLayout(root, DATE)
+    key = _largest_shard(day)
+    res = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=date_shard_key(DATE, key),
+                         selection=SHARD_ASSETS)
     assert res.success
     meta = res.asset_materializations_for_node("decode_results")[0].metadata
-    assert meta["succeeded"].value == pq.read_table(shard_url(root, "shards", key)).num_rows > 0
+    assert meta["succeeded"].value == pq.read_table(day.shard("shards", key)).num_rows > 0
     assert meta["loaded_prompt_tokens"].value > 0
     assert all(c.passed for c in res.get_asset_check_evaluations())
     ref = _reference(tiny, tmp_path)
-    got = {r["custom_id"]: (r["text"], r["completion_tokens"]) for r in read_shards(root, "results").to_pylist()}
+    got = {r["custom_id"]: (r["text"], r["completion_tokens"])
+           for r in read_shards(root, day.folder("results")).to_pylist()}
     assert got == {k: ref[k] for k in got}
+
+
+@pytest.mark.slow
+def test_decode_with_two_ranks_under_torchrun_equals_one(tiny, tmp_path):
+    """world_size 2 (launcher local: torchrun --standalone, gloo): the ranks split the shard,
+    rank 0 commits one table and reports through Pipes; tokens equal an in-process generate."""
+    data = tmp_path / "requests.jsonl"
+    data.write_text("\n".join(_rows()) + "\n")
+    root = str(tmp_path / "data")
+    resources = _pipes_resources(tiny, root, DecodeClusterResource(launcher="local", world_size=2, backend="gloo"))
+    assert _ingest(resources, str(data)).success
+    day = DayLayout(root, DATE)
+    key = _largest_shard(day)
+    res = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=date_shard_key(DATE, key),
+                         selection=SHARD_ASSETS)
+    assert res.success
+    meta = res.asset_materializations_for_node("decode_results")[0].metadata
+    rows = pq.read_table(day.shard("shards", key)).num_rows
+    assert meta["world_size"].value == 2 and meta["succeeded"].value == rows >= 2
+    assert all(c.passed for c in res.get_asset_check_evaluations())
+    stats = json.loads(Path(day.shard("decode_stats", key, "stats.json")).read_text())
+    assert [r["requests"] for r in stats["by_rank"]] == [(rows + 1) // 2, rows // 2]
+    metrics = pq.read_table(day.shard("cost_metrics", key)).to_pylist()[0]
+    assert metrics["device_s"] == pytest.approx(2 * (metrics["prefill_wall_s"] + metrics["decode_wall_s"]), rel=1e-3)
+    ref = _reference(tiny, tmp_path)
+    results = pq.read_table(day.shard("results", key)).to_pylist()
+    assert [r["row"] for r in results] == sorted(r["row"] for r in results)
+    assert {r["custom_id"]: (r["text"], r["completion_tokens"]) for r in results} == {
+        r["custom_id"]: ref[r["custom_id"]] for r in results}
+
+
+def test_terminating_the_launcher_stops_every_rank(tmp_path):
+    """What Dagster does when a run is terminated: SIGINT to the launcher it started. torchrun
+    then stops its workers; none may outlive it."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, pathlib, sys, time\n"
+                      "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\n"
+                      "time.sleep(120)\n")
+    cluster = DecodeClusterResource(launcher="local", world_size=2, backend="gloo")
+    cmd = cluster.command(target=[str(script), str(tmp_path)])
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / r).exists() for r in ("0", "1")):
+            assert proc.poll() is None and time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.2)
+        time.sleep(0.3)
+        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

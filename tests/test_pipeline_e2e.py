@@ -1,7 +1,8 @@
 """End-to-end checks of the deployed shape of the pipeline, on a tiny model and loopback only:
 
-- a real ``dagster-webserver`` over ``workspace.yaml`` launches ``kvbatch_ingest`` and then
-  ``kvbatch_shard`` per partition over GraphQL, and every valid row gets exactly one result;
+- a real ``dagster-webserver`` over ``workspace.yaml`` launches ``kvbatch_ingest`` for a date
+  and then ``kvbatch_shard`` per (date, shard) over GraphQL, and every valid row gets exactly
+  one result, under ``results/date=D/shard=K/``;
 - a decode killed (SIGKILL, whole process group) half-way leaves either the previous good commit
   or nothing at the results path, and a re-run completes with every row exactly once.
 """
@@ -27,6 +28,7 @@ from tests.tiny_models import build_tiny_chat_model
 REPO = Path(__file__).resolve().parents[1]
 WEBSERVER = str(Path(sys.executable).with_name("dagster-webserver"))
 SYSTEM = "You answer questions about a small bakery. Be brief and polite. "
+DATE = "2026-11-29"
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +66,7 @@ def _env(tmp_path: Path, tiny: Path) -> dict:
 
 def _results(root: Path) -> list[str]:
     ids = []
-    for part in sorted((root / "results").glob("shard=*/part.parquet")):
+    for part in sorted((root / "results" / f"date={DATE}").glob("shard=*/part.parquet")):
         ids += pq.read_table(part).column("custom_id").to_pylist()
     return ids
 
@@ -188,23 +190,26 @@ def test_webserver_graphql_launches_ingest_then_each_shard(tiny, tmp_path):
             raise AssertionError(f"{e}\n{(tmp_path / 'webserver.log').read_text()[-4000:]}") from None
 
         cfg = {"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}
-        run_id = gql.launch("kvbatch_ingest", cfg)
+        run_id = gql.launch("kvbatch_ingest", cfg, tags={"dagster/partition": DATE})
         status = gql.wait_run(run_id, timeout=120)
         assert status == "SUCCESS", gql.failure_log(run_id)
         root = tmp_path / "data"
-        assert sorted(pq.read_table(root / "prompts" / "part.parquet").column("custom_id").to_pylist()) == valid
-        rejects = pq.read_table(root / "rejects" / "part.parquet").to_pylist()
+        day = root / "prompts" / f"date={DATE}"
+        assert sorted(pq.read_table(day / "part.parquet").column("custom_id").to_pylist()) == valid
+        rejects = pq.read_table(root / "rejects" / f"date={DATE}" / "part.parquet").to_pylist()
         assert [r["custom_id"] for r in rejects] == ["bad-temp"]
 
-        for key in ("0000", "0001"):
-            run_id = gql.launch("kvbatch_shard", tags={"dagster/partition": key})
+        for shard in ("0000", "0001"):  # what the UI sends for one (date, shard) of a multi-partitioned job
+            run_id = gql.launch("kvbatch_shard", tags={"dagster/partition": f"{DATE}|{shard}",
+                                                       "dagster/partition/date": DATE,
+                                                       "dagster/partition/shard": shard})
             status = gql.wait_run(run_id, timeout=120)
             assert status == "SUCCESS", gql.failure_log(run_id)
 
         got = _results(root)
         assert sorted(got) == valid  # every valid custom_id exactly once, the bad row in none
-        assert len(list((root / "results").glob("shard=*/part.parquet"))) == 2
-        for part in (root / "results").glob("shard=*/part.parquet"):
+        assert len(list((root / "results").glob("date=*/shard=*/part.parquet"))) == 2
+        for part in (root / "results").glob("date=*/shard=*/part.parquet"):
             rows = pq.read_table(part).to_pylist()
             assert all(0 < r["completion_tokens"] <= r["max_tokens"] == 4 for r in rows)
         assert not [p for p in root.rglob("*") if ".tmp-" in p.name and not p.name.startswith(".")]
@@ -219,15 +224,15 @@ def test_webserver_graphql_launches_ingest_then_each_shard(tiny, tmp_path):
 DECODE_SCRIPT = r"""
 import sys, time
 from kvbatch.io.batch_output import AtomicSink
-from kvbatch.io.shard_tables import shard_url
 from kvbatch.ops.results import decode_shard
 from kvbatch.pipelines.assets import _kv
 from kvbatch.pipelines.definitions import default_resources
+from kvbatch.pipelines.layout import DayLayout
 
-shard, stop = sys.argv[1], sys.argv[2]   # stop: "none", "result:<n>" or "commit"
+shard, stop, date = sys.argv[1], sys.argv[2], sys.argv[3]   # stop: "none", "result:<n>" or "commit"
 res = default_resources()
 store, model, kv = res["object_store"], res["model"], res["kv_store"]
-root, opts = store.url, store.storage_options()
+day, opts = DayLayout(store.url, date), store.storage_options()
 llm = model.load(_kv(store, model, kv))
 inner = llm.stream
 def stream(requests):
@@ -247,8 +252,8 @@ if stop == "commit":  # the bytes are in the temp file, the rename has not happe
             time.sleep(600)
         real_commit(self)
     AtomicSink.commit = commit
-decode_shard(llm, shard_url(root, "manifests", shard, "manifests.jsonl"), shard_url(root, "results", shard),
-             stats_url=shard_url(root, "decode_stats", shard, "stats.json"), storage_options=opts)
+decode_shard(llm, day.shard("manifests", shard, "manifests.jsonl"), day.shard("results", shard),
+             stats_url=day.shard("decode_stats", shard, "stats.json"), storage_options=opts)
 print("DONE", flush=True)
 """
 
@@ -257,7 +262,7 @@ def _decode(env: dict, shard: str, cwd: Path, stop: str = "none", timeout: float
     """Decode one shard in its own process group. With ``stop`` = ``result:<n>`` (after n results,
     before the commit) or ``commit`` (results written to the temp file, not renamed), the child
     pauses there and the whole group is SIGKILLed. Returns (results seen, output)."""
-    proc = subprocess.Popen([sys.executable, "-c", DECODE_SCRIPT, shard, stop], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", DECODE_SCRIPT, shard, stop, DATE], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     seen, out, killed = 0, [], False
@@ -292,8 +297,9 @@ def _prepare(tmp_path: Path, tiny: Path, n: int) -> tuple[dict, Path, list[str],
     """Ingest and prefill in process; (subprocess env, data root, shards used, their custom_ids)."""
     import dagster as dg
 
-    from kvbatch.io.shard_tables import shard_url
     from kvbatch.pipelines.assets import prefill_kv, prompt_shards, prompts
+    from kvbatch.pipelines.layout import DayLayout
+    from kvbatch.pipelines.partitions import date_shard_key
     from kvbatch.resources import DecodeClusterResource, KVStoreResource, ModelResource, ObjectStoreResource
 
     env = _env(tmp_path, tiny)
@@ -303,30 +309,30 @@ def _prepare(tmp_path: Path, tiny: Path, n: int) -> tuple[dict, Path, list[str],
     data.write_text("\n".join(lines) + "\n")
     resources = {"object_store": ObjectStoreResource(url=str(root)), "model": ModelResource(model=str(tiny)),
                  "kv_store": KVStoreResource(), "decode_cluster": DecodeClusterResource()}
-    assert dg.materialize([prompts, prompt_shards], resources=resources, run_config={
+    assert dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE, run_config={
         "ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}).success
+    day = DayLayout(str(root), DATE)
     # The shard count here is this process's KVBATCH_NUM_SHARDS (read at import); the decode
     # subprocess takes the shard's URLs only, so it does not depend on it. Use the first two shards.
-    all_shards = sorted(p.name.split("=")[1] for p in (root / "shards").glob("shard=*"))
-    every = [c for k in all_shards
-             for c in pq.read_table(shard_url(str(root), "shards", k)).column("custom_id").to_pylist()]
+    all_shards = sorted(p.name.split("=")[1] for p in (root / "shards" / f"date={DATE}").glob("shard=*"))
+    every = [c for k in all_shards for c in pq.read_table(day.shard("shards", k)).column("custom_id").to_pylist()]
     assert sorted(every) == valid
     shards = all_shards[:2]
     for key in shards:
-        assert dg.materialize([prefill_kv], resources=resources, partition_key=key).success
-    expected = {k: sorted(pq.read_table(shard_url(str(root), "shards", k)).column("custom_id").to_pylist())
-                for k in shards}
+        assert dg.materialize([prefill_kv], resources=resources, partition_key=date_shard_key(DATE, key)).success
+    expected = {k: sorted(pq.read_table(day.shard("shards", k)).column("custom_id").to_pylist()) for k in shards}
     assert all(len(v) >= 4 for v in expected.values())
     return env, root, shards, expected
 
 
 def _files(root: Path, key: str) -> list[str]:
-    folder = root / "results" / f"shard={key}"
+    folder = root / "results" / f"date={DATE}" / f"shard={key}"
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
 
 def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_path):
-    from kvbatch.io.shard_tables import read_shards, shard_url
+    from kvbatch.io.shard_tables import read_shards
+    from kvbatch.pipelines.layout import DayLayout
 
     env, root, (first, second), expected = _prepare(tmp_path, tiny, 60)
     valid = sorted(expected[first] + expected[second])
@@ -336,12 +342,12 @@ def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_pa
     seen, _ = _decode(env, second, tmp_path, stop=f"result:{n1 // 2}")
     assert seen == n1 // 2
     assert _files(root, second) == []
-    assert not (root / "decode_stats" / f"shard={second}" / "stats.json").exists()
+    assert not (root / "decode_stats" / f"date={DATE}" / f"shard={second}" / "stats.json").exists()
 
     # First shard: a good commit first, then a killed re-run must leave that commit byte for byte.
     n0 = len(expected[first])
     _decode(env, first, tmp_path)
-    part0 = Path(shard_url(str(root), "results", first))
+    part0 = Path(DayLayout(str(root), DATE).shard("results", first))
     good, mtime = part0.read_bytes(), part0.stat().st_mtime_ns
     seen, _ = _decode(env, first, tmp_path, stop=f"result:{n0 // 2}")
     assert seen == n0 // 2
@@ -354,7 +360,7 @@ def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_pa
         seen, _ = _decode(env, key, tmp_path)
         assert seen == len(expected[key])
         assert _files(root, key) == ["part.parquet"]
-    got = read_shards(str(root), "results").column("custom_id").to_pylist()
+    got = read_shards(str(root), f"results/date={DATE}").column("custom_id").to_pylist()
     assert len(got) == len(set(got)) and sorted(got) == valid
     assert sorted(pq.read_table(root / "results").column("custom_id").to_pylist()) == valid
     assert not [p for p in root.rglob("*") if ".tmp-" in p.name and not p.name.startswith(".")]
@@ -368,9 +374,9 @@ def test_decode_killed_during_commit_leaves_nothing_a_reader_sees(tiny, tmp_path
     env, root, (first, _), expected = _prepare(tmp_path, tiny, 60)
     _decode(env, first, tmp_path, stop="commit")
     # The project's own reader ignores the temp file: no results for the shard.
-    assert read_shards(str(root), "results").num_rows == 0
+    assert read_shards(str(root), f"results/date={DATE}").num_rows == 0
     _decode(env, first, tmp_path)
-    assert sorted(read_shards(str(root), "results").column("custom_id").to_pylist()) == expected[first]
+    assert sorted(read_shards(str(root), f"results/date={DATE}").column("custom_id").to_pylist()) == expected[first]
     # A whole-folder reader must see each custom_id once; only hidden leftovers may remain.
     assert [f for f in _files(root, first) if not f.startswith(".")] == ["part.parquet"], _files(root, first)
     assert sorted(pq.read_table(root / "results").column("custom_id").to_pylist()) == expected[first]
