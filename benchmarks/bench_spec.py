@@ -4,11 +4,13 @@
     python benchmarks/bench_spec.py --quick         # a smoke run
     python benchmarks/bench_spec.py --drafters ngram,early-exit:8,draft:smollm2-135m@bf16
 
-Figure: decode throughput = output tokens emitted in decode-only engine steps / seconds of
-those steps (steps that also prefilled are left out, so prompt processing, identical in both
-arms, does not dilute the ratio). Batch 1 runs the prompts one at a time; batch 16 runs 16 at
-once. Each arm runs ``--rounds`` times, interleaved with the baseline, and the median counts.
-Every arm's greedy outputs are compared with the plain run's, token for token.
+Figure: decode throughput = output tokens / engine-step seconds, prompt processing left out.
+Batch 1 runs the prompts one at a time and counts decode-only steps. Batch 16 is the steady state
+of batch decoding: 3 x 16 requests queue for 16 sequence slots, so the batch stays full as
+requests finish; their prompts' KV is computed beforehand (untimed) and served by the prefix
+cache, as in kvbatch's decode stage where prompts come prefilled from the KV store, and every
+step is counted. Each arm runs ``--rounds`` times, interleaved with the baseline, and the median
+counts. Every arm's greedy outputs are compared with the plain run's, token for token.
 
 ``draft:MODEL@bf16`` drafts with MODEL in bf16 (for the bundled model, the same weights at half
 the bytes: a cheaper drafter that agrees with the fp32 target most of the time).
@@ -61,8 +63,12 @@ class Run:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def decode_run(llm: LLM, requests: list[GenerationRequest]) -> Run:
-    """Drive the engine step by step, timing the steps that only decode."""
+def decode_run(llm: LLM, requests: list[GenerationRequest], steady: bool = False) -> Run:
+    """Drive the engine step by step, timing the steps that decode. ``steady``: prefill the
+    prompts first (untimed; their KV stays in the prefix cache) and then count every step."""
+    if steady:
+        llm.generate([GenerationRequest(f"warm-{r.request_id}", r.sampling, prompt_token_ids=r.prompt_token_ids,
+                                        prefill_only=True) for r in requests])
     for r in requests:
         llm.add_request(r)
     st0 = dict(llm.stats)
@@ -74,7 +80,7 @@ def decode_run(llm: LLM, requests: list[GenerationRequest]) -> Run:
         for res in llm.step():
             results[res.request_id] = res.output_token_ids
         dt = time.perf_counter() - t0
-        if llm.stats["computed_prompt_tokens"] == before_prompt:
+        if steady or llm.stats["computed_prompt_tokens"] == before_prompt:
             tokens += llm.stats["output_tokens"] - before_out
             seconds += dt
     st = llm.stats
@@ -91,14 +97,14 @@ def merge(runs: list[Run]) -> Run:
                sum(r.draft_s for r in runs), sum(r.step_s for r in runs))
 
 
-def build(model, dtype: str, arm: Arm, threads: int | None) -> LLM:
+def build(model, dtype: str, arm: Arm, threads: int | None, batch: int) -> LLM:
     spec = arm.spec
-    llm = LLM(model, dtype=dtype, num_threads=threads, engine_config=EngineConfig(max_num_seqs=16),
+    llm = LLM(model, dtype=dtype, num_threads=threads, engine_config=EngineConfig(max_num_seqs=batch),
               speculative=spec)
     if arm.draft_dtype and llm.drafter is not None:  # rebuild the draft engine in its own dtype
         from kvbatch.engine.drafters import DraftModelDrafter
 
-        draft = LLM(spec.draft_model, dtype=arm.draft_dtype, engine_config=EngineConfig(max_num_seqs=16))
+        draft = LLM(spec.draft_model, dtype=arm.draft_dtype, engine_config=EngineConfig(max_num_seqs=batch))
         llm.drafter = DraftModelDrafter(draft, llm.model_config.vocab_size,
                                         spec.accept_threshold if spec.adaptive else None)
     return llm
@@ -133,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         args.batch1_prompts, args.batch, args.max_tokens, args.rounds = 2, 4, 32, 1
     ckpt = load_checkpoint(args.model)
     arms = [Arm("plain", None)] + parse_arms(args.drafters, args.spec_max_len)
-    workloads = {"copy-heavy": copy_workload(num_requests=max(args.batch, args.batch1_prompts)),
-                 "open chat": chat_workload(num_requests=max(args.batch, args.batch1_prompts))}
-    engines = {a.name: build(ckpt, args.dtype, a, args.threads) for a in arms}
+    n = max(3 * args.batch, args.batch1_prompts)
+    workloads = {"copy-heavy": copy_workload(num_requests=n), "open chat": chat_workload(num_requests=n)}
+    engines = {a.name: build(ckpt, args.dtype, a, args.threads, args.batch) for a in arms}
     tok = engines["plain"].tokenizer
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -145,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
     table = []
     for wname, prompts in workloads.items():
-        modes = {"batch 1": [[p] for p in prompts[:args.batch1_prompts]], f"batch {args.batch}": [prompts[:args.batch]]}
+        modes = {"batch 1": [[p] for p in prompts[:args.batch1_prompts]], f"batch {args.batch}": [prompts]}
         for mode, groups in modes.items():
+            steady = mode != "batch 1"
             per_arm: dict[str, list[Run]] = {a.name: [] for a in arms}
             for rnd in range(args.rounds):
                 for a in arms:  # interleaved, so drift on a shared machine hits every arm alike
                     llm = engines[a.name]
-                    run = merge([decode_run(llm, requests(g, f"{rnd}")) for g in groups])
+                    run = merge([decode_run(llm, requests(g, f"{rnd}"), steady) for g in groups])
                     per_arm[a.name].append(run)
                     print(f"[{wname} / {mode} / round {rnd}] {a.name}: {run.tok_s:.1f} tok/s", file=sys.stderr)
             base = statistics.median(r.tok_s for r in per_arm["plain"])

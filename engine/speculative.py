@@ -8,20 +8,22 @@ Per step, for every running request that is decoding:
 3. the target scores all of them in the same forward pass, the verifier keeps a prefix, and
    ``observe`` updates the request's acceptance estimate.
 
-Draft length is confidence-aware. Each request keeps an estimate ``alpha`` of the probability
-that one drafted token is accepted (decayed counts of accepted tokens and rejections, with a
-prior), so the k-th draft of a step survives with probability about ``alpha ** k``. With
-``adaptive`` on:
+Draft length is confidence-aware. Each request estimates, for every draft position j, the
+chance ``p_j`` that the j-th draft is kept given that the ones before it were (decayed counts of
+how often position j was reached and kept, shrunk towards the whole run's counts for that
+position, so a new request starts from what the others saw). Drafts are correlated (a prompt
+lookup that copies its first token right tends to copy the next ones too), which a single
+per-token rate would miss. The j-th draft of a step survives with probability
+``p_1 * ... * p_j``. With ``adaptive`` on:
 
-- a request never drafts past the k at which that estimate falls below ``accept_threshold``,
+- a request never drafts past the k at which that survival falls below ``accept_threshold``,
   and a drafter that has its own probabilities (draft model, early exit) also stops as soon as
   its running estimate for the next draft falls below it;
 - draft slots are only worth what they cost. Each slot adds one token to the target pass and
-  one drafter call. A step costs about ``a + b * tokens`` seconds (a: streaming the weights,
-  b: compute per token; fitted online from the decode-only steps this engine ran, see
-  :class:`StepCostModel`). Slots are handed out greedily to the requests whose next draft is
-  most likely kept, and only while that likelihood beats the throughput the step already has
-  per second of added cost. At batch 1 on a memory-bound machine slots are nearly free, so the
+  one drafter call. The time of a pass as a function of its token count is learned online from
+  the decode-only steps this engine ran (:class:`StepCostModel`). Slots are ranked by the chance
+  that their draft is kept, and a step takes the number of best-ranked slots that maximises
+  expected tokens per second. At batch 1 on a memory-bound machine slots are nearly free, so the
   threshold decides; with many requests in a step, compute dominates and only drafts that are
   very likely kept get a slot;
 - a request whose estimate drops so low that it gets no slot probes with one draft every
@@ -50,11 +52,13 @@ class SpecConfig:
     exit_layer: int | None = None  # method "early-exit": layers the drafter runs
     ngram_min: int = 2
     ngram_max: int = 4
-    accept_threshold: float = 0.35
-    prior_accepted: float = 2.0  # pseudo-counts: a fresh request starts at alpha = 2/3
-    prior_rejected: float = 1.0
+    accept_threshold: float = 0.25
+    # A fresh request starts from the run's own acceptance so far (and from 2/3 before anything
+    # was observed), worth this many observations of its own.
+    prior_weight: float = 8.0
+    initial_alpha: float = 2.0 / 3.0
     decay: float = 0.9  # weight of the past in the acceptance counts, per verification step
-    probe_every: int = 8
+    probe_every: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft", "early-exit"):
@@ -89,26 +93,53 @@ class SpecConfig:
 
 @dataclass
 class Acceptance:
-    """One request's decayed acceptance counts."""
+    """Decayed counts, per draft position, of how often it was reached and how often kept."""
 
-    accepted: float = 0.0
-    rejected: float = 0.0
+    reached: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
     steps_without_draft: int = 0
+
+    def add(self, drafted: int, accepted: int, decay: float) -> None:
+        # Position j (0-based) is reached when drafted and every earlier draft was kept.
+        reached = min(drafted, accepted + 1)
+        while len(self.reached) < drafted:
+            self.reached.append(0.0)
+            self.kept.append(0.0)
+        for j in range(len(self.reached)):
+            self.reached[j] *= decay
+            self.kept[j] *= decay
+        for j in range(reached):
+            self.reached[j] += 1.0
+            if j < accepted:
+                self.kept[j] += 1.0
+
+    def rate(self, j: int, prior: float, weight: float) -> float:
+        """Chance position ``j`` is kept given it is reached, ``weight`` pseudo-counts of ``prior``."""
+        reached = self.reached[j] if j < len(self.reached) else 0.0
+        kept = self.kept[j] if j < len(self.kept) else 0.0
+        return (kept + weight * prior) / (reached + weight)
 
 
 @dataclass
 class StepCostModel:
-    """Seconds of a target pass as ``fixed + per_token * tokens``, plus ``per_draft`` seconds of
-    drafter time per draft slot offered, fitted by decayed least squares over decode-only steps.
+    """Seconds of a target pass over ``tokens`` tokens, plus ``per_draft`` seconds of drafter
+    time per draft slot offered, learned from decode-only steps.
 
-    Until steps have been seen it assumes a pass of ``prior_break_even`` tokens costs twice a
-    one-token pass (weights streamed once, then compute per token: about 16 tokens for a small
-    model in fp32 on a 2-core CPU, far more on a GPU); the prior stays in the fit as two pseudo
-    observations of small weight, so the fit is defined even when every step has the same size.
+    Two parts. A table of measured step times per token count (decayed means) answers for sizes
+    the engine has run; between two measured sizes it interpolates. The curve is not a line on a
+    CPU: going from 1 to 2 rows switches BLAS from matrix-vector to matrix-matrix kernels and costs
+    more than the next several rows together, which is why the table, not the line, decides.
+    Elsewhere a line ``fixed + per_token * tokens`` (decayed least squares over every step, with
+    a prior that a pass of ``prior_break_even`` tokens costs twice a one-token pass) extends the
+    nearest measurement.
     """
 
     prior_break_even: float = 16.0
     decay: float = 0.98
+    fixed: float = 1.0
+    per_token: float = 1.0 / 16.0
+    per_draft: float = 0.0
+    table: dict[int, float] = field(default_factory=dict)  # tokens -> decayed mean seconds
     _n: float = 0.0
     _st: float = 0.0
     _stt: float = 0.0
@@ -116,12 +147,20 @@ class StepCostModel:
     _sty: float = 0.0
     _draft_s: float = 0.0
     _drafted: float = 0.0
-    fixed: float = 1.0
-    per_token: float = 1.0 / 16.0
-    per_draft: float = 0.0
 
     def step_time(self, tokens: int) -> float:
-        return self.fixed + self.per_token * tokens
+        if tokens in self.table:
+            return self.table[tokens]
+        known = sorted(self.table)
+        lower = max((t for t in known if t < tokens), default=None)
+        upper = min((t for t in known if t > tokens), default=None)
+        if lower is not None and upper is not None:
+            w = (tokens - lower) / (upper - lower)
+            return (1 - w) * self.table[lower] + w * self.table[upper]
+        anchor = lower if lower is not None else upper
+        if anchor is None:
+            return self.fixed + self.per_token * tokens
+        return max(self.table[anchor] + self.per_token * (tokens - anchor), 1e-9)
 
     def observe(self, tokens: int, target_s: float, drafted: int, draft_s: float) -> None:
         if self._n == 0.0:
@@ -139,6 +178,8 @@ class StepCostModel:
             a = (self._sy - b * self._st) / self._n
             self.per_token = max(b, 1e-7)
             self.fixed = max(a, 1e-6)
+        old = self.table.get(tokens)
+        self.table[tokens] = target_s if old is None else 0.8 * old + 0.2 * target_s
         self._draft_s = d * self._draft_s + draft_s
         self._drafted = d * self._drafted + drafted
         self.per_draft = self._draft_s / self._drafted if self._drafted > 0 else 0.0
@@ -156,21 +197,30 @@ class SpecController:
     config: SpecConfig
     states: dict[int, Acceptance] = field(default_factory=dict)
     cost: StepCostModel = field(default_factory=StepCostModel)
+    overall: Acceptance = field(default_factory=Acceptance)  # the whole run's decayed counts
 
-    def alpha(self, seq: Sequence) -> float:
+    def rates(self, seq: Sequence) -> list[float]:
+        """``p_1 .. p_max_len`` for the request: its own counts shrunk towards the run's, which
+        are shrunk towards ``initial_alpha``."""
         c = self.config
         st = self.states.get(seq.seq_id) or Acceptance()
-        return (st.accepted + c.prior_accepted) / (st.accepted + st.rejected + c.prior_accepted + c.prior_rejected)
+        g = self.overall
+        return [st.rate(j, g.rate(j, c.initial_alpha, c.prior_weight), c.prior_weight) for j in range(c.max_len)]
 
-    def length(self, seq: Sequence) -> int:
-        """The longest draft the acceptance threshold allows (``max_len`` when not adaptive),
-        or 1 when it is time to probe a request that has stopped drafting."""
+    def alpha(self, seq: Sequence) -> float:
+        """The chance the request's first draft is kept (model drafters scale it by confidence)."""
+        return self.rates(seq)[0]
+
+    def length(self, seq: Sequence, rates: list[float] | None = None) -> int:
+        """The longest draft whose survival stays at or above the threshold (``max_len`` when
+        not adaptive), or 1 when it is time to probe a request that has stopped drafting."""
         c = self.config
         if not c.adaptive:
             return c.max_len
-        a = self.alpha(seq)
-        k = 0
-        while k < c.max_len and a ** (k + 1) >= c.accept_threshold:
+        rates = rates if rates is not None else self.rates(seq)
+        k, survival = 0, 1.0
+        while k < c.max_len and survival * rates[k] >= c.accept_threshold:
+            survival *= rates[k]
             k += 1
         return k if k else self._probe(seq)
 
@@ -180,48 +230,57 @@ class SpecController:
 
     def plan(self, running: list[Sequence], max_model_len: int) -> None:
         """Set ``num_lookahead`` on every running request (0 for those still prefilling)."""
-        decoding: list[tuple[Sequence, int]] = []
+        decoding: list[tuple[Sequence, int, list[float]]] = []
         for seq in running:
             seq.num_lookahead = 0
             if seq.prefill_only or seq.num_pending_tokens != 1:
                 continue
             room_out = seq.sampling.max_tokens - seq.num_output_tokens - 1
             room_ctx = max_model_len - seq.num_tokens - 1
-            cap = max(0, min(self.length(seq), room_out, room_ctx))
-            decoding.append((seq, cap))
+            rates = self.rates(seq) if self.config.adaptive else []
+            cap = max(0, min(self.length(seq, rates), room_out, room_ctx))
+            decoding.append((seq, cap, rates))
         if not self.config.adaptive:
-            for seq, cap in decoding:
+            for seq, cap, _ in decoding:
                 seq.num_lookahead = cap
             return
         self._allocate(decoding)
 
-    def _allocate(self, decoding: list[tuple[Sequence, int]]) -> None:
-        """Hand out draft slots while the next one pays for itself (see the module docstring)."""
+    def _allocate(self, decoding: list[tuple[Sequence, int, list[float]]]) -> None:
+        """Grant draft slots to maximise expected tokens per second of the step.
+
+        Slots are ranked by the chance the draft in them is kept (a request's j-th slot:
+        ``p_1 * ... * p_j``); the step then takes the best-ranked m slots for the m that
+        maximises (expected tokens) / (pass time at that size + drafter time), searching every
+        m, since the cost curve has steps a one-slot-at-a-time rule would never climb."""
         cost = self.cost
         tokens = len(decoding)
         expected = float(tokens)  # tokens this step is expected to emit
+        drafts = 0
         heap: list[tuple[float, int]] = []
-        alphas = []
-        for i, (seq, cap) in enumerate(decoding):
-            a = self.alpha(seq)
-            alphas.append(a)
-            if cap > 0 and a < self.config.accept_threshold:
-                seq.num_lookahead = 1  # a probe: granted whatever it costs, it is how alpha recovers
-                tokens += 1
+        for i, (seq, cap, rates) in enumerate(decoding):
+            if cap > 0 and rates[0] < self.config.accept_threshold:
+                seq.num_lookahead = 1  # a probe: granted whatever it costs, it is how the estimate recovers
+                tokens, drafts, expected = tokens + 1, drafts + 1, expected + rates[0]
             elif cap > 0:
-                heapq.heappush(heap, (-a, i))
-        slot_cost = cost.per_token + cost.per_draft
+                heapq.heappush(heap, (-rates[0], i))
+        ranked: list[tuple[float, int]] = []
+        granted = [0] * len(decoding)
         while heap:
             neg_gain, i = heapq.heappop(heap)
-            gain = -neg_gain
-            seq, cap = decoding[i]
-            if gain * cost.step_time(tokens) < slot_cost * expected:
-                break
-            seq.num_lookahead += 1
-            tokens += 1
-            expected += gain
-            if seq.num_lookahead < cap:
-                heapq.heappush(heap, (-(gain * alphas[i]), i))
+            ranked.append((-neg_gain, i))
+            granted[i] += 1
+            _, cap, rates = decoding[i]
+            if granted[i] < cap:
+                heapq.heappush(heap, (neg_gain * rates[granted[i]], i))
+        best_m, best_rate, gain = 0, expected / (cost.step_time(tokens) + cost.per_draft * drafts), 0.0
+        for m, (g, _) in enumerate(ranked, start=1):
+            gain += g
+            rate = (expected + gain) / (cost.step_time(tokens + m) + cost.per_draft * (drafts + m))
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        for _, i in ranked[:best_m]:
+            decoding[i][0].num_lookahead += 1
 
     def observe_step(self, tokens: int, target_s: float, slots: int, draft_s: float) -> None:
         """Feed the cost model one decode-only step (``slots``: draft slots offered to the drafter)."""
@@ -233,9 +292,8 @@ class SpecController:
             st.steps_without_draft += 1
             return
         st.steps_without_draft = 0
-        d = self.config.decay
-        st.accepted = d * st.accepted + accepted
-        st.rejected = d * st.rejected + (1.0 if accepted < drafted else 0.0)
+        st.add(drafted, accepted, self.config.decay)
+        self.overall.add(drafted, accepted, 0.99)
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.seq_id, None)

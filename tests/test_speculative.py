@@ -282,7 +282,7 @@ def test_adaptive_length_follows_observed_acceptance():
     seq = Sequence(0, "r", [1, 2, 3], SamplingParams())
     start = ctl.length(seq)
     for _ in range(10):
-        ctl.observe(seq, 4, 4)
+        ctl.observe(seq, 6, 6)
     assert ctl.length(seq) > start
     for _ in range(30):
         ctl.observe(seq, 2, 0)
@@ -291,35 +291,51 @@ def test_adaptive_length_follows_observed_acceptance():
         ctl.observe(seq, 0, 0)
     assert ctl.length(seq) == 1  # probe now and then, so a request can recover
     assert SpecController(SpecConfig("ngram", max_len=5, adaptive=False)).length(seq) == 5
+    # A new request starts from what the run saw so far, not from scratch.
+    fresh = Sequence(1, "s", [1, 2, 3], SamplingParams())
+    assert ctl.alpha(fresh) < ctl.config.initial_alpha
 
 
 def test_adaptive_slots_follow_the_cost_of_a_step():
     from kvbatch.engine.sequence import Sequence
     from kvbatch.engine.speculative import StepCostModel
 
-    def plan(batch: int, cost: StepCostModel, alpha_hits: int) -> list[int]:
+    def plan(batch: int, cost: StepCostModel, kept: tuple[int, ...] = (4,)) -> list[int]:
+        """Slots for ``batch`` requests whose past 20 steps kept ``kept[i % len]`` of 4 drafts."""
         ctl = SpecController(SpecConfig("ngram", max_len=6), cost=cost)
         seqs = []
         for i in range(batch):
             seq = Sequence(i, f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100))
             seq.token_ids.append(4)
             seq.num_computed_tokens = 3
-            for _ in range(alpha_hits):
-                ctl.observe(seq, 4, 4)
+            for step in range(20):
+                ctl.observe(seq, 4, kept[step % len(kept)])
             seqs.append(seq)
         ctl.plan(seqs, 1000)
         return [s.num_lookahead for s in seqs]
 
     # Memory-bound (a pass of 1 or 7 tokens costs the same): the threshold alone decides.
     flat = StepCostModel(fixed=1.0, per_token=1e-4)
-    assert plan(1, flat, 20) == [6]
-    # Compute-bound at batch 16 (each token costs as much as the fixed part): few slots.
+    assert plan(1, flat) == [6]
+    assert sum(plan(16, flat)) == 16 * 6
+    # Acceptance is tracked per position: drafts 1-3 always kept and the 4th never means 3 slots.
+    assert plan(1, flat, kept=(3,)) == [3]
+    # Compute-bound at batch 16 (a token costs as much as the fixed part): a first draft kept
+    # half the time is worth less than a row of its own, so no slot; drafts seen always kept
+    # are (as far as their estimate, shrunk towards the prior, stays above the step's rate).
     steep = StepCostModel(fixed=1.0, per_token=1.0)
-    lengths = plan(16, steep, 20)
-    assert sum(lengths) < 16 * 6 / 2
-    assert sum(plan(16, flat, 20)) == 16 * 6
-    # Drafter time counts too: an expensive drafter gets fewer slots at batch 1.
-    assert plan(1, StepCostModel(fixed=1.0, per_token=1e-4, per_draft=0.5), 20)[0] < 6
+    assert sum(plan(16, steep, kept=(0, 4))) == 0
+    assert sum(plan(1, flat, kept=(0, 4))) >= 4
+    always = plan(16, steep, kept=(4,))
+    assert min(always) >= 2 and max(always) <= 4
+    # Drafter time counts too: a drafter slower per token than a whole pass gets no slot.
+    assert plan(1, StepCostModel(fixed=1.0, per_token=1e-4, per_draft=2.0)) == [0]
+    # A measured cost curve with a step (1 -> 2 rows dearer than the next six together) must
+    # not stop the search at the step: the whole draft pays, one slot alone would not.
+    stepped = StepCostModel(fixed=1.0, per_token=0.01)
+    for t, y in [(1, 1.0), (2, 1.6), (3, 1.62), (4, 1.64), (5, 1.66), (6, 1.68), (7, 1.7)]:
+        stepped.table[t] = y
+    assert plan(1, stepped) == [6]
 
 
 def test_step_cost_model_fits_a_line():
@@ -389,3 +405,49 @@ def test_cli_generate_with_spec_reports_metrics_and_keeps_greedy_output(tmp_path
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(model), "--input", str(src), "--output", str(tmp_path / "x"),
               "--spec", "medusa"])
+
+
+# ------------------------------------------------------------------------ pipeline steps
+
+def test_speculative_decode_of_a_shard_from_stored_kv_feeds_the_cost_metrics(tmp_path):
+    """The pipeline's decode step with a drafter: same results as plain decoding from the same
+    stored KV, per-request figures in the results table, acceptance and drafter share in the
+    shard's cost metrics."""
+    import json
+
+    from kvbatch.io.kv_store import KVStore, KVStoreConfig
+    from kvbatch.io.shard_tables import read_table, shard_url
+    from kvbatch.ops.cost import Pricing, shard_metrics
+    from kvbatch.ops.ingest import ingest
+    from kvbatch.ops.results import decode_shard, prefill_shard
+    from kvbatch.ops.shards import build_shards, kv_fingerprint
+    from tiny_models import build_tiny_chat_model
+
+    model = build_tiny_chat_model(tmp_path / "chat", max_positions=160)
+    rows = [{"custom_id": f"id-{i}", "messages": [{"role": "user", "content": "red green blue " * 6 + str(i)}],
+             "max_tokens": 24, "temperature": 0} for i in range(5)]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = str(tmp_path / "prompts.parquet")
+    ingest(str(tmp_path / "in.jsonl"), prompts, str(tmp_path / "rejects.parquet"))
+    ec = EngineConfig(batch_invariant=True, max_num_seqs=4)
+
+    def llm(store=None, spec=None):
+        return LLM(str(model), engine_config=ec, kv_store=store, speculative=spec)
+
+    root = str(tmp_path / "out")
+    build_shards(llm(), prompts, root, 1, rejects_url=str(tmp_path / "sr.parquet"))
+    store = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0),
+                                kv_fingerprint(llm().checkpoint.fingerprint, "fp32", 16))
+    manifests = shard_url(root, "manifests", "0000", "manifests.jsonl")
+    pre = prefill_shard(llm(store), shard_url(root, "shards", "0000"), manifests)
+    plain_url, spec_url = shard_url(root, "plain", "0000"), shard_url(root, "spec", "0000")
+    decode_shard(llm(store), manifests, plain_url)
+    stats = decode_shard(llm(store, SpecConfig("ngram", max_len=4, adaptive=False)), manifests, spec_url)
+    plain, spec = read_table(plain_url).to_pylist(), read_table(spec_url).to_pylist()
+    assert [r["output_token_ids"] for r in spec] == [r["output_token_ids"] for r in plain]
+    assert sum(r["spec_draft_tokens"] for r in spec) > 0
+    assert all(r["spec_draft_tokens"] is None or r["spec_draft_tokens"] == 0 for r in plain)
+    m = shard_metrics(read_table(spec_url), pre, stats, Pricing())
+    assert m["spec_acceptance_rate"] == round(sum(r["spec_accepted_tokens"] for r in spec)
+                                              / sum(r["spec_draft_tokens"] for r in spec), 6)
+    assert 0.0 <= m["spec_drafter_time_share"] < 1.0
