@@ -366,16 +366,21 @@ class LLM:
         it = iter(requests)
         exhausted = False
         while True:
-            while not exhausted and len(self.scheduler.waiting) < cap:
-                try:
-                    self.add_request(next(it))
-                except StopIteration:
-                    exhausted = True
+            exhausted = exhausted or self.admit(it, cap)
             if not self.scheduler.has_work():
                 if exhausted:
                     return
                 continue
             yield from self.step()
+
+    def admit(self, requests: Iterator[GenerationRequest], cap: int) -> bool:
+        """Queue requests from ``requests`` until ``cap`` wait; True once it is exhausted."""
+        while len(self.scheduler.waiting) < cap:
+            try:
+                self.add_request(next(requests))
+            except StopIteration:
+                return True
+        return False
 
     def generate(self, requests: list[GenerationRequest]) -> list[Result]:
         """Run every request to completion; results come back in input order."""

@@ -75,11 +75,7 @@ class LockstepLLM:
         it = iter(requests)
         exhausted = False
         while True:
-            while not exhausted and len(llm.scheduler.waiting) < cap:
-                try:
-                    llm.add_request(next(it))
-                except StopIteration:
-                    exhausted = True
+            exhausted = exhausted or llm.admit(it, cap)
             mine = llm.scheduler.has_work()
             if not self.ep.any_rank(mine):
                 return

@@ -23,6 +23,7 @@ from kvbatch.io.kv_store import KVStore, KVStoreConfig
 from kvbatch.io.kv_tiers import MemoryTier
 from kvbatch.kernels.reference_mla import mla_decode_attention, mla_prefill_attention, store_mla_kv
 from kvbatch.ops.shards import kv_fingerprint
+from tests.logit_capture import capture_logits
 from tests.tiny_deepseek import VOCAB, build_tiny_deepseek, deepseek_config
 
 PARITY_VARIANTS = ["moe", "no_q_lora", "small_latents", "split_rope", "yarn"]
@@ -42,20 +43,6 @@ def tiny(tmp_path_factory):
     return get
 
 
-def _capture_logits(llm: LLM) -> list[tuple[str, torch.Tensor]]:
-    seen: list[tuple[str, torch.Tensor]] = []
-    execute = llm.runner.execute
-
-    def spy(step):
-        logits, sampled = execute(step)
-        for row, s in enumerate(sampled):
-            seen.append((s.seq.request_id, logits[row].clone()))
-        return logits, sampled
-
-    llm.runner.execute = spy
-    return seen
-
-
 def _prompts(seed: int, lengths: list[int]) -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(seed)
     return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=g).tolist() for i, n in enumerate(lengths)}
@@ -71,7 +58,7 @@ def test_logits_match_transformers(tiny, variant, budget):
     folder, ref = tiny(variant)
     llm = LLM(str(folder), engine_config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=budget))
     assert isinstance(llm.model, DeepseekV3Model)
-    seen = _capture_logits(llm)
+    seen = capture_logits(llm)
     prompts = _prompts(1, [5, 17, 9])
     results = {r.request_id: r for r in llm.generate(
         [GenerationRequest(rid, _greedy(6), prompt_token_ids=p) for rid, p in prompts.items()])}
@@ -159,7 +146,7 @@ def test_batch_invariant_mode_is_bitwise_stable(tiny, variant):
 
     def run(prompts, **cfg):
         llm = LLM(str(folder), engine_config=EngineConfig(block_size=4, num_blocks=256, batch_invariant=True, **cfg))
-        seen = _capture_logits(llm)
+        seen = capture_logits(llm)
         llm.generate([GenerationRequest(rid, _greedy(4), prompt_token_ids=p) for rid, p in prompts.items()])
         return torch.stack([l for r, l in seen if r == "t"])
 
@@ -390,7 +377,7 @@ def test_bf16_stays_close_to_fp32_reference(tiny):
         llm = LLM(str(folder), dtype="bf16",
                   engine_config=EngineConfig(block_size=4, num_blocks=64, batch_invariant=invariant))
         assert llm.runner.kv_cache.dtype == torch.bfloat16
-        seen = _capture_logits(llm)
+        seen = capture_logits(llm)
         prompt = _prompts(1, [17])["r0"]
         out = llm.generate([GenerationRequest("a", _greedy(4), prompt_token_ids=prompt)])[0].output_token_ids
         with torch.no_grad():

@@ -9,20 +9,7 @@ from kvbatch.engine.config import EngineConfig
 from kvbatch.engine.llm import LLM, GenerationRequest
 from kvbatch.engine.sampling_params import SamplingParams
 from tests.tiny_models import ARCHS, VOCAB, build_tiny
-
-
-def _capture_logits(llm: LLM) -> list[torch.Tensor]:
-    seen: list[torch.Tensor] = []
-    execute = llm.runner.execute
-
-    def spy(step):
-        logits, sampled = execute(step)
-        for row, s in enumerate(sampled):
-            seen.append((s.seq.request_id, logits[row].clone()))
-        return logits, sampled
-
-    llm.runner.execute = spy
-    return seen
+from tests.logit_capture import capture_logits
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -32,7 +19,7 @@ def test_logits_match_transformers(tmp_path, arch, budget, invariant):
     ref = build_tiny(arch, tmp_path)
     llm = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=budget,
                                                         batch_invariant=invariant))
-    seen = _capture_logits(llm)
+    seen = capture_logits(llm)
     g = torch.Generator().manual_seed(1)
     prompts = {f"r{i}": torch.randint(3, VOCAB, (n,), generator=g).tolist() for i, n in enumerate([5, 17, 9])}
     reqs = [GenerationRequest(rid, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), prompt_token_ids=p)
@@ -52,7 +39,7 @@ def test_logits_match_transformers(tmp_path, arch, budget, invariant):
 
 def _run_logits(folder, prompts, **cfg):
     llm = LLM(str(folder), engine_config=EngineConfig(block_size=4, num_blocks=256, batch_invariant=True, **cfg))
-    seen = _capture_logits(llm)
+    seen = capture_logits(llm)
     reqs = [GenerationRequest(rid, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), prompt_token_ids=p)
             for rid, p in prompts.items()]
     llm.generate(reqs)

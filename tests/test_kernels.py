@@ -27,39 +27,21 @@ Tolerances (max |triton - reference| <= atol + rtol * |reference|):
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported below
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
-import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
+# First: it sets TRITON_INTERPRET before triton builds the kernels.
+from tests.triton_interpreter import (CHILD_ENV, INTERPRETED, KERNELS, REPO, assert_close,  # isort: skip
+                                      interpreter_only, randn, use_triton)
+from kvbatch.kernels import dispatch
+from kvbatch.kernels import reference as R
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from kvbatch.kernels import dispatch  # noqa: E402
-from kvbatch.kernels import reference as R  # noqa: E402
-
-_KERNELS = dispatch._triton_kernels()
-INTERPRETED = _KERNELS is not None and _KERNELS.interpreted
-# Restore the variable so the rest of the test session is unaffected; the kernels already
-# decorated stay interpreted, and the fixture below sets it again for each kernel test.
-if _PREVIOUS_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-
-_CHILD_ENV = "KVBATCH_KERNEL_TESTS_CHILD"
-REPO = Path(__file__).resolve().parents[1]
-
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED,
-    reason="triton missing, or its kernels were compiled before TRITON_INTERPRET=1 was set "
-    "(test_kernels_in_a_fresh_process covers that case)",
-)
+needs_interpreter = interpreter_only("test_kernels_in_a_fresh_process")
 
 SETTINGS = settings(
     max_examples=12,
@@ -72,23 +54,6 @@ SETTINGS = settings(
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ATTN_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
 ELEM_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}
-
-
-@pytest.fixture
-def use_triton(monkeypatch):
-    """Route the dispatch point to the interpreted Triton kernels."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("KVBATCH_KERNELS", "triton")
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float]) -> None:
-    atol, rtol = tol
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
-
-
-def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +85,7 @@ def check_decode(context_lens, Hq, Hkv, D, block_size, dtype, seed=0, q_dtype=No
     scale = D**-0.5
     expected = R.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     if kwargs:
-        actual = _KERNELS.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, **kwargs)
+        actual = KERNELS.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, **kwargs)
     else:
         actual = dispatch.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     assert_close(actual, expected, ATTN_TOL[dtype])
@@ -178,7 +143,7 @@ def test_paged_decode_empty_batch_and_empty_context(use_triton):
     assert out.shape == (0, 4, 16)
     lens = torch.tensor([0, 9], dtype=torch.int32)  # a sequence with nothing cached yet: zeros, like the twin
     for kwargs in ({}, {"partition_size": 16}):
-        out = _KERNELS.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, **kwargs)
+        out = KERNELS.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, **kwargs)
         assert_close(out, R.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25), ATTN_TOL[torch.float32])
         assert torch.all(out[0] == 0)
 
@@ -210,7 +175,7 @@ def check_prefill(context_lens, new_lens, Hq, Hkv, D, block_size, dtype, seed=0,
     scale = D**-0.5
     expected = R.prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
     if kwargs:
-        actual = _KERNELS.prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, **kwargs)
+        actual = KERNELS.prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, **kwargs)
     else:
         actual = dispatch.prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale)
     assert_close(actual, expected, ATTN_TOL[dtype])
@@ -478,12 +443,12 @@ def test_dispatch_imports_and_runs_without_triton():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-@pytest.mark.skipif(INTERPRETED or _KERNELS is None or os.environ.get(_CHILD_ENV) == "1",
+@pytest.mark.skipif(INTERPRETED or KERNELS is None or os.environ.get(CHILD_ENV) == "1",
                     reason="the kernel tests ran in this process (or triton is missing)")
 def test_kernels_in_a_fresh_process():
     """The kernels were imported compiled for a GPU before this module could set
     TRITON_INTERPRET=1: run this file again in a fresh interpreter process."""
-    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
     env.pop("KVBATCH_KERNELS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

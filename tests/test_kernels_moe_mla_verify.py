@@ -22,42 +22,26 @@ Tolerances (max |triton - reference| <= atol + rtol * |reference|):
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported below
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
-import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
+# First: it sets TRITON_INTERPRET before triton builds the kernels.
+from tests.triton_interpreter import (CHILD_ENV, INTERPRETED, KERNELS, REPO, assert_close,  # isort: skip
+                                      interpreter_only, randn, use_triton)
+from kvbatch.engine.sampler import filter_logits
+from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.engine.spec_verifier import verify
+from kvbatch.kernels import dispatch
+from kvbatch.kernels import reference as R
+from kvbatch.kernels import reference_mla as RM
+from kvbatch.kernels import reference_verify as RV
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from kvbatch.engine.sampler import filter_logits  # noqa: E402
-from kvbatch.engine.sampling_params import SamplingParams  # noqa: E402
-from kvbatch.engine.spec_verifier import verify  # noqa: E402
-from kvbatch.kernels import dispatch  # noqa: E402
-from kvbatch.kernels import reference as R  # noqa: E402
-from kvbatch.kernels import reference_mla as RM  # noqa: E402
-from kvbatch.kernels import reference_verify as RV  # noqa: E402
-
-_KERNELS = dispatch._triton_kernels()
-INTERPRETED = _KERNELS is not None and _KERNELS.interpreted
-if _PREVIOUS_INTERPRET is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-
-_CHILD_ENV = "KVBATCH_KERNEL_TESTS_CHILD"
-REPO = Path(__file__).resolve().parents[1]
-
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED,
-    reason="triton missing, or its kernels were compiled before TRITON_INTERPRET=1 was set "
-    "(test_moe_mla_verify_in_a_fresh_process covers that case)",
-)
+needs_interpreter = interpreter_only("test_moe_mla_verify_in_a_fresh_process")
 
 SETTINGS = settings(
     max_examples=25,
@@ -70,23 +54,6 @@ SETTINGS = settings(
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MOE_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (2e-2, 2e-2)}
 ATTN_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
-
-
-@pytest.fixture
-def use_triton(monkeypatch):
-    """Route the dispatch point to the interpreted Triton kernels."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("KVBATCH_KERNELS", "triton")
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float]) -> None:
-    atol, rtol = tol
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
-
-
-def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +84,7 @@ def check_moe(x, w_gate_up, w_down, ids, weights, **kwargs):
         mp.setenv("TRITON_INTERPRET", "1")
         mp.setenv("KVBATCH_KERNELS", "triton")
         if kwargs:
-            actual = _KERNELS.fused_moe(x, w_gate_up, w_down, ids, weights, **kwargs)
+            actual = KERNELS.fused_moe(x, w_gate_up, w_down, ids, weights, **kwargs)
         else:
             actual = dispatch.fused_moe(x, w_gate_up, w_down, ids, weights)
     assert_close(actual, expected, MOE_TOL[x.dtype])
@@ -230,7 +197,7 @@ def check_mla(context_lens, Hq, C, Rd, block_size, dtype, seed=0, via_dispatch=F
     if via_dispatch:
         actual = dispatch.mla_decode_attention(q_latent, q_pe, cache, tables, lens, scale)
     else:
-        actual = _KERNELS.mla_decode_attention(q_latent, q_pe, cache, tables, lens, scale, **kwargs)
+        actual = KERNELS.mla_decode_attention(q_latent, q_pe, cache, tables, lens, scale, **kwargs)
     assert_close(actual, expected, ATTN_TOL[dtype])
     return actual
 
@@ -284,7 +251,7 @@ def test_mla_decode_empty_batch_and_empty_context(use_triton):
     assert out.shape == (0, 3, 16)
     lens = torch.tensor([0, 9], dtype=torch.int32)
     for kwargs in ({}, {"partition_size": 16}):
-        out = _KERNELS.mla_decode_attention(ql, qp, cache, tables, lens, 0.3, **kwargs)
+        out = KERNELS.mla_decode_attention(ql, qp, cache, tables, lens, 0.3, **kwargs)
         assert torch.all(out[0] == 0)
         assert_close(out[1:], RM.mla_decode_attention(ql[1:], qp[1:], cache, tables[1:], lens[1:], 0.3),
                      ATTN_TOL[torch.float32])
@@ -331,7 +298,7 @@ def batched_verdicts(requests, V, use_triton_kernels: bool):
         gens.append(g)
     p_tok = target[:, :kmax].gather(2, tokens[..., None])[..., 0]
     q_tok = draft_probs.gather(2, tokens[..., None])[..., 0]
-    impl = _KERNELS if use_triton_kernels else RV
+    impl = KERNELS if use_triton_kernels else RV
     accepted = impl.spec_accept(p_tok, q_tok, uniforms, num_drafts)
     noise = torch.stack([torch.empty(V).exponential_(generator=g) for g in gens]) if N else torch.zeros(0, V)
     all_one_hot = all(r["q"] is None for r in requests)
@@ -527,12 +494,12 @@ def test_benchmark_without_cuda_exits_cleanly():
     assert proc.returncode == 0 and "no CUDA device" in proc.stdout, proc.stdout + proc.stderr
 
 
-@pytest.mark.skipif(INTERPRETED or _KERNELS is None or os.environ.get(_CHILD_ENV) == "1",
+@pytest.mark.skipif(INTERPRETED or KERNELS is None or os.environ.get(CHILD_ENV) == "1",
                     reason="the kernel tests ran in this process (or triton is missing)")
 def test_moe_mla_verify_in_a_fresh_process():
     """The kernels were imported compiled for a GPU before this module could set
     TRITON_INTERPRET=1: run this file again in a fresh interpreter process."""
-    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
     env.pop("KVBATCH_KERNELS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

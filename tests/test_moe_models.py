@@ -17,22 +17,9 @@ from kvbatch.engine.sampling_params import SamplingParams
 from kvbatch.engine.weights import ModelLoadError, load_checkpoint
 from kvbatch.kernels import dispatch, reference
 from tests.tiny_models import HOT_EXPERTS, MOE_ARCHS, NUM_EXPERTS, VOCAB, build_tiny_moe
+from tests.logit_capture import capture_logits
 
 torch.set_num_threads(1)
-
-
-def _capture_logits(llm: LLM) -> list[tuple[str, torch.Tensor]]:
-    seen: list[tuple[str, torch.Tensor]] = []
-    execute = llm.runner.execute
-
-    def spy(step):
-        logits, sampled = execute(step)
-        for row, s in enumerate(sampled):
-            seen.append((s.seq.request_id, logits[row].clone()))
-        return logits, sampled
-
-    llm.runner.execute = spy
-    return seen
 
 
 def _prompts(seed: int = 1) -> dict[str, list[int]]:
@@ -52,7 +39,7 @@ def _greedy(max_tokens: int = 6) -> SamplingParams:
 def test_logits_match_transformers(tmp_path, arch, budget):
     ref = build_tiny_moe(arch, tmp_path)
     llm = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=budget))
-    seen = _capture_logits(llm)
+    seen = capture_logits(llm)
     prompts = _prompts()
     reqs = [GenerationRequest(rid, _greedy(), prompt_token_ids=p) for rid, p in prompts.items()]
     results = {r.request_id: r for r in llm.generate(reqs)}
@@ -139,7 +126,7 @@ def test_model_hooks(tmp_path):
     build_tiny_moe("qwen3_moe", tmp_path)
     reqs = [GenerationRequest(rid, _greedy(4), prompt_token_ids=p) for rid, p in _prompts().items()]
     plain_llm = LLM(str(tmp_path))
-    plain_logits = _capture_logits(plain_llm)
+    plain_logits = capture_logits(plain_llm)
     plain = [r.output_token_ids for r in plain_llm.generate(reqs)]
 
     llm = LLM(str(tmp_path))
@@ -165,7 +152,7 @@ def test_model_hooks(tmp_path):
     # An expert_compute that drops the routed experts is what runs: the logits move.
     dropped = LLM(str(tmp_path))
     dropped.model.expert_compute = lambda layer_idx, x, ids, weights: torch.zeros_like(x)
-    dropped_logits = _capture_logits(dropped)
+    dropped_logits = capture_logits(dropped)
     dropped.generate(reqs[:1])
     assert (dropped_logits[0][1] - plain_logits[0][1]).abs().max() > 1e-3
 

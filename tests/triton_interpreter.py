@@ -1,0 +1,57 @@
+"""What every Triton kernel test file shares: the kernels built for the Triton interpreter on the
+CPU, the switch that routes the dispatch point to them, and comparison helpers.
+
+``TRITON_INTERPRET`` must be set before triton decorates the kernels, so this module sets it,
+builds them once (the first test file to import it does) and restores the variable, leaving the
+rest of the session unaffected; ``use_triton`` sets it again around each kernel test. If the
+kernels were compiled for a GPU before this ran, ``INTERPRETED`` is False, the interpreter tests
+skip, and each file's fresh-process test re-runs it in a new interpreter instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported below
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvbatch.kernels import dispatch  # noqa: E402
+
+KERNELS = dispatch._triton_kernels()
+INTERPRETED = KERNELS is not None and KERNELS.interpreted
+if _PREVIOUS_INTERPRET is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+
+CHILD_ENV = "KVBATCH_KERNEL_TESTS_CHILD"  # set in the fresh-process re-run
+REPO = Path(__file__).resolve().parents[1]
+
+
+def interpreter_only(fresh_process_test: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        not INTERPRETED,
+        reason="triton missing, or its kernels were compiled before TRITON_INTERPRET=1 was set "
+        f"({fresh_process_test} covers that case)",
+    )
+
+
+@pytest.fixture
+def use_triton(monkeypatch):
+    """Route the dispatch point to the interpreted Triton kernels."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KVBATCH_KERNELS", "triton")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float]) -> None:
+    atol, rtol = tol
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
