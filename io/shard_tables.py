@@ -63,7 +63,16 @@ def write_table(table: pa.Table, url: str, *, storage_options: Mapping[str, Any]
     """Write ``table`` as one Parquet file at ``url``, atomically. Returns the bytes written."""
     buf = _io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    data = buf.getvalue()
+    return _commit_bytes(buf.getvalue(), url, storage_options)
+
+
+def write_json(obj: Mapping[str, Any], url: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
+    """A small JSON document (per-shard step stats), committed atomically like the tables."""
+    _commit_bytes((json.dumps(obj, sort_keys=True, default=str) + "\n").encode(), url, storage_options)
+
+
+def _commit_bytes(data: bytes, url: str, storage_options: Mapping[str, Any] | None) -> int:
+    """Write ``data`` to ``url`` in one atomic commit (nothing is left on a failure); its length."""
     sink = AtomicSink(url, storage_options)
     try:
         sink.write(data)
@@ -72,18 +81,6 @@ def write_table(table: pa.Table, url: str, *, storage_options: Mapping[str, Any]
         sink.abort()
         raise
     return len(data)
-
-
-def write_json(obj: Mapping[str, Any], url: str, *, storage_options: Mapping[str, Any] | None = None) -> None:
-    """A small JSON document (per-shard step stats), committed atomically like the tables."""
-    data = (json.dumps(obj, sort_keys=True, default=str) + "\n").encode()
-    sink = AtomicSink(url, storage_options)
-    try:
-        sink.write(data)
-        sink.commit()
-    except BaseException:
-        sink.abort()
-        raise
 
 
 def read_json(url: str, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:

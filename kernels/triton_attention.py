@@ -28,6 +28,29 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv_tile(bt_row, offs_n, mask_n, offs_d, mask_d, kvh, k_cache_ptr, v_cache_ptr, stride_btn,
+                  stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                  BLOCK_SIZE: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """K and V of context positions ``offs_n`` (masked by ``mask_n``) for KV head ``kvh``, found
+    through the sequence's block-table row: the tile load both attention kernels share."""
+    blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=mask_n, other=0).to(tl.int64)
+    tok = offs_n % BLOCK_SIZE
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(
+        k_cache_ptr + (blk * stride_kb + tok * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd,
+        mask=kv_mask, other=0.0,
+    )
+    v = tl.load(
+        v_cache_ptr + (blk * stride_vb + tok * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :] * stride_vd,
+        mask=kv_mask, other=0.0,
+    )
+    if COMPUTE_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
@@ -74,20 +97,9 @@ def _paged_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=mask_n, other=0).to(tl.int64)
-        tok = offs_n % BLOCK_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_cache_ptr + (blk * stride_kb + tok * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + (blk * stride_vb + tok * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        )
-        if COMPUTE_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(bt_row, offs_n, mask_n, offs_d, mask_d, kvh, k_cache_ptr, v_cache_ptr, stride_btn,
+                             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                             BLOCK_SIZE, COMPUTE_F32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -201,20 +213,9 @@ def _prefill_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=mask_n, other=0).to(tl.int64)
-        tok = offs_n % BLOCK_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_cache_ptr + (blk * stride_kb + tok * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + (blk * stride_vb + tok * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        )
-        if COMPUTE_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(bt_row, offs_n, mask_n, offs_d, mask_d, kvh, k_cache_ptr, v_cache_ptr, stride_btn,
+                             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                             BLOCK_SIZE, COMPUTE_F32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
@@ -299,15 +300,8 @@ def paged_decode_attention(
     block_d = max(16, triton.next_power_of_2(D))
     if block_n is None:
         block_n = 16 if INTERPRETED else (64 if block_d <= 128 else 32)
-    partition_size = triton.cdiv(max(partition_size, block_n), block_n) * block_n
-    num_partitions = triton.cdiv(max_context_len, partition_size)
-    split = num_partitions > 1
-    if split:
-        part_acc = torch.empty((B, Hq, num_partitions, D), dtype=torch.float32, device=q.device)
-        part_max = torch.empty((B, Hq, num_partitions), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = out  # not touched
+    partition_size, num_partitions, split, (part_acc, part_max, part_sum) = _partitions(
+        out, max_context_len, partition_size, block_n, D)
     _paged_decode_kernel[(B, Hkv, num_partitions)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_acc, part_max, part_sum,
@@ -321,14 +315,38 @@ def paged_decode_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        _paged_decode_merge_kernel[(B, Hq)](
-            part_acc, part_max, part_sum, context_lens, out,
-            *out.stride(), num_partitions, Hq,
-            HEAD_DIM=D, BLOCK_D=block_d, PARTITION_SIZE=partition_size,
-            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)),
-            num_warps=4,
-        )
+        _merge_partitions(part_acc, part_max, part_sum, context_lens, out, partition_size, block_d)
     return out
+
+
+def _partitions(out: torch.Tensor, max_context_len: int, partition_size: int, block_n: int,
+                width: int) -> tuple[int, int, bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Split-context decode plan shared by the paged and MLA decode kernels: the partition size
+    (a multiple of ``block_n``), how many partitions the longest context needs, whether to split,
+    and the fp32 partial results (``out`` itself, untouched, when not splitting). ``out`` is
+    [B, H, width]."""
+    B, H = out.shape[0], out.shape[1]
+    partition_size = triton.cdiv(max(partition_size, block_n), block_n) * block_n
+    num_partitions = triton.cdiv(max_context_len, partition_size)
+    split = num_partitions > 1
+    if not split:
+        return partition_size, num_partitions, split, (out, out, out)
+    part_acc = torch.empty((B, H, num_partitions, width), dtype=torch.float32, device=out.device)
+    part_max = torch.empty((B, H, num_partitions), dtype=torch.float32, device=out.device)
+    return partition_size, num_partitions, split, (part_acc, part_max, torch.empty_like(part_max))
+
+
+def _merge_partitions(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                      context_lens: torch.Tensor, out: torch.Tensor, partition_size: int, block_d: int) -> None:
+    """Combine the per-partition softmax partials into ``out`` (log-sum-exp merge)."""
+    B, H, num_partitions = part_max.shape
+    _paged_decode_merge_kernel[(B, H)](
+        part_acc, part_max, part_sum, context_lens, out,
+        *out.stride(), num_partitions, H,
+        HEAD_DIM=out.shape[2], BLOCK_D=block_d, PARTITION_SIZE=partition_size,
+        BLOCK_P=min(16, triton.next_power_of_2(num_partitions)),
+        num_warps=4,
+    )
 
 
 def prefill_attention(

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbatch.kernels.triton_attention import _LOG2E, _NEG_BIG, INTERPRETED, _numerics, _paged_decode_merge_kernel
+from kvbatch.kernels.triton_attention import (_LOG2E, _NEG_BIG, INTERPRETED, _merge_partitions, _numerics,
+                                              _partitions)
 
 
 @triton.jit
@@ -150,15 +151,8 @@ def mla_decode_attention(
         block_h = 16
     if block_n is None:
         block_n = 16 if INTERPRETED else (32 if block_c <= 512 else 16)
-    partition_size = triton.cdiv(max(partition_size, block_n), block_n) * block_n
-    num_partitions = triton.cdiv(max_context_len, partition_size)
-    split = num_partitions > 1
-    if split:
-        part_acc = torch.empty((B, Hq, num_partitions, C), dtype=torch.float32, device=q_latent.device)
-        part_max = torch.empty((B, Hq, num_partitions), dtype=torch.float32, device=q_latent.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = out  # not touched
+    partition_size, num_partitions, split, (part_acc, part_max, part_sum) = _partitions(
+        out, max_context_len, partition_size, block_n, C)
     kv = kv_cache[:, :, 0]  # [num_blocks, block_size, C + R], a view
     _mla_decode_kernel[(B, triton.cdiv(Hq, block_h), num_partitions)](
         q_latent, q_pe, kv, block_tables, context_lens,
@@ -172,11 +166,5 @@ def mla_decode_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        _paged_decode_merge_kernel[(B, Hq)](
-            part_acc, part_max, part_sum, context_lens, out,
-            *out.stride(), num_partitions, Hq,
-            HEAD_DIM=C, BLOCK_D=block_c, PARTITION_SIZE=partition_size,
-            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)),
-            num_warps=4,
-        )
+        _merge_partitions(part_acc, part_max, part_sum, context_lens, out, partition_size, block_c)
     return out
