@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbatch.engine.config import ModelConfig, UnsupportedModelError
+from kvbatch.engine.linear import LinearFormat, blas_invariant_rows, choose_linear_format
 from kvbatch.engine.mla_config import MLAConfig, yarn_mscale
 from kvbatch.engine.model import ForwardBatch, LlamaModel
 from kvbatch.engine.moe import (ExpertCompute, LocalExperts, MoELayerWeights, RoutingObserver, load_moe_layer,
@@ -42,7 +43,7 @@ LATENT_NORM_EPS = 1e-6
 class MLALayerWeights:
     input_norm: torch.Tensor
     # x -> [q_a | c_kv | k_pe] (q_lora_rank set) or [q | c_kv | k_pe] (no q LoRA): one GEMM.
-    a_proj: torch.Tensor  # [out, H], or its transpose (LlamaModel.transposed)
+    a_proj: torch.Tensor  # [out, H] prepared by LlamaModel.linear
     q_a_norm: torch.Tensor | None  # [q_lora_rank]
     q_b: torch.Tensor | None  # [Hq * (dn + dr), q_lora_rank], or its transpose
     kv_a_norm: torch.Tensor  # [C]
@@ -125,7 +126,7 @@ class DeepseekV3Model(LlamaModel):
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
-        self.transposed = dtype == torch.float32  # see LlamaModel.__init__
+        self.linear: LinearFormat = choose_linear_format(dtype)  # see LlamaModel.__init__
         c, m = config, config.mla
         self.mla: MLAConfig = m
         Hq, dn, dr, dv, C = c.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
@@ -135,8 +136,7 @@ class DeepseekV3Model(LlamaModel):
                 raise KeyError(f"checkpoint lacks tensor {name!r}")
             return tensors[name].to(dtype).contiguous()
 
-        def layout(w: torch.Tensor) -> torch.Tensor:
-            return w.t().contiguous() if self.transposed else w.contiguous()
+        layout = self.linear.prepare
 
         perm = _rope_permutation(dr) if m.rope_interleave else None
 
@@ -205,8 +205,8 @@ class DeepseekV3Model(LlamaModel):
         """``x`` [T, Hq, a] times ``w`` [Hq, a, b] head by head -> [T, Hq, b], padded like
         ``_linear`` in batch-invariant mode so a row's bits do not depend on T."""
         T = x.shape[0]
-        if self.batch_invariant and 0 < T < 12 and T % 4:
-            x = torch.cat([x, x.new_zeros(4 - T % 4, *x.shape[1:])])
+        if self.batch_invariant and blas_invariant_rows(T) != T:  # bmm is MKL's, whatever self.linear is
+            x = torch.cat([x, x.new_zeros(blas_invariant_rows(T) - T, *x.shape[1:])])
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)[:T]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,

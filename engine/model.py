@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbatch.engine.config import ModelConfig, UnsupportedModelError
+from kvbatch.engine.linear import LinearFormat, choose_linear_format
 from kvbatch.engine.moe import (ExpertCompute, LocalExperts, MoELayerWeights, RoutingObserver, load_moe_layer,
                                 moe_forward)
 from kvbatch.engine.rope import cos_sin_table
@@ -23,11 +24,11 @@ from kvbatch.kernels import dispatch as K
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H], or its transpose (see LlamaModel.transposed)
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H] prepared by LlamaModel.linear (packed or transposed)
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | None  # [2 I, H], or its transpose; None in a MoE layer
+    gate_up: torch.Tensor | None  # [2 I, H] prepared likewise; None in a MoE layer
     down: torch.Tensor | None
     is_moe: bool = False  # the MLP is LlamaModel.moe_layers[layer index]
     q_norm: torch.Tensor | None = None  # [D], Qwen3: RMSNorm per query head before rotary
@@ -82,14 +83,10 @@ class LlamaModel:
                 raise KeyError(f"checkpoint lacks tensor {name!r}")
             return tensors[name].to(dtype).contiguous()
 
-        # Which weight layout CPU BLAS runs fastest, measured on this kind of machine: fp32 as
-        # [in, out] with ``x @ w`` (batch-1 ~1.3x faster than F.linear, large batches the same);
-        # bf16 as [out, in] with ``F.linear`` (batch-1 ~1.7x, batch-64 ~1.2x faster than x @ w).
-        self.transposed = dtype == torch.float32
+        self.linear: LinearFormat = choose_linear_format(dtype)
 
         def take_t(*names: str) -> torch.Tensor:
-            w = torch.cat([take(n) for n in names])
-            return w.t().contiguous() if self.transposed else w
+            return self.linear.prepare(torch.cat([take(n) for n in names]))
 
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
@@ -132,19 +129,8 @@ class LlamaModel:
         c = self.config
         return (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
-    # Rows at which CPU BLAS switches kernels (measured with MKL/oneDNN sgemm: 4, 8 and 12+
-    # rows give the same per-row result as any larger batch; 1-3, 5-7, 9-11 do not).
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.batch_invariant and 0 < rows < 12 and rows % 4:
-            pad = 4 - rows % 4
-            return self._matmul(torch.cat([x, x.new_zeros(pad, x.shape[1])]), w, b)[:rows]
-        return self._matmul(x, w, b)
-
-    def _matmul(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        if not self.transposed:
-            return F.linear(x, w, b)
-        return torch.addmm(b, x, w) if b is not None else x @ w
+        return self.linear(x, w, b, self.batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                 num_layers: int | None = None) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The projection multiply: oneDNN packed weights and the BLAS fallback give the model the same
+numbers, and batch-invariant mode really makes a row's bits independent of its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbatch.engine.config import EngineConfig
+from kvbatch.engine.linear import BLAS, ONEDNN, LinearFormat, choose_linear_format, onednn_available
+from kvbatch.engine.llm import LLM, GenerationRequest
+from kvbatch.engine.sampling_params import SamplingParams
+from tests.logit_capture import capture_logits
+from tests.tiny_models import VOCAB, build_tiny
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
+FORMATS = [BLAS, pytest.param(ONEDNN, marks=needs_onednn)]
+
+
+def _weights(out_f: int, in_f: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_f, in_f, generator=g).to(dtype), torch.randn(out_f, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multiply_matches_f_linear(kind, dtype):
+    fmt = LinearFormat(kind, dtype)
+    w, b = _weights(96, 64, dtype, 0)
+    x = torch.randn(7, 64).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(fmt(x, fmt.prepare(w), b).float(), want, **tol)
+    torch.testing.assert_close(fmt(x, fmt.prepare(w)).float(), want - b.float(), **tol)
+
+
+# (1536, 576) is SmolLM2's down projection, where a single fp32 row takes a different oneDNN
+# kernel than two or more (measured), so the padding rule is exercised for real.
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 1536), (960, 576), (64, 96)])
+def test_batch_invariant_rows_do_not_depend_on_the_batch(kind, dtype, shape):
+    out_f, in_f = shape
+    fmt = LinearFormat(kind, dtype)
+    w, b = _weights(out_f, in_f, dtype, 1)
+    packed = fmt.prepare(w)
+    x = torch.randn(40, in_f).to(dtype)
+    full = fmt(x, packed, b, batch_invariant=True)
+    for rows in range(1, 40):
+        assert torch.equal(fmt(x[:rows], packed, b, batch_invariant=True), full[:rows]), f"{rows} rows"
+
+
+@needs_onednn
+@settings(max_examples=25, deadline=None)
+@given(in_f=st.integers(1, 300), out_f=st.integers(1, 300), rows=st.integers(1, 33), seed=st.integers(0, 99))
+def test_onednn_invariance_holds_for_any_shape(in_f, out_f, rows, seed):
+    fmt = LinearFormat(ONEDNN, torch.float32)
+    w, _ = _weights(out_f, in_f, torch.float32, seed)
+    packed = fmt.prepare(w)
+    x = torch.randn(rows + 17, in_f, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(fmt(x[:rows], packed, batch_invariant=True), fmt(x, packed, batch_invariant=True)[:rows])
+
+
+def test_format_choice_and_override(monkeypatch):
+    monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
+    assert choose_linear_format(torch.float16).kind == BLAS  # oneDNN fp16 is not used on the CPU
+    if onednn_available():
+        assert choose_linear_format(torch.float32).kind == ONEDNN
+    monkeypatch.setenv("KVBATCH_LINEAR", "blas")
+    assert choose_linear_format(torch.float32).kind == BLAS
+    monkeypatch.setenv("KVBATCH_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="KVBATCH_LINEAR must be 'onednn' or 'blas', not 'mkl'"):
+        choose_linear_format(torch.float32)
+    monkeypatch.setenv("KVBATCH_LINEAR", "onednn")
+    with pytest.raises(ValueError, match="cannot pack torch.float16"):
+        choose_linear_format(torch.float16)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_both_formats_match_transformers_through_the_engine(tmp_path, monkeypatch, kind):
+    monkeypatch.setenv("KVBATCH_LINEAR", kind)
+    ref = build_tiny("qwen2", tmp_path)  # q/k/v biases: the biased multiply too
+    llm = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64))
+    assert llm.runner.model.linear.kind == kind
+    seen = capture_logits(llm)
+    prompt = torch.randint(3, VOCAB, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = llm.generate([GenerationRequest("r", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                                          prompt_token_ids=prompt)])[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt + out.output_token_ids])).logits[0]
+    got = torch.stack([logits for _, logits in seen])
+    torch.testing.assert_close(got, want[len(prompt) - 1:len(prompt) + 4], atol=1e-4, rtol=1e-4)
