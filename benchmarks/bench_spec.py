@@ -5,11 +5,14 @@
     python benchmarks/bench_spec.py --drafters ngram,early-exit:8,draft:smollm2-135m@bf16
 
 Figure: decode throughput = output tokens / engine-step seconds, prompt processing left out.
+Requests stop at the model's end of turn (or ``--max-tokens``): a copy task is over when the copy
+is, and what a small model babbles after it with ``--ignore-eos`` is open-ended text, not copying.
 Batch 1 runs the prompts one at a time and counts decode-only steps. Batch 16 is the steady state
 of batch decoding: 3 x 16 requests queue for 16 sequence slots, so the batch stays full as
 requests finish; their prompts' KV is computed beforehand (untimed) and served by the prefix
-cache, as in kvbatch's decode stage where prompts come prefilled from the KV store, and every
-step is counted. Each arm runs ``--rounds`` times, interleaved with the baseline, and the median
+cache, as in kvbatch's decode stage where prompts come prefilled from the KV store. Only steps
+with a full batch count (the drain at the end, when fewer than 16 remain, would flatter
+speculation: a night's shard has thousands of requests and hardly drains). Each arm runs ``--rounds`` times, interleaved with the baseline, and the median
 counts. Every arm's greedy outputs are compared with the plain run's, token for token.
 
 ``draft:MODEL@bf16`` drafts with MODEL in bf16 (for the bundled model, the same weights at half
@@ -19,6 +22,7 @@ the bytes: a cheaper drafter that agrees with the fp32 target most of the time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -65,7 +69,8 @@ class Run:
 
 def decode_run(llm: LLM, requests: list[GenerationRequest], steady: bool = False) -> Run:
     """Drive the engine step by step, timing the steps that decode. ``steady``: prefill the
-    prompts first (untimed; their KV stays in the prefix cache) and then count every step."""
+    prompts first (untimed; their KV stays in the prefix cache) and then count every step that
+    runs a full batch."""
     if steady:
         llm.generate([GenerationRequest(f"warm-{r.request_id}", r.sampling, prompt_token_ids=r.prompt_token_ids,
                                         prefill_only=True) for r in requests])
@@ -76,11 +81,12 @@ def decode_run(llm: LLM, requests: list[GenerationRequest], steady: bool = False
     results = {}
     while llm.scheduler.has_work():
         before_prompt, before_out = llm.stats["computed_prompt_tokens"], llm.stats["output_tokens"]
+        full = len(llm.scheduler.running) + len(llm.scheduler.waiting) >= llm.scheduler.max_num_seqs
         t0 = time.perf_counter()
         for res in llm.step():
             results[res.request_id] = res.output_token_ids
         dt = time.perf_counter() - t0
-        if steady or llm.stats["computed_prompt_tokens"] == before_prompt:
+        if (steady and full) or (not steady and llm.stats["computed_prompt_tokens"] == before_prompt):
             tokens += llm.stats["output_tokens"] - before_out
             seconds += dt
     st = llm.stats
@@ -110,12 +116,14 @@ def build(model, dtype: str, arm: Arm, threads: int | None, batch: int) -> LLM:
     return llm
 
 
-def parse_arms(text: str, max_len: int) -> list[Arm]:
+def parse_arms(text: str, max_len: int, threshold: float | None = None) -> list[Arm]:
     arms = []
     for item in text.split(","):
         method, _, dtype = item.partition("@")
         for adaptive in (False, True):
             spec = SpecConfig.parse(method, max_len, adaptive)
+            if threshold is not None:
+                spec = dataclasses.replace(spec, accept_threshold=threshold)
             arms.append(Arm(f"{method}{'@' + dtype if dtype else ''} {'adaptive' if adaptive else f'fixed {max_len}'}",
                             spec, dtype or None))
     return arms
@@ -126,24 +134,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--drafters", default="ngram", help="comma-separated --spec values, optionally METHOD@DTYPE")
-    ap.add_argument("--spec-max-len", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--batch1-prompts", type=int, default=4)
+    ap.add_argument("--spec-max-len", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--ignore-eos", action="store_true", help="decode --max-tokens tokens past the end of turn")
+    ap.add_argument("--batch1-prompts", type=int, default=6)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--workloads", default="copy-heavy,open chat", help="comma-separated: copy-heavy, open chat")
+    ap.add_argument("--accept-threshold", type=float, default=None, help="adaptive survival threshold (default: SpecConfig's)")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, 1 round")
     ap.add_argument("--json", default=None, help="also write every figure here")
     args = ap.parse_args(argv)
     if args.quick:
         args.batch1_prompts, args.batch, args.max_tokens, args.rounds = 2, 4, 32, 1
     ckpt = load_checkpoint(args.model)
-    arms = [Arm("plain", None)] + parse_arms(args.drafters, args.spec_max_len)
+    arms = [Arm("plain", None)] + parse_arms(args.drafters, args.spec_max_len, args.accept_threshold)
     n = max(3 * args.batch, args.batch1_prompts)
-    workloads = {"copy-heavy": copy_workload(num_requests=n), "open chat": chat_workload(num_requests=n)}
+    builders = {"copy-heavy": copy_workload, "open chat": chat_workload}
+    unknown = set(args.workloads.split(",")) - set(builders)
+    if unknown:
+        ap.error(f"unknown workload(s) {sorted(unknown)}; choose from {sorted(builders)}")
+    workloads = {w: builders[w](num_requests=n) for w in args.workloads.split(",")}
     engines = {a.name: build(ckpt, args.dtype, a, args.threads, args.batch) for a in arms}
     tok = engines["plain"].tokenizer
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
 
     def requests(prompts: list[WorkloadPrompt], tag: str) -> list[GenerationRequest]:
         return [GenerationRequest(f"{tag}-{p.request_id}", sampling, prompt_token_ids=tok.encode_chat(p.messages))
@@ -176,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     "accepted_per_step": round(r0.accepted / r0.target_steps, 3) if r0.target_steps else None,
                     "drafter_share": round(r0.draft_s / r0.step_s, 3) if r0.step_s else None,
                 })
-    print(f"\nkvbatch speculative decoding, {args.model} {args.dtype}, {args.max_tokens} tokens/request, "
+    stop = "ignoring end of turn" if args.ignore_eos else "stopping at end of turn"
+    print(f"\nkvbatch speculative decoding, {args.model} {args.dtype}, <= {args.max_tokens} tokens/request {stop}, "
           f"threads={torch.get_num_threads()}, {args.rounds} round(s), median")
     print(f"{'workload':<11} {'mode':<9} {'arm':<26} {'tok/s':>7} {'x plain':>8} {'greedy':>7} "
           f"{'accept':>7} {'acc/step':>8} {'draft%':>7}")

@@ -172,7 +172,7 @@ class LLM:
         """Schedule, (draft,) compute and sample once; returns the requests that finished."""
         t0 = time.perf_counter()
         if self.spec is not None:
-            self.spec.plan(self.scheduler.running, self.max_model_len)
+            self.spec.plan(self.scheduler.running, self.max_model_len, self.drafter.outlook)
         step = self.scheduler.schedule()
         if not step:
             return []

@@ -201,7 +201,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
         from kvbatch.engine.speculative import SpecConfig
 
         s = spec["speculative"]
-        speculative = SpecConfig.parse(s["method"], s.get("max_len", 4), s.get("adaptive", True))
+        speculative = SpecConfig.parse(s["method"], s.get("max_len", SpecConfig.max_len), s.get("adaptive", True))
     return LLM(ckpt, dtype=dtype, engine_config=engine_config, kv_store=store, seed=spec.get("seed", 0),
                num_threads=spec.get("threads"), speculative=speculative)
 

@@ -37,7 +37,7 @@ class ModelResource(dg.ConfigurableResource):
     deterministic: bool = Field(default=False, description="batch-invariant numerics")
     spec: str | None = Field(default=None, description="speculative decoding at decode: ngram, draft:MODEL or "
                                                         "early-exit:K (none by default)")
-    spec_max_len: int = Field(default=4, ge=1, description="most tokens drafted per step")
+    spec_max_len: int = Field(default=8, ge=1, description="most tokens drafted per step")
     spec_adaptive: bool = Field(default=True, description="adaptive, cost-aware draft length")
 
     @field_validator("spec")

@@ -15,7 +15,7 @@ from kvbatch.engine.drafters import Draft, NgramDrafter
 from kvbatch.engine.llm import LLM, GenerationRequest
 from kvbatch.engine.sampling_params import SamplingParams
 from kvbatch.engine.spec_verifier import verify
-from kvbatch.engine.speculative import SpecConfig, SpecController
+from kvbatch.engine.speculative import DraftOutlook, SpecConfig, SpecController
 from tiny_models import VOCAB, build_tiny
 
 
@@ -119,6 +119,9 @@ class RandomDrafter:
 
     def __init__(self, truth: dict[str, list[int]], rng: random.Random):
         self.truth, self.rng = truth, rng
+
+    def outlook(self, seq, max_len):
+        return DraftOutlook(max_len)
 
     def propose(self, requests):
         out = []
@@ -276,6 +279,69 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert d.lookup([7, 8, 9, 7, 8], 4) == [9, 7, 8]
 
 
+def _naive_match(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
+    """The specification: longest suffix of max_n..min_n tokens that occurred earlier (ending
+    before the last token), its latest occurrence, and what followed it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return n, tokens[start + n:start + n + k]
+    return 0, []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), k=st.integers(1, 9),
+       min_n=st.integers(1, 3), extra=st.integers(0, 6))
+def test_ngram_match_agrees_with_the_naive_search(tokens, k, min_n, extra):
+    d = NgramDrafter(min_n=min_n, max_n=min_n + extra)
+    want = _naive_match(tokens, k, min_n, min_n + extra) if len(tokens) > min_n else (0, [])
+    assert d.match(tokens, k) == want
+
+
+def test_ngram_outlook_reports_the_match_and_propose_reuses_it():
+    from kvbatch.engine.drafters import DraftRequest
+    from kvbatch.engine.sequence import Sequence
+
+    d = NgramDrafter()
+    seq = Sequence(0, "r", [5, 6, 7, 8, 9, 5, 6, 7], SamplingParams())
+    assert d.outlook(seq, 4) == DraftOutlook(available=4, evidence=3)  # "5 6 7" matched; "8 9 5 6" follow
+    assert d.propose([DraftRequest(seq, 1)])[0].tokens == [8]
+    seq.token_ids.append(8)  # the history moved on: looked up afresh
+    assert d.outlook(seq, 6) == DraftOutlook(available=5, evidence=4)  # "9 5 6 7 8"
+    assert d.outlook(Sequence(1, "s", [1, 2, 3], SamplingParams()), 4) == DraftOutlook(0, 0)
+
+
+def test_slots_follow_the_drafters_evidence_not_just_the_request():
+    from kvbatch.engine.sequence import Sequence
+    from kvbatch.engine.speculative import StepCostModel
+
+    def decoding(i: int) -> Sequence:
+        seq = Sequence(i, f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100))
+        seq.token_ids.append(4)
+        seq.num_computed_tokens = 3
+        return seq
+
+    ctl = SpecController(SpecConfig("ngram", max_len=4), cost=StepCostModel(fixed=1.0, per_token=0.3))
+    a, b, c = decoding(0), decoding(1), decoding(2)
+    for _ in range(40):  # a's drafts came after 8-token matches and were kept; b's after 1-token ones, never
+        ctl.planned[a.seq_id] = 8
+        ctl.observe(a, 4, 4)
+        ctl.planned[b.seq_id] = 1
+        ctl.observe(b, 4, 0)
+    looks = {0: DraftOutlook(4, 8), 1: DraftOutlook(4, 1), 2: DraftOutlook(0, 0)}
+    ctl.plan([a, b, c], 1000, lambda seq, k: looks[seq.seq_id])
+    assert (a.num_lookahead, b.num_lookahead, c.num_lookahead) == (4, 0, 0)
+    # Swap the evidence: what the run learnt about 8-token matches now speaks for b.
+    looks = {0: DraftOutlook(4, 1), 1: DraftOutlook(4, 8), 2: DraftOutlook(0, 0)}
+    ctl.plan([a, b, c], 1000, lambda seq, k: looks[seq.seq_id])
+    assert a.num_lookahead == 0 and b.num_lookahead >= 2
+    # Fixed length still drafts only what the drafter has.
+    fixed = SpecController(SpecConfig("ngram", max_len=4, adaptive=False))
+    fixed.plan([a, c], 1000, lambda seq, k: DraftOutlook(3 if seq is a else 0, 2))
+    assert (a.num_lookahead, c.num_lookahead) == (3, 0)
+
+
 def test_adaptive_length_follows_observed_acceptance():
     ctl = SpecController(SpecConfig("ngram", max_len=6))
     from kvbatch.engine.sequence import Sequence
@@ -284,7 +350,7 @@ def test_adaptive_length_follows_observed_acceptance():
     for _ in range(10):
         ctl.observe(seq, 6, 6)
     assert ctl.length(seq) > start
-    for _ in range(30):
+    for _ in range(150):  # long enough for the run's counts (shrunk towards) to forget the good start
         ctl.observe(seq, 2, 0)
     assert ctl.length(seq) == 0
     for _ in range(ctl.config.probe_every - 1):
