@@ -211,7 +211,8 @@ def self_contained(seq: Sequence) -> bool:
     """A seeded sampled request. Its draws depend on how many drafts each step had (rejection
     sampling consumes its random stream per draft), so to stay reproducible whatever runs beside
     it, its draft lengths come from its own history alone and are not traded in a step's
-    allocation. Greedy output never depends on draft lengths."""
+    allocation. Greedy output never depends on draft lengths. (The scheduler still cuts draft
+    slots when a step's token budget or the KV cache runs short: then neighbours do matter.)"""
     return seq.generator is not None and not seq.sampling.greedy
 
 
