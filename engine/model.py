@@ -147,6 +147,10 @@ class LlamaModel:
 
         h = self.embed.index_select(0, input_ids)
         residual: torch.Tensor | None = None
+        plan = None
+        if nd < T and not self.batch_invariant:
+            plan = K.plan_prefill(h, batch.prefill_block_tables, batch.prefill_cu_query_lens,
+                                  batch.prefill_context_lens, kv_cache.shape[3], Hq // Hkv)
         for li, lw in enumerate(self.layers[:num_layers]):
             x, residual = K.rms_norm(h, lw.input_norm, c.rms_norm_eps, residual)
             qkv = self._linear(x, lw.qkv, lw.qkv_bias)
@@ -174,7 +178,7 @@ class LlamaModel:
                                                          batch.decode_workspace)
                 attn[nd:] = K.prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_block_tables,
                                                  batch.prefill_cu_query_lens, batch.prefill_context_lens,
-                                                 self.scale)
+                                                 self.scale, plan)
             h = self._linear(attn.view(T, q_size), lw.o_proj)
             x, residual = K.rms_norm(h, lw.post_norm, c.rms_norm_eps, residual)
             if lw.is_moe:

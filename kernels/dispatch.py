@@ -145,9 +145,23 @@ def prefill_attention(
     cu_query_lens: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: reference.PrefillPlan | None = None,
 ) -> torch.Tensor:
-    """See :func:`reference.prefill_attention`."""
-    return _impl(q).prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+    """See :func:`reference.prefill_attention` (``plan`` serves the reference only)."""
+    impl = _impl(q)
+    if impl is reference:
+        return reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
+                                           plan)
+    return impl.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+
+
+def plan_prefill(x: torch.Tensor, block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
+                 context_lens: torch.Tensor, block_size: int, group: int) -> reference.PrefillPlan | None:
+    """:func:`reference.plan_prefill`, once per forward pass, where the reference path will run
+    ``prefill_attention`` for tensors like ``x``; None where a kernel will (it needs no plan)."""
+    if _impl(x) is not reference:
+        return None
+    return reference.plan_prefill(block_tables, cu_query_lens, context_lens, block_size, group)
 
 
 def fused_moe(

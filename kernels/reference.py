@@ -13,6 +13,8 @@ Layouts (shared with the engine and the Triton kernels):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -136,6 +138,82 @@ def paged_decode_attention(
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
+@dataclass
+class ShortChunkGroup:
+    """One batched attention call over several short chunks (see :func:`plan_prefill`)."""
+
+    rows: torch.Tensor  # [R] rows of q / out holding the chunks' tokens
+    pad_pos: torch.Tensor  # [R] where each sits in the padded [S * qmax] query block
+    blocks: torch.Tensor  # [S * width] int64: cache blocks to gather, sequence after sequence
+    mask: torch.Tensor  # [S, 1, group * qmax, width * block_size]: keys each query row may see
+    num_seqs: int
+    qmax: int
+
+
+@dataclass
+class LongChunk:
+    """One sequence's chunk, attended on its own."""
+
+    start: int
+    end: int
+    slots: torch.Tensor  # [L] cache slots of its context
+    mask: torch.Tensor  # [group * n_new, L]
+
+
+@dataclass
+class PrefillPlan:
+    """Everything :func:`prefill_attention` derives from the batch layout alone (which rows go
+    where, what to gather, the causal masks): the same for every layer, so a forward pass
+    builds it once. At batch 16 with drafts, building it in every layer cost more than the
+    attention arithmetic of the verification rows."""
+
+    short: list[ShortChunkGroup]
+    long: list[LongChunk]
+
+
+def plan_prefill(block_tables: torch.Tensor, cu_query_lens: torch.Tensor, context_lens: torch.Tensor,
+                 block_size: int, group: int) -> PrefillPlan:
+    """The plan for a batch of chunks; ``group``: query heads per KV head."""
+    cu = cu_query_lens.tolist()
+    lens = context_lens.tolist()
+    short = [s for s in range(len(lens)) if 0 < cu[s + 1] - cu[s] <= SHORT_CHUNK]
+    if len(short) < 2:
+        short = []
+    # Many short chunks (speculative verification: 1 + k tokens per sequence) run batched,
+    # like decode, instead of one attention call per sequence; sequences of similar context
+    # length go together, so each call pads only to its own longest context.
+    short.sort(key=lambda s: lens[s])
+    groups = [_short_chunk_group(block_tables, cu, lens, short[g:g + DECODE_GROUP], block_size, group)
+              for g in range(0, len(short), DECODE_GROUP)]
+    done = set(short)
+    long = []
+    for s in range(len(lens)):
+        n_new, n_ctx = cu[s + 1] - cu[s], lens[s]
+        if n_new == 0 or s in done:
+            continue
+        slots = gather_slots(block_tables[s : s + 1], n_ctx, block_size)[0]
+        q_pos = torch.arange(n_ctx - n_new, n_ctx)
+        mask = torch.arange(n_ctx)[None, :] <= q_pos[:, None]
+        long.append(LongChunk(cu[s], cu[s + 1], slots, mask.repeat(group, 1)))
+    return PrefillPlan(groups, long)
+
+
+def _short_chunk_group(block_tables: torch.Tensor, cu: list[int], lens: list[int], seqs: list[int],
+                       block_size: int, group: int) -> ShortChunkGroup:
+    S = len(seqs)
+    n = [cu[s + 1] - cu[s] for s in seqs]
+    qmax = max(n)
+    width = -(-max(lens[s] for s in seqs) // block_size)
+    idx = torch.tensor(seqs, dtype=torch.long)
+    blocks = block_tables.index_select(0, idx)[:, :width].reshape(-1).long()
+    rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs])
+    pad_pos = torch.cat([torch.arange(i * qmax, i * qmax + m) for i, m in enumerate(n)])
+    ctx = torch.tensor([lens[s] for s in seqs])
+    q_pos = ctx[:, None] - torch.tensor(n)[:, None] + torch.arange(qmax)[None, :]  # [S, qmax]
+    mask = torch.arange(width * block_size)[None, None, :] <= q_pos[:, :, None]  # padded rows see key 0 at least
+    return ShortChunkGroup(rows, pad_pos, blocks, mask.repeat(1, group, 1)[:, None], S, qmax)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -144,48 +222,34 @@ def prefill_attention(
     cu_query_lens: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: PrefillPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention for chunks of new tokens over a cached prefix plus themselves.
 
     ``q``: [T, Hq, D], the new tokens of S sequences packed back to back
     (``cu_query_lens``: [S+1] offsets). Sequence s's new tokens sit at positions
     ``context_lens[s] - q_len_s .. context_lens[s] - 1``; their K/V are already in the cache.
-    Query at position p attends to keys ``0..p``.
+    Query at position p attends to keys ``0..p``. ``plan``: :func:`plan_prefill` of these
+    arguments, when the caller has it (built here otherwise).
     """
     T, Hq, D = q.shape
     Hkv = k_cache.shape[-2]
     group = Hq // Hkv
-    block_size = k_cache.shape[1]
+    if plan is None:
+        plan = plan_prefill(block_tables, cu_query_lens, context_lens, k_cache.shape[1], group)
     out = torch.empty_like(q)
+    for g in plan.short:
+        _short_chunks_attention(q, out, k_cache, v_cache, g, scale)
     k_flat = k_cache.view(-1, Hkv, D)
     v_flat = v_cache.view(-1, Hkv, D)
-    cu = cu_query_lens.tolist()
-    lens = context_lens.tolist()
-    short = [s for s in range(len(lens)) if 0 < cu[s + 1] - cu[s] <= SHORT_CHUNK]
-    if len(short) > 1:
-        # Many short chunks (speculative verification: 1 + k tokens per sequence) run batched,
-        # like decode, instead of one attention call per sequence.
-        for g in range(0, len(short), DECODE_GROUP):
-            _short_chunks_attention(q, out, k_cache, v_cache, block_tables, cu, lens, short[g:g + DECODE_GROUP], scale)
-        done = set(short)
-    else:
-        done = set()
-    for s in range(len(lens)):
-        start, end = cu[s], cu[s + 1]
-        n_new, n_ctx = end - start, lens[s]
-        if n_new == 0 or s in done:
-            continue
-        slots = gather_slots(block_tables[s : s + 1], n_ctx, block_size)[0]
-        k = k_flat.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
-        v = v_flat.index_select(0, slots).transpose(0, 1)
+    for c in plan.long:
+        n_new = c.end - c.start
+        k = k_flat.index_select(0, c.slots).transpose(0, 1)  # [Hkv, L, D]
+        v = v_flat.index_select(0, c.slots).transpose(0, 1)
         # [n_new, Hq, D] -> [Hkv, group * n_new, D]: row (g, i) is head kvh*group+g, token i.
-        qs = q[start:end].view(n_new, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * n_new, D)
-        q_pos = torch.arange(n_ctx - n_new, n_ctx, device=q.device)
-        mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            qs.to(k.dtype), k, v, attn_mask=mask.repeat(group, 1), scale=scale
-        )
-        out[start:end] = o.view(Hkv, group, n_new, D).permute(2, 0, 1, 3).reshape(n_new, Hq, D).to(q.dtype)
+        qs = q[c.start:c.end].view(n_new, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * n_new, D)
+        o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=c.mask, scale=scale)
+        out[c.start:c.end] = o.view(Hkv, group, n_new, D).permute(2, 0, 1, 3).reshape(n_new, Hq, D).to(q.dtype)
     return out
 
 
@@ -193,35 +257,23 @@ SHORT_CHUNK = 16  # chunks up to this many tokens are batched across sequences
 
 
 def _short_chunks_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu: list[int], lens: list[int], seqs: list[int],
-                            scale: float) -> None:
+                            g: ShortChunkGroup, scale: float) -> None:
     """Causal attention of several short chunks at once: each sequence's blocks are gathered
-    once, its queries padded to the longest chunk, and a mask keeps query j of sequence s to
+    once, its queries padded to the longest chunk, and the mask keeps query j of sequence s to
     keys ``0 .. lens[s] - n_s + j``. Writes into ``out``."""
     _, Hq, D = q.shape
     Hkv, block_size = k_cache.shape[-2], k_cache.shape[1]
     group = Hq // Hkv
-    S = len(seqs)
-    n = [cu[s + 1] - cu[s] for s in seqs]
-    qmax = max(n)
-    width = -(-max(lens[s] for s in seqs) // block_size)
-    idx = torch.tensor(seqs, dtype=torch.long)
-    blocks = block_tables.index_select(0, idx)[:, :width].reshape(-1).long()
-    k = k_cache.index_select(0, blocks).view(S, width * block_size, Hkv, D).transpose(1, 2)
-    v = v_cache.index_select(0, blocks).view(S, width * block_size, Hkv, D).transpose(1, 2)
-    rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs])
-    pad_pos = torch.cat([torch.arange(i * qmax, i * qmax + m) for i, m in enumerate(n)])
+    S, qmax = g.num_seqs, g.qmax
+    k = k_cache.index_select(0, g.blocks).view(S, -1, Hkv, D).transpose(1, 2)
+    v = v_cache.index_select(0, g.blocks).view(S, -1, Hkv, D).transpose(1, 2)
     qp = q.new_zeros(S * qmax, Hq, D)
-    qp[pad_pos] = q.index_select(0, rows)
+    qp[g.pad_pos] = q.index_select(0, g.rows)
     # [S, qmax, Hkv, group, D] -> [S, Hkv, group * qmax, D]: row (g, j) is head kvh*group+g, query j.
     qs = qp.view(S, qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, group * qmax, D)
-    ctx = torch.tensor([lens[s] for s in seqs])
-    q_pos = ctx[:, None] - torch.tensor(n)[:, None] + torch.arange(qmax)[None, :]  # [S, qmax]
-    mask = torch.arange(width * block_size)[None, None, :] <= q_pos[:, :, None]  # padded rows see key 0 at least
-    mask = mask.repeat(1, group, 1)[:, None]  # [S, 1, group * qmax, L]
-    o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=g.mask, scale=scale)
     o = o.view(S, Hkv, group, qmax, D).permute(0, 3, 1, 2, 4).reshape(S * qmax, Hq, D)
-    out[rows] = o.index_select(0, pad_pos).to(q.dtype)
+    out[g.rows] = o.index_select(0, g.pad_pos).to(q.dtype)
 
 
 # Fixed GEMM shapes for the batch-invariant path: every attention matmul is a

@@ -231,6 +231,44 @@ def test_prefill_empty(use_triton):
     assert out.shape == (0, 2, 16)
 
 
+def naive_prefill(q, k_cache, v_cache, tables, cu, lens, scale):
+    """Token by token, head by head: the definition the reference's batching must agree with."""
+    Hq, D = q.shape[1:]
+    Hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    out = torch.zeros_like(q)
+    for s in range(len(lens)):
+        n_new, n_ctx = int(cu[s + 1] - cu[s]), int(lens[s])
+        slots = [int(tables[s, p // bs]) * bs + p % bs for p in range(n_ctx)]
+        k = k_cache.view(-1, Hkv, D)[slots]
+        v = v_cache.view(-1, Hkv, D)[slots]
+        for i in range(n_new):
+            pos = n_ctx - n_new + i
+            for h in range(Hq):
+                kv = h // (Hq // Hkv)
+                w = torch.softmax((k[:pos + 1, kv] @ q[int(cu[s]) + i, h]) * scale, 0)
+                out[int(cu[s]) + i, h] = w @ v[:pos + 1, kv]
+    return out
+
+
+def test_prefill_plan_is_built_once_and_serves_every_layer():
+    """The engine builds one plan per forward pass and every layer reuses it: short chunks
+    (verification rows, batched) and a long one (a prompt chunk) beside them, two layers with
+    different caches and queries, each equal to the token-by-token definition."""
+    gen = torch.Generator().manual_seed(7)
+    context_lens, new_lens = [23, 9, 40, 17], [3, 1, 30, 5]
+    cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    layers = [make_cache(gen, context_lens, 4, 2, 16, torch.float32) for _ in range(2)]
+    tables = layers[0][2]
+    plan = R.plan_prefill(tables, cu, lens, 4, 3)
+    assert [len(g.rows) for g in plan.short] == [9] and [c.end - c.start for c in plan.long] == [30]
+    for k_cache, v_cache, _ in layers:
+        q = randn(gen, int(cu[-1]), 6, 16)
+        got = R.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25, plan)
+        assert_close(got, naive_prefill(q, k_cache, v_cache, tables, cu, lens, 0.25), ATTN_TOL[torch.float32])
+        assert torch.equal(got, R.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25))
+
+
 # ---------------------------------------------------------------------------------------------
 # RMSNorm, rotary, store_kv
 
