@@ -147,10 +147,14 @@ class LlamaModel:
 
         h = self.embed.index_select(0, input_ids)
         residual: torch.Tensor | None = None
-        plan = None
-        if nd < T and not self.batch_invariant:
-            plan = K.plan_prefill(h, batch.prefill_block_tables, batch.prefill_cu_query_lens,
-                                  batch.prefill_context_lens, kv_cache.shape[3], Hq // Hkv)
+        # Attention bookkeeping that is the same in every layer, worked out once.
+        plan = decode_plan = None
+        if not self.batch_invariant:
+            if nd < T:
+                plan = K.plan_prefill(h, batch.prefill_block_tables, batch.prefill_cu_query_lens,
+                                      batch.prefill_context_lens, kv_cache.shape[3], Hq // Hkv)
+            if nd:
+                decode_plan = K.plan_decode(h, batch.decode_block_tables, batch.decode_context_lens, kv_cache.shape[3])
         for li, lw in enumerate(self.layers[:num_layers]):
             x, residual = K.rms_norm(h, lw.input_norm, c.rms_norm_eps, residual)
             qkv = self._linear(x, lw.qkv, lw.qkv_bias)
@@ -169,13 +173,13 @@ class LlamaModel:
             elif nd == T:
                 attn = K.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
                                                 batch.decode_context_lens, self.scale, None,
-                                                batch.decode_workspace)
+                                                batch.decode_workspace, decode_plan)
             else:
                 attn = torch.empty_like(q)
                 if nd:
                     attn[:nd] = K.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
                                                          batch.decode_context_lens, self.scale, None,
-                                                         batch.decode_workspace)
+                                                         batch.decode_workspace, decode_plan)
                 attn[nd:] = K.prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_block_tables,
                                                  batch.prefill_cu_query_lens, batch.prefill_context_lens,
                                                  self.scale, plan)

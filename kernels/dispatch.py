@@ -128,12 +128,13 @@ def paged_decode_attention(
     scale: float,
     slots: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    plan: reference.DecodePlan | None = None,
 ) -> torch.Tensor:
-    """See :func:`reference.paged_decode_attention` (``workspace`` serves the reference only)."""
+    """See :func:`reference.paged_decode_attention` (``workspace`` and ``plan`` serve the reference only)."""
     impl = _impl(q)
     if impl is reference:
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots,
-                                                workspace)
+                                                workspace, plan)
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots)
 
 
@@ -153,6 +154,14 @@ def prefill_attention(
         return reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
                                            plan)
     return impl.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+
+
+def plan_decode(x: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                block_size: int) -> reference.DecodePlan | None:
+    """:func:`reference.plan_decode` where the reference path will run for tensors like ``x``."""
+    if _impl(x) is not reference or block_tables.shape[0] == 0:
+        return None
+    return reference.plan_decode(block_tables, context_lens, block_size)
 
 
 def plan_prefill(x: torch.Tensor, block_tables: torch.Tensor, cu_query_lens: torch.Tensor,

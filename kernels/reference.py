@@ -82,6 +82,52 @@ def gather_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> t
 DECODE_GROUP = 16  # sequences per padded attention call in the CPU decode path
 
 
+@dataclass
+class DecodeGroup:
+    """One padded attention call over decode rows (see :func:`plan_decode`)."""
+
+    index: torch.Tensor | None  # rows of q in this call (None: all of them, in order)
+    blocks: torch.Tensor  # [rows * width] int64: cache blocks to gather
+    width: int  # blocks per row
+    keys: int  # key positions to attend over (all rows see this many when mask is None)
+    mask: torch.Tensor | None  # [rows, 1, 1, keys]: valid keys; None when every row has ``keys``
+
+
+@dataclass
+class DecodePlan:
+    """What :func:`paged_decode_attention` derives from the block tables and context lengths
+    alone, the same for every layer: built once per forward pass by the engine."""
+
+    groups: list[DecodeGroup]
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    B = block_tables.shape[0]
+    if B <= DECODE_GROUP:
+        return DecodePlan([_decode_group(None, block_tables, context_lens, block_size)])
+    # Sequences of similar length together: each group pads only to its own longest context,
+    # which saves most of the padding of a mixed-length batch.
+    order = torch.argsort(context_lens, stable=True)
+    groups = []
+    for start in range(0, B, DECODE_GROUP):
+        idx = order[start:start + DECODE_GROUP]
+        groups.append(_decode_group(idx, block_tables.index_select(0, idx), context_lens.index_select(0, idx),
+                                    block_size))
+    return DecodePlan(groups)
+
+
+def _decode_group(index: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor,
+                  block_size: int) -> DecodeGroup:
+    longest = int(lens.max())
+    width = -(-longest // block_size)
+    blocks = tables[:, :width].reshape(-1).long()
+    if bool((lens == longest).all()):  # one length (always at batch 1): attend over exactly it, no mask
+        return DecodeGroup(index, blocks, width, longest, None)
+    keys = width * block_size
+    mask = (torch.arange(keys)[None, :] < lens[:, None].long())[:, None, None, :]
+    return DecodeGroup(index, blocks, width, keys, mask)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -91,6 +137,7 @@ def paged_decode_attention(
     scale: float,
     slots: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
@@ -99,42 +146,39 @@ def paged_decode_attention(
     and unused here. ``workspace``: two reusable buffers of at least
     ``[B * block_tables.shape[1], block_size, Hkv, D]`` to gather K and V into; gathering whole
     blocks into memory that is already mapped is several times faster on a CPU than
-    gathering token by token into fresh memory.
+    gathering token by token into fresh memory. ``plan``: :func:`plan_decode` of these
+    arguments, when the caller has it (built here otherwise).
     """
     B, Hq, D = q.shape
-    Hkv, block_size = k_cache.shape[-2], k_cache.shape[1]
     if B == 0:
         return q.new_empty((0, Hq, D))
-    if B > DECODE_GROUP:
-        # Sequences of similar length together: each group pads only to its own longest
-        # context, which saves most of the padding of a mixed-length batch.
-        order = torch.argsort(context_lens, stable=True)
-        out = torch.empty_like(q)
-        lens_sorted = context_lens.index_select(0, order)
-        for start in range(0, B, DECODE_GROUP):
-            idx = order[start:start + DECODE_GROUP]
-            width = -(-int(lens_sorted[start:start + DECODE_GROUP].max()) // block_size)
-            out[idx] = paged_decode_attention(q.index_select(0, idx), k_cache, v_cache,
-                                              block_tables.index_select(0, idx)[:, :width],
-                                              context_lens.index_select(0, idx), scale, None, workspace)
-        return out
-    width = block_tables.shape[1]
-    blocks = block_tables.reshape(-1).long()
+    if plan is None:
+        plan = plan_decode(block_tables, context_lens, k_cache.shape[1])
+    if len(plan.groups) == 1 and plan.groups[0].index is None:
+        return _decode_group_attention(q, k_cache, v_cache, plan.groups[0], scale, workspace)
+    out = torch.empty_like(q)
+    for g in plan.groups:
+        out[g.index] = _decode_group_attention(q.index_select(0, g.index), k_cache, v_cache, g, scale, workspace)
+    return out
+
+
+def _decode_group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
+                            scale: float, workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    B, Hq, D = q.shape
+    Hkv, block_size = k_cache.shape[-2], k_cache.shape[1]
     if workspace is None:
-        k = k_cache.index_select(0, blocks)
-        v = v_cache.index_select(0, blocks)
+        k = k_cache.index_select(0, g.blocks)
+        v = v_cache.index_select(0, g.blocks)
     else:
-        n = blocks.numel()
-        k = torch.index_select(k_cache, 0, blocks, out=workspace[0][:n])
-        v = torch.index_select(v_cache, 0, blocks, out=workspace[1][:n])
-    # [B * width, bs, Hkv, D] -> [B, Hkv, width * bs, D] (a strided view, no copy).
-    k = k.view(B, width * block_size, Hkv, D).transpose(1, 2)
-    v = v.view(B, width * block_size, Hkv, D).transpose(1, 2)
-    valid = torch.arange(width * block_size, device=q.device)[None, :] < context_lens[:, None].to(q.device)
-    group = Hq // Hkv
+        n = g.blocks.numel()
+        k = torch.index_select(k_cache, 0, g.blocks, out=workspace[0][:n])
+        v = torch.index_select(v_cache, 0, g.blocks, out=workspace[1][:n])
+    # [B * width, bs, Hkv, D] -> [B, Hkv, keys, D] (a strided view, no copy).
+    k = k.view(B, g.width * block_size, Hkv, D)[:, :g.keys].transpose(1, 2)
+    v = v.view(B, g.width * block_size, Hkv, D)[:, :g.keys].transpose(1, 2)
     # The query heads that share a KV head become extra query rows of that head.
-    qg = q.view(B, Hkv, group, D).to(k.dtype)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    qg = q.view(B, Hkv, Hq // Hkv, D).to(k.dtype)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
     return out.reshape(B, Hq, D).to(q.dtype)
 
 

@@ -269,6 +269,25 @@ def test_prefill_plan_is_built_once_and_serves_every_layer():
         assert torch.equal(got, R.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25))
 
 
+@pytest.mark.parametrize("context_lens", [[13] * 3, [(7 * i) % 40 + 1 for i in range(20)]],
+                         ids=["one length: no mask", "20 mixed: two padded groups"])
+def test_decode_plan_is_built_once_and_serves_every_layer(context_lens):
+    gen = torch.Generator().manual_seed(8)
+    B = len(context_lens)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    layers = [make_cache(gen, context_lens, 4, 2, 16, torch.float32) for _ in range(2)]
+    tables = layers[0][2]
+    plan = R.plan_decode(tables, lens, 4)
+    assert len(plan.groups) == -(-B // R.DECODE_GROUP)
+    assert (plan.groups[0].mask is None) == (len(set(context_lens)) == 1)
+    ones = torch.arange(B + 1, dtype=torch.int32)  # one new token per sequence: its last position
+    for k_cache, v_cache, _ in layers:
+        q = randn(gen, B, 6, 16)
+        got = R.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, None, None, plan)
+        assert_close(got, naive_prefill(q, k_cache, v_cache, tables, ones, lens, 0.25), ATTN_TOL[torch.float32])
+        assert torch.equal(got, R.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25))
+
+
 # ---------------------------------------------------------------------------------------------
 # RMSNorm, rotary, store_kv
 
