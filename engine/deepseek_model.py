@@ -45,7 +45,7 @@ class MLALayerWeights:
     # x -> [q_a | c_kv | k_pe] (q_lora_rank set) or [q | c_kv | k_pe] (no q LoRA): one GEMM.
     a_proj: torch.Tensor  # [out, H] prepared by LlamaModel.linear
     q_a_norm: torch.Tensor | None  # [q_lora_rank]
-    q_b: torch.Tensor | None  # [Hq * (dn + dr), q_lora_rank], or its transpose
+    q_b: torch.Tensor | None  # [Hq * (dn + dr), q_lora_rank] prepared by LlamaModel.linear
     kv_a_norm: torch.Tensor  # [C]
     w_uk: torch.Tensor  # [Hq, dn, C]: q_latent[h] = q_nope[h] @ w_uk[h]
     w_uv: torch.Tensor  # [Hq, C, dv]: out[h] = latent[h] @ w_uv[h]
