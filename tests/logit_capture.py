@@ -1,4 +1,5 @@
-"""Record the next-token logits an engine computes, per request, for parity tests."""
+"""Record the next-token logits an engine computes, per request, and compare them with a
+transformers reference model, for parity tests."""
 
 from __future__ import annotations
 
@@ -21,3 +22,18 @@ def capture_logits(llm: LLM) -> list[tuple[str, torch.Tensor]]:
 
     llm.runner.execute = spy
     return seen
+
+
+def assert_logits_match(ref, seen: list[tuple[str, torch.Tensor]], request_id: str, prompt: list[int],
+                        output: list[int], label: str) -> torch.Tensor:
+    """Every logits row ``seen`` for ``request_id`` (one per output token, plain decoding) equals,
+    within 1e-4, the reference model's logits at that position over ``prompt + output``;
+    returns the reference logits [len(prompt + output), V]."""
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt + output])).logits[0]
+    got = [logits for r, logits in seen if r == request_id]
+    assert len(got) == len(output), f"{label}: {len(got)} logits rows for {len(output)} tokens"
+    for i, logits in enumerate(got):
+        pos = len(prompt) - 1 + i
+        torch.testing.assert_close(logits, want[pos], atol=1e-4, rtol=1e-4, msg=f"{label}: step {i} (position {pos})")
+    return want

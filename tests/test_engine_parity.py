@@ -9,7 +9,7 @@ from kvbatch.engine.config import EngineConfig
 from kvbatch.engine.llm import LLM, GenerationRequest
 from kvbatch.engine.sampling_params import SamplingParams
 from tests.tiny_models import ARCHS, VOCAB, build_tiny
-from tests.logit_capture import capture_logits
+from tests.logit_capture import assert_logits_match, capture_logits
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -26,15 +26,8 @@ def test_logits_match_transformers(tmp_path, arch, budget, invariant):
             for rid, p in prompts.items()]
     results = {r.request_id: r for r in llm.generate(reqs)}
     for rid, prompt in prompts.items():
-        full = prompt + results[rid].output_token_ids
-        with torch.no_grad():
-            want = ref(torch.tensor([full])).logits[0]
-        got = [l for r, l in seen if r == rid]
-        assert len(got) == 6
-        for i, logits in enumerate(got):
-            pos = len(prompt) - 1 + i
-            torch.testing.assert_close(logits, want[pos], atol=1e-4, rtol=1e-4,
-                                       msg=f"{arch}: step {i} (position {pos})")
+        assert len(results[rid].output_token_ids) == 6
+        assert_logits_match(ref, seen, rid, prompt, results[rid].output_token_ids, arch)
 
 
 def _run_logits(folder, prompts, **cfg):

@@ -32,27 +32,19 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
-from tests.triton_interpreter import (CHILD_ENV, INTERPRETED, KERNELS, REPO, assert_close,  # isort: skip
-                                      interpreter_only, randn, use_triton)
+from tests.triton_interpreter import (ATTN_TOL, CHILD_ENV, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
+                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
 
 needs_interpreter = interpreter_only("test_kernels_in_a_fresh_process")
 
-SETTINGS = settings(
-    max_examples=12,
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.explicit, Phase.generate],  # no shrinking: it takes minutes in the interpreter
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+SETTINGS = interpreter_settings(12)
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ATTN_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
 ELEM_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}
 
 

@@ -27,12 +27,12 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
-from tests.triton_interpreter import (CHILD_ENV, INTERPRETED, KERNELS, REPO, assert_close,  # isort: skip
-                                      interpreter_only, randn, use_triton)
+from tests.triton_interpreter import (ATTN_TOL, CHILD_ENV, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
+                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)
 from kvbatch.engine.sampler import filter_logits
 from kvbatch.engine.sampling_params import SamplingParams
 from kvbatch.engine.spec_verifier import verify
@@ -43,17 +43,9 @@ from kvbatch.kernels import reference_verify as RV
 
 needs_interpreter = interpreter_only("test_moe_mla_verify_in_a_fresh_process")
 
-SETTINGS = settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.explicit, Phase.generate],  # no shrinking: it takes minutes in the interpreter
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+SETTINGS = interpreter_settings(25)
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MOE_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (2e-2, 2e-2)}
-ATTN_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are impo
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 from kvbatch.kernels import dispatch  # noqa: E402
 
@@ -55,3 +56,19 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float,
 
 def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ATTN_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def interpreter_settings(max_examples: int) -> settings:
+    """Hypothesis settings for kernel tests: reproducible examples, and no shrinking (it takes
+    minutes in the interpreter)."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
