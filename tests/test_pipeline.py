@@ -373,17 +373,24 @@ def _largest_shard(day: DayLayout) -> str:
     return max(shard_partitions.get_partition_keys(), key=lambda k: pq.read_table(day.shard("shards", k)).num_rows)
 
 
-def test_decode_through_pipes_subprocess(tiny, tmp_path):
+def _decode_largest_shard(tiny, tmp_path: Path, cluster: DecodeClusterResource):
+    """Ingest the test rows, then materialize the shard assets of the largest shard through
+    ``cluster``; returns (root, day, shard key, result), the result checked for success."""
     data = tmp_path / "requests.jsonl"
     data.write_text("\n".join(_rows()) + "\n")
     root = str(tmp_path / "data")
-    resources = _pipes_resources(tiny, root, DecodeClusterResource(launcher="pipes_subprocess"))
+    resources = _pipes_resources(tiny, root, cluster)
     assert _ingest(resources, str(data)).success
     day = DayLayout(root, DATE)
     key = _largest_shard(day)
     res = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=date_shard_key(DATE, key),
                          selection=SHARD_ASSETS)
     assert res.success
+    return root, day, key, res
+
+
+def test_decode_through_pipes_subprocess(tiny, tmp_path):
+    root, day, key, res = _decode_largest_shard(tiny, tmp_path, DecodeClusterResource(launcher="pipes_subprocess"))
     meta = res.asset_materializations_for_node("decode_results")[0].metadata
     assert meta["succeeded"].value == pq.read_table(day.shard("shards", key)).num_rows > 0
     assert meta["loaded_prompt_tokens"].value > 0
@@ -398,16 +405,8 @@ def test_decode_through_pipes_subprocess(tiny, tmp_path):
 def test_decode_with_two_ranks_under_torchrun_equals_one(tiny, tmp_path):
     """world_size 2 (launcher local: torchrun --standalone, gloo): the ranks split the shard,
     rank 0 commits one table and reports through Pipes; tokens equal an in-process generate."""
-    data = tmp_path / "requests.jsonl"
-    data.write_text("\n".join(_rows()) + "\n")
-    root = str(tmp_path / "data")
-    resources = _pipes_resources(tiny, root, DecodeClusterResource(launcher="local", world_size=2, backend="gloo"))
-    assert _ingest(resources, str(data)).success
-    day = DayLayout(root, DATE)
-    key = _largest_shard(day)
-    res = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=date_shard_key(DATE, key),
-                         selection=SHARD_ASSETS)
-    assert res.success
+    root, day, key, res = _decode_largest_shard(
+        tiny, tmp_path, DecodeClusterResource(launcher="local", world_size=2, backend="gloo"))
     meta = res.asset_materializations_for_node("decode_results")[0].metadata
     rows = pq.read_table(day.shard("shards", key)).num_rows
     assert meta["world_size"].value == 2 and meta["succeeded"].value == rows >= 2
