@@ -205,8 +205,9 @@ class DeepseekV3Model(LlamaModel):
         """``x`` [T, Hq, a] times ``w`` [Hq, a, b] head by head -> [T, Hq, b], padded like
         ``_linear`` in batch-invariant mode so a row's bits do not depend on T."""
         T = x.shape[0]
-        if self.batch_invariant and blas_invariant_rows(T) != T:  # bmm is MKL's, whatever self.linear is
-            x = torch.cat([x, x.new_zeros(blas_invariant_rows(T) - T, *x.shape[1:])])
+        rows = blas_invariant_rows(T) if self.batch_invariant else T  # bmm is MKL's, whatever self.linear is
+        if rows != T:
+            x = torch.cat([x, x.new_zeros(rows - T, *x.shape[1:])])
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)[:T]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
