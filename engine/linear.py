@@ -31,16 +31,18 @@ _PACK_ROWS_HINT = 16
 
 
 @functools.cache
-def onednn_available() -> bool:
-    """Whether this torch build has the packed-weight inner product (a private op: probe it)."""
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build, on this CPU, has the packed-weight inner product for ``dtype``
+    (a private op: probe it). bf16 packing needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only
+    CPU (seen on an AMD EPYC with avx2 and no avx512) packs fp32 but refuses bf16."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.eye(2), 2)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 2), w, None, "none", [], "")
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.eye(2, dtype=dtype), 2)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 2, dtype=dtype), w, None, "none", [], "")
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
-    return bool(torch.equal(y, torch.ones(2, 2)))
+    return bool(torch.equal(y, torch.ones(2, 2, dtype=dtype)))
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def choose_linear_format(dtype: torch.dtype) -> LinearFormat:
     wanted = os.environ.get("KVBATCH_LINEAR", "").strip().lower()
     if wanted not in ("", ONEDNN, BLAS):
         raise ValueError(f"KVBATCH_LINEAR must be {ONEDNN!r} or {BLAS!r}, not {wanted!r}")
-    packable = dtype in (torch.float32, torch.bfloat16) and onednn_available()
+    packable = dtype in (torch.float32, torch.bfloat16) and onednn_available(dtype)
     if wanted == ONEDNN and not packable:
         raise ValueError(f"KVBATCH_LINEAR=onednn, but this torch build cannot pack {dtype} weights with oneDNN")
     return LinearFormat(ONEDNN if packable and wanted != BLAS else BLAS, dtype)

@@ -19,6 +19,14 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch bui
 FORMATS = [BLAS, pytest.param(ONEDNN, marks=needs_onednn)]
 
 
+def _format(kind: str, dtype: torch.dtype) -> LinearFormat:
+    """The format under test; oneDNN bf16 only where this CPU packs bf16 (AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; an AVX2-only CPU refuses it, and the engine then chooses BLAS)."""
+    if kind == ONEDNN and not onednn_available(dtype):
+        pytest.skip(f"this CPU cannot pack {dtype} weights with oneDNN")
+    return LinearFormat(kind, dtype)
+
+
 def _weights(out_f: int, in_f: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(out_f, in_f, generator=g).to(dtype), torch.randn(out_f, generator=g).to(dtype)
@@ -27,7 +35,7 @@ def _weights(out_f: int, in_f: int, dtype: torch.dtype, seed: int) -> tuple[torc
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_multiply_matches_f_linear(kind, dtype):
-    fmt = LinearFormat(kind, dtype)
+    fmt = _format(kind, dtype)
     w, b = _weights(96, 64, dtype, 0)
     x = torch.randn(7, 64).to(dtype)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
@@ -43,7 +51,7 @@ def test_multiply_matches_f_linear(kind, dtype):
 @pytest.mark.parametrize("shape", [(576, 1536), (960, 576), (64, 96)])
 def test_batch_invariant_rows_do_not_depend_on_the_batch(kind, dtype, shape):
     out_f, in_f = shape
-    fmt = LinearFormat(kind, dtype)
+    fmt = _format(kind, dtype)
     w, b = _weights(out_f, in_f, dtype, 1)
     packed = fmt.prepare(w)
     x = torch.randn(40, in_f).to(dtype)
@@ -68,6 +76,8 @@ def test_format_choice_and_override(monkeypatch):
     assert choose_linear_format(torch.float16).kind == BLAS  # oneDNN fp16 is not used on the CPU
     if onednn_available():
         assert choose_linear_format(torch.float32).kind == ONEDNN
+    # bf16 is packed exactly where this CPU can pack it, and BLAS elsewhere (AVX2-only CPUs)
+    assert choose_linear_format(torch.bfloat16).kind == (ONEDNN if onednn_available(torch.bfloat16) else BLAS)
     monkeypatch.setenv("KVBATCH_LINEAR", "blas")
     assert choose_linear_format(torch.float32).kind == BLAS
     monkeypatch.setenv("KVBATCH_LINEAR", "mkl")
