@@ -53,10 +53,10 @@ import torch  # noqa: E402
 
 def write_manifests(model: Path, path: Path, requests: int, prompt_len: int, max_tokens: int, seed: int) -> None:
     """Decode manifests of random token prompts (no tokenizer needed, no KV store)."""
-    from kvbatch.engine.llm import LLM
-    from kvbatch.engine.sampling_params import SamplingParams
-    from kvbatch.ops.batch_generate import Job
-    from kvbatch.ops.kv_handoff import manifest_line
+    from kvbatch.engine.runtime.llm import LLM
+    from kvbatch.engine.runtime.sampling_params import SamplingParams
+    from kvbatch.ops.jobs import Job
+    from kvbatch.ops.manifests import manifest_line
 
     llm = LLM(str(model))
     vocab = llm.model_config.vocab_size
@@ -89,9 +89,9 @@ def run_group(workdir: Path, model: Path, manifests: Path, workers: int, *, eplb
 def run_single(spec: dict[str, Any], trace_out: Path | None = None) -> dict[str, Any]:
     """W=1: the engine in this process, timing each step like the group does; with ``trace_out``
     the routing of every step is saved there (``ExpertLoadWindow.save``) for the simulator."""
-    from kvbatch.engine.eplb import ExpertLoadWindow
+    from kvbatch.engine.parallel.eplb import ExpertLoadWindow
     from kvbatch.ops.batch_generate import run_jobs
-    from kvbatch.ops.kv_handoff import manifest_jobs, read_manifests
+    from kvbatch.ops.manifests import manifest_jobs, read_manifests
     from kvbatch.ops.worker_group import build_llm
 
     llm = build_llm(spec)
@@ -204,7 +204,6 @@ def probe_a2a(world: int) -> dict[str, float]:
     """At W = ``world``: the latency of a 64-byte-per-peer all_to_all (``small_s``), of a one-int
     all_reduce (``all_reduce_s``), and the per-rank bandwidth of a 1 MiB-per-peer all_to_all."""
     import torch.multiprocessing as mp
-
     from kvbatch.ops.worker_group import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:

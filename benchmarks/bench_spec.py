@@ -36,12 +36,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from kvbatch.engine.models.weights import load_checkpoint  # noqa: E402
+from kvbatch.engine.runtime.engine_config import EngineConfig  # noqa: E402
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest  # noqa: E402
+from kvbatch.engine.runtime.sampling_params import SamplingParams  # noqa: E402
+from kvbatch.engine.speculative.controller import SpecConfig  # noqa: E402
+
 from benchmarks.workloads import WorkloadPrompt, chat_workload, copy_workload  # noqa: E402
-from kvbatch.engine.config import EngineConfig  # noqa: E402
-from kvbatch.engine.llm import LLM, GenerationRequest  # noqa: E402
-from kvbatch.engine.sampling_params import SamplingParams  # noqa: E402
-from kvbatch.engine.speculative import SpecConfig  # noqa: E402
-from kvbatch.engine.weights import load_checkpoint  # noqa: E402
 
 
 @dataclass
@@ -108,7 +109,7 @@ def build(model, dtype: str, arm: Arm, threads: int | None, batch: int) -> LLM:
     llm = LLM(model, dtype=dtype, num_threads=threads, engine_config=EngineConfig(max_num_seqs=batch),
               speculative=spec)
     if arm.draft_dtype and llm.drafter is not None:  # rebuild the draft engine in its own dtype
-        from kvbatch.engine.drafters import DraftModelDrafter
+        from kvbatch.engine.speculative.drafters import DraftModelDrafter
 
         draft = LLM(spec.draft_model, dtype=arm.draft_dtype, engine_config=EngineConfig(max_num_seqs=batch))
         llm.drafter = DraftModelDrafter(draft, llm.model_config.vocab_size,

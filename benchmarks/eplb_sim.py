@@ -110,7 +110,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvbatch.engine.eplb import Placement, identity_placement, rebalance_experts  # noqa: E402
+from kvbatch.engine.parallel.eplb import (  # noqa: E402
+    Placement,
+    identity_placement,
+    rebalance_experts,
+)
 
 DEFAULT_RANKS = (8, 16, 32, 64, 128, 256, 320)
 
@@ -527,7 +531,7 @@ def print_cross_validation(bc: BenchCalibration, rows: list[dict[str, Any]]) -> 
           f"host_cores={c.host_cores}")
     print(f"  model: {c.stages_per_layer} collectives per MoE layer x {c.num_layers} layers + {c.step_collectives} per step; "
           f"global batch {c.global_batch_tokens} tokens split over W; E={c.num_experts} top_k={c.top_k} H={c.hidden_size}")
-    print(f"  fitted: ep_host_s on ONE measured W without EPLB; every other row is a prediction")
+    print("  fitted: ep_host_s on ONE measured W without EPLB; every other row is a prediction")
     print(f"{'fit on':>6} {'W':>3} {'role':>9} | {'measured ms':>11} {'predicted':>9} {'error':>7} | "
           f"{'EPLB measured':>13} {'predicted':>9} {'error':>7} | ep_host_s  (compute / host / collectives ms)")
     for r in rows:

@@ -44,7 +44,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_method(text: str) -> str:
-    from kvbatch.engine.speculative import SpecConfig
+    from kvbatch.engine.speculative.controller import SpecConfig
 
     try:
         SpecConfig.parse(text)
@@ -144,10 +144,10 @@ def _fail(msg: str) -> int:
 
 
 def _load_llm(args: argparse.Namespace) -> Any:
-    from kvbatch.engine.config import EngineConfig
-    from kvbatch.engine.llm import LLM
-    from kvbatch.engine.speculative import SpecConfig
-    from kvbatch.engine.weights import load_checkpoint
+    from kvbatch.engine.models.weights import load_checkpoint
+    from kvbatch.engine.runtime.engine_config import EngineConfig
+    from kvbatch.engine.runtime.llm import LLM
+    from kvbatch.engine.speculative.controller import SpecConfig
     from kvbatch.io.kv_store import KVStore, KVStoreConfig
 
     cfg = EngineConfig(max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_step_tokens,
@@ -298,7 +298,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
-    from kvbatch.ops.kv_handoff import ManifestMismatch, run_decode
+    from kvbatch.ops.kv_handoff import run_decode
+    from kvbatch.ops.manifests import ManifestMismatch
 
     if args.workers > 1:
         return _run_worker_group(args, "decode")
@@ -345,8 +346,8 @@ def cmd_kv_gc(args: argparse.Namespace) -> int:
 
 
 def _load_error(exc: Exception) -> str:
-    from kvbatch.engine.config import UnsupportedModelError
-    from kvbatch.engine.weights import ModelLoadError
+    from kvbatch.engine.models.errors import UnsupportedModelError
+    from kvbatch.engine.models.weights import ModelLoadError
 
     if isinstance(exc, (ModelLoadError, UnsupportedModelError)):
         return str(exc)

@@ -1,6 +1,6 @@
 """Readable, batched PyTorch twins of the speculative verifier's accept/reject step.
 
-:func:`kvbatch.engine.spec_verifier.verify` is the specification: one request at a time, a
+:func:`kvbatch.engine.speculative.verifier.verify` is the specification: one request at a time, a
 Python loop over its drafts. These functions make the same decisions for a whole batch at once,
 given the same random numbers, so the engine can switch to them (and on a GPU to their Triton
 twins in :mod:`kvbatch.kernels.triton_verify`) without changing a single sampled token.

@@ -39,7 +39,7 @@ def _group_engine(spec: dict[str, Any], world_size: int) -> tuple[Any, Any, Any]
     llm = worker_group.build_llm(spec)
     if not getattr(llm.model, "moe_layers", None):
         return llm, llm, None
-    from kvbatch.engine.expert_parallel import install
+    from kvbatch.engine.parallel.expert_parallel import install
 
     placement = worker_group.initial_placement(llm.model, world_size, int(spec.get("redundant_experts", 0)))
     ep = install(llm.model, placement)
@@ -79,7 +79,7 @@ def run(spec: dict[str, Any], rank: int = 0, world_size: int = 1) -> dict[str, A
 def merge_stats(per_rank: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One stats document for the group: counters summed, wall time the slowest rank's, percentiles
     over every request; each rank's own figures kept under ``by_rank``."""
-    from kvbatch.ops.batch_generate import BatchReport
+    from kvbatch.ops.batch_report import BatchReport
 
     merged = BatchReport()
     for s in per_rank:
@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         init_group()
     try:
         if piped and rank == 0:
-            from dagster_pipes import open_dagster_pipes  # lazy: only when launched by Dagster
+            from dagster_pipes import (
+                open_dagster_pipes,  # lazy: only when launched by Dagster
+            )
 
             with open_dagster_pipes() as pipes:
                 spec = _share_spec(pipes.get_extra("spec"), world_size)

@@ -26,43 +26,20 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-
+from kvbatch.io.batch_output import AtomicSink
 from kvbatch.io.batch_requests import (
     ChatRequest,
     RejectedRow,
-    SamplingParams,
     parse_request_line,
     read_requests,
 )
-from kvbatch.io.batch_output import AtomicSink
+from kvbatch.io.prompt_table import (
+    PROMPTS_SCHEMA,
+    REJECTS_SCHEMA,
+    reject_record,
+    request_record,
+)
 
-MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-
-PROMPTS_SCHEMA = pa.schema([
-    ("row", pa.int64()),  # 1-based line (JSONL) or row (Parquet) of the input
-    ("custom_id", pa.string()),
-    ("messages", MESSAGES_TYPE),
-    ("model", pa.string()),
-    ("max_tokens", pa.int64()),
-    ("temperature", pa.float64()),
-    ("top_p", pa.float64()),
-    ("top_k", pa.int64()),
-    ("min_p", pa.float64()),
-    ("seed", pa.int64()),
-    ("stop", pa.list_(pa.string())),
-    ("stop_token_ids", pa.list_(pa.int64())),
-    ("logprobs", pa.int64()),
-    ("ignore_eos", pa.bool_()),
-])
-
-REJECTS_SCHEMA = pa.schema([
-    ("row", pa.int64()),
-    ("custom_id", pa.string()),
-    ("field", pa.string()),
-    ("reason", pa.string()),
-])
-
-SAMPLING_FIELDS = [f.name for f in PROMPTS_SCHEMA if f.name not in ("row", "custom_id", "messages", "model")]
 # Plain chat fields a Parquet column can be mapped to (target name -> what the validator reads).
 PARQUET_TARGETS = ("custom_id", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                    "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos")
@@ -159,29 +136,6 @@ def read_dataset(
         return read_parquet_requests(url, columns=columns, default_max_tokens=default_max_tokens,
                                      storage_options=storage_options)
     raise ValueError(f"unknown dataset format {fmt!r} (use auto, jsonl or parquet)")
-
-
-def request_record(req: ChatRequest) -> dict[str, Any]:
-    s = req.sampling
-    return {"row": req.line_no, "custom_id": req.custom_id, "messages": req.messages, "model": req.model,
-            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "min_p": s.min_p, "seed": s.seed, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
-            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos}
-
-
-def record_request(rec: Mapping[str, Any]) -> ChatRequest:
-    """The inverse of :func:`request_record` (rows read back from the prompts table)."""
-    sampling = SamplingParams(
-        max_tokens=rec["max_tokens"], temperature=rec["temperature"], top_p=rec["top_p"], top_k=rec["top_k"],
-        min_p=rec["min_p"], seed=rec["seed"], stop=tuple(rec["stop"] or ()),
-        stop_token_ids=tuple(rec["stop_token_ids"] or ()), logprobs=rec["logprobs"],
-        ignore_eos=bool(rec["ignore_eos"]))
-    messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
-    return ChatRequest(rec["row"], rec["custom_id"], messages, sampling, rec["model"])
-
-
-def reject_record(r: RejectedRow) -> dict[str, Any]:
-    return {"row": r.line_no, "custom_id": r.custom_id, "field": r.field, "reason": r.reason}
 
 
 class _CountingSink:

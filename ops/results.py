@@ -19,13 +19,18 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
-
-from kvbatch.engine.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.io.batch_output import JsonlWriter
+from kvbatch.io.prompt_table import record_request
 from kvbatch.io.shard_tables import read_table, write_json, write_table
-from kvbatch.ops.batch_generate import BatchReport, Job, Rejected, to_engine_sampling
-from kvbatch.ops.ingest import record_request
-from kvbatch.ops.kv_handoff import MANIFEST_VERSION, manifest_jobs, manifest_line, read_manifests
+from kvbatch.ops.batch_report import BatchReport
+from kvbatch.ops.jobs import Job, Rejected, to_engine_sampling
+from kvbatch.ops.manifests import (
+    MANIFEST_VERSION,
+    manifest_jobs,
+    manifest_line,
+    read_manifests,
+)
 
 RESULTS_SCHEMA = pa.schema([
     ("row", pa.int64()),

@@ -31,22 +31,21 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from kvbatch.engine.block_hash import chain_keys, store_fingerprint
-from kvbatch.engine.llm import LLM, parse_dtype
-from kvbatch.engine.tokenizer import ChatTokenizer
-from kvbatch.engine.weights import TokenizerSource
+from kvbatch.engine.models.weights import TokenizerSource
+from kvbatch.engine.runtime.block_hash import chain_keys, store_fingerprint
+from kvbatch.engine.runtime.llm import LLM, parse_dtype
+from kvbatch.engine.text.tokenizer import ChatTokenizer
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow
-from kvbatch.io.shard_tables import shard_url
-from kvbatch.ops.batch_generate import Rejected, tokenize_request, tokenize_requests
-from kvbatch.ops.ingest import (
+from kvbatch.io.prompt_table import (
     PROMPTS_SCHEMA,
     REJECTS_SCHEMA,
-    TableStream,
     record_request,
     reject_record,
     request_record,
 )
+from kvbatch.io.shard_tables import shard_url
+from kvbatch.ops.ingest import TableStream
+from kvbatch.ops.jobs import Rejected, tokenize_request, tokenize_requests
 
 SHARD_SCHEMA = pa.schema([
     *PROMPTS_SCHEMA,

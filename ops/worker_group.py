@@ -11,12 +11,12 @@ group (gloo: the engine computes on the CPU; ``KVBATCH_DIST_BACKEND`` overrides)
 - Data parallel: rank ``r`` takes input rows ``r, r + W, r + 2W, ...``; attention and dense
   layers run on each rank's own requests only.
 - Expert parallel (MoE models, W > 1): each rank keeps only its expert slots
-  (:class:`~kvbatch.engine.expert_parallel.ExpertParallelCompute`) and tokens travel to their
+  (:class:`~kvbatch.engine.parallel.expert_parallel.ExpertParallelCompute`) and tokens travel to their
   experts by all-to-all. Ranks step in lockstep: every step starts with an all_reduce of "has
   work", and a rank without work still serves the other ranks' tokens.
 - Live EPLB (``eplb_interval`` > 0): every rank counts its routing
-  (:class:`~kvbatch.engine.eplb.ExpertLoadWindow`); every ``eplb_interval`` steps the counts
-  are summed over ranks, :func:`~kvbatch.engine.eplb.rebalance_experts` places ``E +
+  (:class:`~kvbatch.engine.parallel.eplb.ExpertLoadWindow`); every ``eplb_interval`` steps the counts
+  are summed over ranks, :func:`~kvbatch.engine.parallel.eplb.rebalance_experts` places ``E +
   redundant_experts`` slots, and the expert weights move (between steps, on all ranks).
 - Rank 0 gathers every rank's output lines, writes them in input order (the same file a
   single process writes), and the metrics.
@@ -97,7 +97,7 @@ class LiveBalancer:
 
     def __init__(self, llm: Any, ep: Any, interval: int, num_slots: int, window_steps: int | None = None,
                  force: str | None = None) -> None:
-        from kvbatch.engine.eplb import ExpertLoadWindow
+        from kvbatch.engine.parallel.eplb import ExpertLoadWindow
 
         self.ep = ep
         self.interval = interval
@@ -113,8 +113,11 @@ class LiveBalancer:
     def on_step(self, step: int) -> None:
         import torch
         import torch.distributed as dist
-
-        from kvbatch.engine.eplb import Placement, rank_loads, rebalance_experts
+        from kvbatch.engine.parallel.eplb import (
+            Placement,
+            rank_loads,
+            rebalance_experts,
+        )
 
         self.window.end_step()
         if step % self.interval:
@@ -182,9 +185,9 @@ def init_group(timeout_s: float | None = None) -> tuple[int, int]:
 
 def build_llm(spec: dict[str, Any]) -> Any:
     """This rank's engine, as the CLI would build it from the same options."""
-    from kvbatch.engine.config import EngineConfig
-    from kvbatch.engine.llm import LLM
-    from kvbatch.engine.weights import load_checkpoint
+    from kvbatch.engine.models.weights import load_checkpoint
+    from kvbatch.engine.runtime.engine_config import EngineConfig
+    from kvbatch.engine.runtime.llm import LLM
 
     ckpt = load_checkpoint(spec["model"])
     engine_config = EngineConfig(**spec.get("engine", {}))
@@ -198,7 +201,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
         store = KVStore.from_config(KVStoreConfig(**spec["kv_store"]), fingerprint)
     speculative = None
     if spec.get("speculative"):
-        from kvbatch.engine.speculative import SpecConfig
+        from kvbatch.engine.speculative.controller import SpecConfig
 
         s = spec["speculative"]
         speculative = SpecConfig.parse(s["method"], s.get("max_len", SpecConfig.max_len), s.get("adaptive", True))
@@ -209,7 +212,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
 def initial_placement(model: Any, world: int, redundant: int) -> Any:
     """Identity when the experts split evenly and nothing is redundant; otherwise ``E + R``
     slots holding experts round-robin (``rebalance`` improves on it once loads are known)."""
-    from kvbatch.engine.eplb import identity_placement
+    from kvbatch.engine.parallel.eplb import identity_placement
 
     num_experts = next(iter(model.moe_layers.values())).num_experts
     slots = num_experts + redundant
@@ -234,8 +237,8 @@ def _renumbered(jobs: Iterable[Any]) -> Iterator[Any]:
 
 def _rank_jobs(llm: Any, spec: dict[str, Any], rank: int, world: int) -> Iterator[Any]:
     from kvbatch.io.batch_requests import read_requests
-    from kvbatch.ops.batch_generate import tokenize_requests
-    from kvbatch.ops.kv_handoff import manifest_jobs, read_manifests
+    from kvbatch.ops.jobs import tokenize_requests
+    from kvbatch.ops.manifests import manifest_jobs, read_manifests
 
     so = spec.get("storage_options") or {}
     if spec["command"] == "generate":
@@ -249,8 +252,7 @@ def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | Non
     """Run this rank's share; rank 0 writes the output. Returns the exit status."""
     import fsspec
     import torch.distributed as dist
-
-    from kvbatch.engine.expert_parallel import install
+    from kvbatch.engine.parallel.expert_parallel import install
     from kvbatch.ops.batch_generate import run_jobs
 
     rank, world = init_group(spec.get("timeout_s"))
@@ -333,7 +335,7 @@ def rank_load_segments(parts: Sequence[dict[str, Any]], world: int) -> list[dict
 def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int) -> int:
     """Rank 0: every rank's lines in input order (row i came from rank i % W), the metrics."""
     from kvbatch.io.batch_output import JsonlWriter
-    from kvbatch.ops.batch_generate import BatchReport
+    from kvbatch.ops.batch_report import BatchReport
 
     so = spec.get("storage_options") or {}
     total = sum(len(p["lines"]) for p in parts)
@@ -408,7 +410,7 @@ def group_metrics(parts: Sequence[dict[str, Any]], world: int) -> dict[str, Any]
 
 
 def a2a_bytes(eps: Sequence[dict[str, Any]]) -> float:
-    from kvbatch.engine.expert_parallel import a2a_bytes_per_token_per_layer
+    from kvbatch.engine.parallel.expert_parallel import a2a_bytes_per_token_per_layer
 
     return a2a_bytes_per_token_per_layer(list(eps))
 

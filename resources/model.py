@@ -14,7 +14,7 @@ _LOCK = threading.Lock()
 
 def _checkpoint(model: str) -> Any:
     """Checkpoints are cached per process: every step of an in-process run shares one load."""
-    from kvbatch.engine.weights import load_checkpoint
+    from kvbatch.engine.models.weights import load_checkpoint
 
     with _LOCK:
         if model not in _CHECKPOINTS:
@@ -44,7 +44,7 @@ class ModelResource(dg.ConfigurableResource):
     @classmethod
     def _check_spec(cls, value: str | None) -> str | None:
         if value:
-            from kvbatch.engine.speculative import SpecConfig
+            from kvbatch.engine.speculative.controller import SpecConfig
 
             SpecConfig.parse(value)  # raises with the accepted forms named
         return value or None
@@ -56,7 +56,7 @@ class ModelResource(dg.ConfigurableResource):
         return {"method": self.spec, "max_len": self.spec_max_len, "adaptive": self.spec_adaptive}
 
     def engine_config(self) -> Any:
-        from kvbatch.engine.config import EngineConfig
+        from kvbatch.engine.runtime.engine_config import EngineConfig
 
         return EngineConfig(max_num_seqs=self.max_batch, max_num_batched_tokens=self.max_step_tokens,
                             kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)), batch_invariant=self.deterministic)
@@ -69,8 +69,8 @@ class ModelResource(dg.ConfigurableResource):
     def load(self, kv_store: Any = None, decode: bool = False) -> Any:
         """A fresh ``LLM`` (engines are cheap next to the weights, which are shared); ``decode``:
         with the speculative drafter, if one is configured (prefill never drafts)."""
-        from kvbatch.engine.llm import LLM
-        from kvbatch.engine.speculative import SpecConfig
+        from kvbatch.engine.runtime.llm import LLM
+        from kvbatch.engine.speculative.controller import SpecConfig
 
         spec = None
         if decode and self.spec:

@@ -20,7 +20,7 @@ def smollm2_checkpoint():
     Build engines from it with ``LLM(smollm2_checkpoint, ...)``: each engine copies what it
     needs, so engines with different configs or dtypes do not re-read the file.
     """
-    from kvbatch.engine.weights import load_checkpoint
+    from kvbatch.engine.models.weights import load_checkpoint
 
     return load_checkpoint("smollm2-135m")
 
@@ -28,7 +28,7 @@ def smollm2_checkpoint():
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_checkpoint):
     """An fp32 ``LLM`` with the default engine config. Shared: leave no spies or state behind."""
-    from kvbatch.engine.llm import LLM
+    from kvbatch.engine.runtime.llm import LLM
 
     return LLM(smollm2_checkpoint)
 
@@ -37,9 +37,8 @@ def smollm2_llm(smollm2_checkpoint):
 def smollm2_hf():
     """transformers' fp32 model read from the same GGUF: the reference for parity tests."""
     import torch
+    from kvbatch.engine.models.weights import resolve_model
     from transformers import AutoModelForCausalLM
-
-    from kvbatch.engine.weights import resolve_model
 
     path = resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(

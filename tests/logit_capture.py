@@ -4,8 +4,7 @@ transformers reference model, for parity tests."""
 from __future__ import annotations
 
 import torch
-
-from kvbatch.engine.llm import LLM
+from kvbatch.engine.runtime.llm import LLM
 
 
 def capture_logits(llm: LLM) -> list[tuple[str, torch.Tensor]]:

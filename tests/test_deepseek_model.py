@@ -11,18 +11,24 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kvbatch.engine.config import EngineConfig, ModelConfig, UnsupportedModelError
-from kvbatch.engine.deepseek_model import DeepseekV3Model
-from kvbatch.engine.kv_connector import KVConnector
-from kvbatch.engine.llm import LLM, GenerationRequest
-from kvbatch.engine.model_runner import ModelRunner
-from kvbatch.engine.sampling_params import SamplingParams
-from kvbatch.engine.weights import load_checkpoint
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.deepseek import DeepseekV3Model
+from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.weights import load_checkpoint
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.kv_connector import KVConnector
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.model_runner import ModelRunner
+from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.io.kv_store import KVStore, KVStoreConfig
 from kvbatch.io.kv_tiers import MemoryTier
-from kvbatch.kernels.reference_mla import mla_decode_attention, mla_prefill_attention, store_mla_kv
+from kvbatch.kernels.reference_mla import (
+    mla_decode_attention,
+    mla_prefill_attention,
+    store_mla_kv,
+)
 from kvbatch.ops.shards import kv_fingerprint
+
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_deepseek import VOCAB, build_tiny_deepseek, deepseek_config
 
@@ -350,7 +356,7 @@ def test_yarn_softmax_scale_and_rope_table(tiny):
 def test_early_exit_applies_norm_and_head_to_the_partial_stack(tiny):
     """``forward(num_layers=n)`` (self-speculative drafting) equals transformers' hidden state
     after n layers through the final norm and head."""
-    from kvbatch.engine.model_runner import WorkItem
+    from kvbatch.engine.runtime.model_runner import WorkItem
 
     folder, ref = tiny("moe")
     llm = LLM(str(folder), engine_config=EngineConfig(block_size=4, num_blocks=16))

@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from kvbatch.cli.main import main
-from kvbatch.engine.eplb import Placement, rebalance_experts
-from kvbatch.engine.moe import MoELayerWeights
+from kvbatch.engine.models.moe import MoELayerWeights
+from kvbatch.engine.parallel.eplb import Placement, rebalance_experts
 from kvbatch.kernels import dispatch as K
+
 from tests import tiny_models
 from tests.tiny_models import build_tiny_chat_model, build_tiny_moe
 
@@ -75,7 +75,7 @@ def _rank_main(rank: int, world: int, port: int, fn, args) -> None:
 def _check_exchange(rank: int, world: int, counts: list[int]) -> None:
     """Each rank routes its own tokens (some ranks none, idle); the result is bitwise the local
     fused_moe over every rank's tokens at once, and idle ranks serve until all are done."""
-    from kvbatch.engine.expert_parallel import ExpertParallelCompute
+    from kvbatch.engine.parallel.expert_parallel import ExpertParallelCompute
 
     layers = _synthetic_layers()
     ep = ExpertParallelCompute(layers, LAYERS)
@@ -100,7 +100,10 @@ def _check_exchange(rank: int, world: int, counts: list[int]) -> None:
 
 def _check_bytes(rank: int, world: int) -> None:
     """Two ranks, identity placement (experts 0-3 on rank 0, 4-7 on rank 1), hand-made routing."""
-    from kvbatch.engine.expert_parallel import ExpertParallelCompute, a2a_bytes_per_token_per_layer
+    from kvbatch.engine.parallel.expert_parallel import (
+        ExpertParallelCompute,
+        a2a_bytes_per_token_per_layer,
+    )
 
     ep = ExpertParallelCompute(_synthetic_layers(), LAYERS)
     x = torch.randn(3, H)
@@ -121,7 +124,7 @@ def _check_bytes(rank: int, world: int) -> None:
 
 def _check_rebalance(rank: int, world: int) -> None:
     """Moving the experts to a skewed placement with redundant slots changes no output."""
-    from kvbatch.engine.expert_parallel import ExpertParallelCompute
+    from kvbatch.engine.parallel.expert_parallel import ExpertParallelCompute
 
     layers = _synthetic_layers()
     ep = ExpertParallelCompute(layers, LAYERS)
@@ -174,7 +177,7 @@ def test_exchange_bitwise_idle_ranks_byte_count_and_rebalance(world, counts):
 def build_moe_chat_model(arch: str, folder: Path, seed: int = 0, skew: float = 0.0) -> Path:
     """A tiny MoE model (tests.tiny_models.build_tiny_moe) that speaks SmolLM2's tokenizer and
     chat template, so `kvbatch generate` can run it and its outputs have text to compare."""
-    from kvbatch.engine.tokenizer import ChatTokenizer
+    from kvbatch.engine.text.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.from_model("smollm2-135m")
     if arch == "deepseek_v3":

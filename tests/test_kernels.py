@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
 from tests.triton_interpreter import (ATTN_TOL, CHILD_ENV, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
-                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)
+                                      assert_close, interpreter_only, interpreter_settings, randn)
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
 
@@ -412,9 +412,10 @@ def test_engine_logits_same_on_triton_kernels(tmp_path, monkeypatch):
     """A tiny Llama through the real engine (mixed decode + chunked prefill steps, strided
     q/k views, the engine's index dtypes): the interpreted Triton kernels give the reference's
     logits at every step."""
-    from kvbatch.engine.config import EngineConfig
-    from kvbatch.engine.llm import LLM, GenerationRequest
-    from kvbatch.engine.sampling_params import SamplingParams
+    from kvbatch.engine.runtime.engine_config import EngineConfig
+    from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+    from kvbatch.engine.runtime.sampling_params import SamplingParams
+
     from tests.tiny_models import VOCAB, build_tiny
 
     build_tiny("llama", tmp_path)

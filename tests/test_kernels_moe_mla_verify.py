@@ -9,7 +9,7 @@ arithmetic is wrong), so they are compared with the twin run on the same values 
 fp32, within one or two units in the last place of the output dtype.
 
 The batched verifier twins are also pinned to the engine's per-request
-:func:`kvbatch.engine.spec_verifier.verify`: fed the same random stream they accept the same
+:func:`kvbatch.engine.speculative.verifier.verify`: fed the same random stream they accept the same
 drafts and emit the same token, exactly.
 
 Tolerances (max |triton - reference| <= atol + rtol * |reference|):
@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
 from tests.triton_interpreter import (ATTN_TOL, CHILD_ENV, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
-                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)
-from kvbatch.engine.sampler import filter_logits
-from kvbatch.engine.sampling_params import SamplingParams
-from kvbatch.engine.spec_verifier import verify
+                                      assert_close, interpreter_only, interpreter_settings, randn)
+from kvbatch.engine.runtime.sampler import filter_logits
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.speculative.verifier import verify
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
 from kvbatch.kernels import reference_mla as RM

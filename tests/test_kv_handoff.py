@@ -8,14 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-
 from kvbatch.cli.main import _kv_fingerprint
-from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.llm import LLM
-from kvbatch.engine.weights import load_checkpoint
+from kvbatch.engine.models.weights import load_checkpoint
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM
 from kvbatch.io.kv_store import KVStore, KVStoreConfig
 from kvbatch.ops.batch_generate import run_batch
-from kvbatch.ops.kv_handoff import ManifestMismatch, run_decode, run_prefill
+from kvbatch.ops.kv_handoff import run_decode, run_prefill
+from kvbatch.ops.manifests import ManifestMismatch
+
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = ("You are a meticulous assistant for a hardware store. Answer briefly, cite the aisle number, "

@@ -7,11 +7,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvbatch.engine.models.linear import (
+    BLAS,
+    ONEDNN,
+    LinearFormat,
+    choose_linear_format,
+    onednn_available,
+)
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
 
-from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.linear import BLAS, ONEDNN, LinearFormat, choose_linear_format, onednn_available
-from kvbatch.engine.llm import LLM, GenerationRequest
-from kvbatch.engine.sampling_params import SamplingParams
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_models import VOCAB, build_tiny
 

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvbatch.engine.models.config import ModelConfig, MoEConfig
+from kvbatch.engine.models.moe import (
+    LocalExperts,
+    MoELayerWeights,
+    load_moe_layer,
+    moe_forward,
+    route,
+)
+from kvbatch.engine.models.weights import ModelLoadError, load_checkpoint
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels import dispatch, reference
 from safetensors.torch import load_file, save_file
 
-from kvbatch.engine.config import EngineConfig, MoEConfig, ModelConfig
-from kvbatch.engine.llm import LLM, GenerationRequest
-from kvbatch.engine.moe import LocalExperts, MoELayerWeights, load_moe_layer, moe_forward, route
-from kvbatch.engine.sampling_params import SamplingParams
-from kvbatch.engine.weights import ModelLoadError, load_checkpoint
-from kvbatch.kernels import dispatch, reference
-from tests.tiny_models import HOT_EXPERTS, MOE_ARCHS, NUM_EXPERTS, VOCAB, build_tiny_moe
 from tests.logit_capture import assert_logits_match, capture_logits
+from tests.tiny_models import HOT_EXPERTS, MOE_ARCHS, NUM_EXPERTS, VOCAB, build_tiny_moe
 
 torch.set_num_threads(1)
 
@@ -407,7 +413,7 @@ def test_deepseek_checkpoint_loads_for_its_moe_layers(tmp_path, q_lora_rank):
 
 
 def test_batch_invariant_mode_is_refused_for_moe(tmp_path):
-    from kvbatch.engine.config import UnsupportedModelError
+    from kvbatch.engine.models.errors import UnsupportedModelError
 
     build_tiny_moe("mixtral", tmp_path)
     with pytest.raises(UnsupportedModelError, match="batch-invariant"):

@@ -9,15 +9,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.llm import LLM
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM
 from kvbatch.io.kv_store import KVStore, KVStoreConfig
 from kvbatch.io.shard_tables import read_shards, shard_url, write_table
 from kvbatch.ops.cost import Pricing, shard_metrics
 from kvbatch.ops.ingest import ingest
 from kvbatch.ops.results import decode_shard, prefill_shard
 from kvbatch.ops.shards import build_shards, kv_fingerprint, shard_of
+
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = "You are a librarian. Recommend one book, give its author, and keep it to one sentence. " * 2
@@ -169,7 +169,13 @@ def test_cost_metrics_arithmetic(tmp_path):
 def _one_shot_ingest(src: str, **kw) -> tuple[pa.Table, pa.Table]:
     """The non-streaming reference: every row in memory, one table each."""
     from kvbatch.io.batch_requests import RejectedRow
-    from kvbatch.ops.ingest import PROMPTS_SCHEMA, REJECTS_SCHEMA, read_dataset, reject_record, request_record
+    from kvbatch.io.prompt_table import (
+        PROMPTS_SCHEMA,
+        REJECTS_SCHEMA,
+        reject_record,
+        request_record,
+    )
+    from kvbatch.ops.ingest import read_dataset
 
     items = list(read_dataset(src, **kw))
     good = [request_record(i) for i in items if not isinstance(i, RejectedRow)]

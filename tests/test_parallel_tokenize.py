@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
-from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.llm import LLM
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM
 from kvbatch.io.batch_requests import ChatRequest
 from kvbatch.io.shard_tables import shard_url
 from kvbatch.ops import shards
@@ -30,6 +29,7 @@ from kvbatch.ops.shards import (
     tokenized_in_pool,
     tokenized_in_process,
 )
+
 from tests.tiny_models import build_tiny_chat_model
 
 NUM_SHARDS = 4
@@ -151,7 +151,7 @@ def test_pool_stream_equals_in_process_stream_and_stays_bounded(llm):
 
 
 def _sampling():
-    from kvbatch.engine.sampling_params import SamplingParams
+    from kvbatch.engine.runtime.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=4)
 
@@ -220,9 +220,8 @@ def test_worker_count_is_validated(llm, prompts, tmp_path):
 
 
 def test_asset_config_refuses_fewer_than_one_worker():
-    from pydantic import ValidationError
-
     from kvbatch.pipelines.assets import ShardsConfig
+    from pydantic import ValidationError
 
     assert ShardsConfig().tokenize_workers is None and ShardsConfig(tokenize_workers=3).tokenize_workers == 3
     with pytest.raises(ValidationError, match="greater than or equal to 1"):

@@ -14,16 +14,31 @@ import sys
 import time
 from pathlib import Path
 
+import dagster as dg
 import pyarrow.parquet as pq
 import pytest
-
-import dagster as dg
 from kvbatch.io.shard_tables import read_shards
-from kvbatch.pipelines.assets import ASSETS, cost_metrics, decode_results, prefill_kv, prompt_shards, prompts
-from kvbatch.pipelines.automation import date_of_file, new_file_requests, nightly_ingest, shards_after_ingest
+from kvbatch.pipelines.assets import (
+    ASSETS,
+    cost_metrics,
+    decode_results,
+    prefill_kv,
+    prompt_shards,
+    prompts,
+)
+from kvbatch.pipelines.automation import (
+    date_of_file,
+    new_file_requests,
+    nightly_ingest,
+    shards_after_ingest,
+)
 from kvbatch.pipelines.definitions import defs
 from kvbatch.pipelines.layout import DayLayout
-from kvbatch.pipelines.partitions import date_shard_key, date_shard_keys, shard_partitions
+from kvbatch.pipelines.partitions import (
+    date_shard_key,
+    date_shard_keys,
+    shard_partitions,
+)
 from kvbatch.resources import (
     DecodeClusterResource,
     KVStoreResource,
@@ -31,6 +46,7 @@ from kvbatch.resources import (
     ObjectStoreResource,
     PricingResource,
 )
+
 from tests.tiny_models import build_tiny_chat_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,8 +96,8 @@ def dataset(s3) -> tuple[str, str, dict, object]:
 
 
 def _reference(tiny: Path, tmp_path: Path) -> dict[str, tuple[str, int]]:
-    from kvbatch.engine.config import EngineConfig
-    from kvbatch.engine.llm import LLM
+    from kvbatch.engine.runtime.engine_config import EngineConfig
+    from kvbatch.engine.runtime.llm import LLM
     from kvbatch.ops.batch_generate import run_batch
 
     src = tmp_path / "ref_in.jsonl"

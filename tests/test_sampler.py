@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kvbatch.engine.sampler import filter_logits, sample, top_logprobs
-from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.engine.runtime.sampler import filter_logits, sample, top_logprobs
+from kvbatch.engine.runtime.sampling_params import SamplingParams
 
 
 def _logits(seed: int, v: int = 50) -> torch.Tensor:

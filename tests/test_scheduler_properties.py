@@ -12,11 +12,10 @@ import random
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-
-from kvbatch.engine.block_manager import BlockManager
-from kvbatch.engine.sampling_params import SamplingParams
-from kvbatch.engine.scheduler import Scheduler
-from kvbatch.engine.sequence import Sequence
+from kvbatch.engine.runtime.block_manager import BlockManager
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.runtime.scheduler import Scheduler
+from kvbatch.engine.runtime.sequence import Sequence
 
 PREFIXES = [[7] * 9, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], []]
 

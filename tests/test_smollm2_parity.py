@@ -23,10 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.llm import LLM, GenerationRequest
-from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -9,13 +9,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kvbatch.engine.config import EngineConfig
-from kvbatch.engine.drafters import Draft, NgramDrafter
-from kvbatch.engine.llm import LLM, GenerationRequest
-from kvbatch.engine.sampling_params import SamplingParams
-from kvbatch.engine.spec_verifier import verify
-from kvbatch.engine.speculative import DraftOutlook, SpecConfig, SpecController
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.speculative.controller import (
+    DraftOutlook,
+    SpecConfig,
+    SpecController,
+)
+from kvbatch.engine.speculative.drafters import Draft, NgramDrafter
+from kvbatch.engine.speculative.verifier import verify
 from tiny_models import VOCAB, build_tiny
 
 
@@ -181,13 +184,13 @@ def _draw_first(p_logits, q, drafts_fn, n, verifier=verify):
 
 
 def _always_accept(target_logits, drafts, q, params, g):
-    from kvbatch.engine.spec_verifier import Verdict
+    from kvbatch.engine.speculative.verifier import Verdict
     return Verdict(list(drafts) + [0], len(drafts))
 
 
 def _resample_from_p(target_logits, drafts, q, params, g):
     """A classic bug: on rejection, draw from p instead of norm(max(0, p - q))."""
-    from kvbatch.engine.spec_verifier import Verdict
+    from kvbatch.engine.speculative.verifier import Verdict
     p = target_logits.softmax(-1)
     u = torch.rand(len(drafts), generator=g)
     for i, d in enumerate(drafts):
@@ -300,8 +303,8 @@ def test_ngram_match_agrees_with_the_naive_search(tokens, k, min_n, extra):
 
 
 def test_ngram_outlook_reports_the_match_and_propose_reuses_it():
-    from kvbatch.engine.drafters import DraftRequest
-    from kvbatch.engine.sequence import Sequence
+    from kvbatch.engine.runtime.sequence import Sequence
+    from kvbatch.engine.speculative.drafters import DraftRequest
 
     d = NgramDrafter()
     seq = Sequence(0, "r", [5, 6, 7, 8, 9, 5, 6, 7], SamplingParams())
@@ -313,8 +316,8 @@ def test_ngram_outlook_reports_the_match_and_propose_reuses_it():
 
 
 def test_slots_follow_the_drafters_evidence_not_just_the_request():
-    from kvbatch.engine.sequence import Sequence
-    from kvbatch.engine.speculative import StepCostModel
+    from kvbatch.engine.runtime.sequence import Sequence
+    from kvbatch.engine.speculative.controller import StepCostModel
 
     def decoding(i: int) -> Sequence:
         seq = Sequence(i, f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100))
@@ -344,7 +347,7 @@ def test_slots_follow_the_drafters_evidence_not_just_the_request():
 
 def test_adaptive_length_follows_observed_acceptance():
     ctl = SpecController(SpecConfig("ngram", max_len=6))
-    from kvbatch.engine.sequence import Sequence
+    from kvbatch.engine.runtime.sequence import Sequence
     seq = Sequence(0, "r", [1, 2, 3], SamplingParams())
     start = ctl.length(seq)
     for _ in range(10):
@@ -363,8 +366,8 @@ def test_adaptive_length_follows_observed_acceptance():
 
 
 def test_adaptive_slots_follow_the_cost_of_a_step():
-    from kvbatch.engine.sequence import Sequence
-    from kvbatch.engine.speculative import StepCostModel
+    from kvbatch.engine.runtime.sequence import Sequence
+    from kvbatch.engine.speculative.controller import StepCostModel
 
     def plan(batch: int, cost: StepCostModel, kept: tuple[int, ...] = (4,)) -> list[int]:
         """Slots for ``batch`` requests whose past 20 steps kept ``kept[i % len]`` of 4 drafts."""
@@ -405,7 +408,7 @@ def test_adaptive_slots_follow_the_cost_of_a_step():
 
 
 def test_step_cost_model_fits_a_line():
-    from kvbatch.engine.speculative import StepCostModel
+    from kvbatch.engine.speculative.controller import StepCostModel
 
     cost = StepCostModel()
     for i in range(200):

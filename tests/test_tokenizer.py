@@ -12,10 +12,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvbatch.engine.models.weights import (
+    ModelLoadError,
+    TokenizerSource,
+    load_tokenizer_source,
+    resolve_model,
+)
+from kvbatch.engine.text.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from tokenizers import pre_tokenizers
-
-from kvbatch.engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
-from kvbatch.engine.weights import ModelLoadError, TokenizerSource, load_tokenizer_source, resolve_model
 
 DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 IM_START, IM_END = 1, 2
@@ -266,7 +270,7 @@ def test_hf_folder_tokenizer(tok: ChatTokenizer, hf_tok: Any, tmp_path: Path) ->
 
 
 def test_from_checkpoint(tok: ChatTokenizer, smol_source: TokenizerSource) -> None:
-    from kvbatch.engine.weights import Checkpoint
+    from kvbatch.engine.models.weights import Checkpoint
 
     fake = Checkpoint(config={}, tensors={}, source="x", fingerprint="0", tokenizer_source=smol_source)
     other = ChatTokenizer.from_checkpoint(fake)

@@ -17,9 +17,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from kvbatch.engine.models.weights import (
+    Checkpoint,
+    ModelLoadError,
+    load_checkpoint,
+    resolve_model,
+)
 from safetensors.torch import load_file, save_file
-
-from kvbatch.engine.weights import Checkpoint, ModelLoadError, load_checkpoint, resolve_model
 
 TINY = dict(
     hidden_size=64,
@@ -123,7 +127,7 @@ def test_fingerprint_stable_across_processes_and_sensitive_to_one_weight(
     first = load_checkpoint(str(folder)).fingerprint
     assert first == load_checkpoint(str(folder)).fingerprint
     assert len(first) == 64 and int(first, 16) >= 0
-    code = f"from kvbatch.engine.weights import load_checkpoint; print(load_checkpoint({str(folder)!r}).fingerprint)"
+    code = f"from kvbatch.engine.models.weights import load_checkpoint; print(load_checkpoint({str(folder)!r}).fingerprint)"
     other = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "123"}
     )

@@ -23,14 +23,24 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from kvbatch.engine.config import ModelConfig, UnsupportedModelError
-from kvbatch.engine.linear import LinearFormat, blas_invariant_rows, choose_linear_format
-from kvbatch.engine.mla_config import MLAConfig, yarn_mscale
-from kvbatch.engine.model import ForwardBatch, LlamaModel
-from kvbatch.engine.moe import (ExpertCompute, LocalExperts, MoELayerWeights, RoutingObserver, load_moe_layer,
-                                 moe_forward)
-from kvbatch.engine.rope import cos_sin_table
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.linear import (
+    LinearFormat,
+    blas_invariant_rows,
+    choose_linear_format,
+)
+from kvbatch.engine.models.llama import ForwardBatch, LlamaModel
+from kvbatch.engine.models.mla_config import MLAConfig, yarn_mscale
+from kvbatch.engine.models.moe import (
+    ExpertCompute,
+    LocalExperts,
+    MoELayerWeights,
+    RoutingObserver,
+    load_moe_layer,
+    moe_forward,
+)
+from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.kernels import dispatch as K
 from kvbatch.kernels import reference_mla as M
 

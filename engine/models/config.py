@@ -1,19 +1,16 @@
-"""Model and engine configuration as plain dataclasses, read from a Hugging Face config dict."""
+"""Model configuration as plain dataclasses, read from a Hugging Face config dict."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from kvbatch.engine.mla_config import MLA_ARCHITECTURES, MLAConfig
+from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.mla_config import MLA_ARCHITECTURES, MLAConfig
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
 # Architectures whose MLPs are (partly) mixtures of experts; MoEConfig.from_hf reads these.
 MOE_ARCHITECTURES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or one of its options is not implemented."""
 
 
 @dataclass(frozen=True)
@@ -176,20 +173,3 @@ def _attention_bias(cfg: dict[str, Any]) -> bool:
     if bias and model_type == "qwen3_moe":  # there it would bias o_proj too
         raise UnsupportedModelError("qwen3_moe with attention_bias=true is not implemented")
     return bias
-
-
-@dataclass
-class EngineConfig:
-    """Knobs of the engine, independent of the model."""
-
-    block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget (decode tokens + prefill chunks)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    # Pad small GEMMs so that a row's result does not depend on how many other rows share the
-    # step (bitwise batch invariance on CPU BLAS; costs up to ~2x at batch 1, off by default).
-    batch_invariant: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -10,9 +10,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from kvbatch.engine.model import ForwardBatch, LlamaModel
-from kvbatch.engine.scheduler import ScheduledSeq
+from kvbatch.engine.models.llama import ForwardBatch, LlamaModel
+from kvbatch.engine.runtime.scheduler import ScheduledSeq
 
 
 @dataclass

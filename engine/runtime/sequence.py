@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.engine.runtime.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

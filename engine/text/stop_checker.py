@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbatch.engine.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from kvbatch.engine.text.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 
 class StopChecker:

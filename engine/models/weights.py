@@ -24,8 +24,8 @@ import fsspec
 import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
-
-from kvbatch.engine.config import MoEConfig, UnsupportedModelError
+from kvbatch.engine.models.config import MoEConfig
+from kvbatch.engine.models.errors import UnsupportedModelError
 
 __all__ = [
     "BUNDLED_MODELS",
@@ -111,7 +111,7 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class TokenizerSource:
-    """What `kvbatch.engine.tokenizer` needs to rebuild the tokenizer, with no file handles.
+    """What `kvbatch.engine.text.tokenizer` needs to rebuild the tokenizer, with no file handles.
 
     Kept as plain data so a `Checkpoint` pickles to worker processes and the tokenizer never
     reopens the (possibly remote) model location.

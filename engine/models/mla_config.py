@@ -1,6 +1,6 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3) settings, read from a Hugging Face config dict.
 
-Kept apart from :mod:`kvbatch.engine.config` so that module stays about the Llama family and
+Kept apart from :mod:`kvbatch.engine.models.config` so that module stays about the Llama family and
 the MoE fields; ``ModelConfig.mla`` holds one of these for DeepSeek-V3 checkpoints.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from kvbatch.engine.models.errors import UnsupportedModelError
 
 MLA_ARCHITECTURES = {"deepseek_v3"}
 # Rope kinds the MLA model implements: plain rope and YaRN (DeepSeek-V3's long-context form).
@@ -48,8 +50,6 @@ class MLAConfig:
     def from_hf(cls, cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> "MLAConfig | None":
         """The MLA settings of an HF config dict (None for other architectures); raises
         UnsupportedModelError for options the engine does not implement."""
-        from kvbatch.engine.config import UnsupportedModelError  # config imports this module
-
         model_type = cfg.get("model_type", "")
         if model_type not in MLA_ARCHITECTURES:
             return None

@@ -41,7 +41,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from kvbatch.engine.sequence import Sequence
+from kvbatch.engine.runtime.sequence import Sequence
 
 Method = Literal["ngram", "draft", "early-exit"]
 

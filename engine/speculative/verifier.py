@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kvbatch.engine.sampler import filter_logits
-from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.engine.runtime.sampler import filter_logits
+from kvbatch.engine.runtime.sampling_params import SamplingParams
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLPs: routing, the expert computation hook, and a layer's weights.
 
 One code path serves Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3's MoE layers; a
-:class:`MoEConfig` (see :mod:`kvbatch.engine.config`) says how each family differs. A layer runs
+:class:`MoEConfig` (see :mod:`kvbatch.engine.models.config`) says how each family differs. A layer runs
 as ``route`` -> routed experts -> + shared expert (:func:`moe_forward`).
 
 The routed experts are computed by an :class:`ExpertCompute`: by default :class:`LocalExperts`,
@@ -23,8 +23,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-from kvbatch.engine.config import MoEConfig
+from kvbatch.engine.models.config import MoEConfig
 from kvbatch.kernels import dispatch as K
 
 __all__ = [
@@ -164,7 +163,7 @@ def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoECon
     Reads the names transformers 5 uses in memory (``gate.weight``,
     ``gate.e_score_correction_bias``, ``experts.gate_up_proj``, ``experts.down_proj``,
     ``shared_expert(s).{gate,up,down}_proj.weight``, ``shared_expert_gate.weight``), which is
-    what :func:`kvbatch.engine.weights.load_checkpoint` produces from either the fused or the
+    what :func:`kvbatch.engine.models.weights.load_checkpoint` produces from either the fused or the
     hub's per-expert layout. Experts are cast to ``dtype``; the router and its bias stay fp32.
     """
 

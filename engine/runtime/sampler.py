@@ -8,8 +8,7 @@ else shares the batch.
 from __future__ import annotations
 
 import torch
-
-from kvbatch.engine.sampling_params import SamplingParams
+from kvbatch.engine.runtime.sampling_params import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Expert parallelism: each rank of a worker group holds some experts; tokens travel to them.
 
-:class:`ExpertParallelCompute` is a ``model.expert_compute`` (see :mod:`kvbatch.engine.moe`)
+:class:`ExpertParallelCompute` is a ``model.expert_compute`` (see :mod:`kvbatch.engine.models.moe`)
 for one rank of a ``torch.distributed`` group. It keeps only this rank's physical expert slots
-(a :class:`~kvbatch.engine.eplb.Placement`; slots are rank-major) and, at every MoE layer:
+(a :class:`~kvbatch.engine.parallel.eplb.Placement`; slots are rank-major) and, at every MoE layer:
 
-1. maps each (token, expert) pair to a physical slot (:func:`~kvbatch.engine.eplb.replica_choice`),
+1. maps each (token, expert) pair to a physical slot (:func:`~kvbatch.engine.parallel.eplb.replica_choice`),
    hence to the rank owning the slot;
 2. exchanges a small header with every rank (``all_to_all_single``): how many rows it sends
    each rank, and which layer it is at (-1: idle);
@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from kvbatch.engine.eplb import Placement, identity_placement, replica_choice
-from kvbatch.engine.moe import MoELayerWeights
+from kvbatch.engine.models.moe import MoELayerWeights
+from kvbatch.engine.parallel.eplb import Placement, identity_placement, replica_choice
 from kvbatch.kernels import dispatch as K
 
 IDLE = -1  # header layer of a rank that only serves other ranks' rows this round
@@ -96,7 +95,7 @@ class ExpertParallelCompute:
 
     ``moe_layers``: the model's full MoE weights (layer index -> weights); only this rank's
     slots are copied out of them. ``placement``: rows indexed by model layer (as
-    :class:`~kvbatch.engine.eplb.ExpertLoadWindow` and ``rebalance_experts`` make them); None is
+    :class:`~kvbatch.engine.parallel.eplb.ExpertLoadWindow` and ``rebalance_experts`` make them); None is
     the identity, which needs the expert count to divide by the group size.
     """
 

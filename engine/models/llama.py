@@ -12,12 +12,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kvbatch.engine.config import ModelConfig, UnsupportedModelError
-from kvbatch.engine.linear import LinearFormat, choose_linear_format
-from kvbatch.engine.moe import (ExpertCompute, LocalExperts, MoELayerWeights, RoutingObserver, load_moe_layer,
-                                moe_forward)
-from kvbatch.engine.rope import cos_sin_table
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.linear import LinearFormat, choose_linear_format
+from kvbatch.engine.models.moe import (
+    ExpertCompute,
+    LocalExperts,
+    MoELayerWeights,
+    RoutingObserver,
+    load_moe_layer,
+    moe_forward,
+)
+from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.kernels import dispatch as K
 
 

@@ -27,12 +27,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
-
-from kvbatch.engine.model_runner import ModelRunner, WorkItem
-from kvbatch.engine.sampler import filter_logits
-from kvbatch.engine.sampling_params import SamplingParams
-from kvbatch.engine.sequence import Sequence
-from kvbatch.engine.speculative import DraftOutlook
+from kvbatch.engine.runtime.model_runner import ModelRunner, WorkItem
+from kvbatch.engine.runtime.sampler import filter_logits
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.runtime.sequence import Sequence
+from kvbatch.engine.speculative.controller import DraftOutlook
 
 
 @dataclass
@@ -242,7 +241,7 @@ class EarlyExitDrafter(_ModelDrafter):
 
 
 class DraftModelDrafter(_ModelDrafter):
-    """``draft``: an :class:`~kvbatch.engine.llm.LLM` of the smaller model; only its runner and
+    """``draft``: an :class:`~kvbatch.engine.runtime.llm.LLM` of the smaller model; only its runner and
     block manager are used, with one shadow sequence per target request."""
 
     def __init__(self, draft, target_vocab: int, threshold: float | None):
@@ -310,23 +309,20 @@ class DraftModelDrafter(_ModelDrafter):
             self.draft.block_manager.free(sh)
 
 
-def build_drafter(config, target, seed: int) -> Drafter:
-    """The drafter a :class:`~kvbatch.engine.speculative.SpecConfig` asks for, bound to the
-    target ``LLM``; a draft model must speak the target's tokenizer."""
+def build_drafter(config, target, draft_engine=None) -> Drafter:
+    """The drafter a :class:`~kvbatch.engine.speculative.controller.SpecConfig` asks for, bound to the
+    target ``LLM``. Method ``draft`` needs ``draft_engine``, the draft model's own ``LLM``: the
+    target builds it (this module never builds engines, so it does not import the runtime that
+    imports it); it must speak the target's tokenizer."""
     threshold = config.accept_threshold if config.adaptive else None
     if config.method == "ngram":
         return NgramDrafter(config.ngram_min, config.ngram_max)
     if config.method == "early-exit":
         return EarlyExitDrafter(target.runner, config.exit_layer, threshold)
-    from kvbatch.engine.config import EngineConfig
-    from kvbatch.engine.llm import LLM  # the draft is an engine of its own; imported late (cycle)
-
-    ec = target.engine_config
-    draft = LLM(config.draft_model, dtype=target.dtype, seed=seed, engine_config=EngineConfig(
-        block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, kv_cache_bytes=ec.kv_cache_bytes,
-        max_model_len=target.max_model_len, batch_invariant=ec.batch_invariant))
-    check_same_tokenizer(target, draft)
-    return DraftModelDrafter(draft, target.model_config.vocab_size, threshold)
+    if draft_engine is None:
+        raise ValueError("speculative method 'draft' needs the draft model's engine")
+    check_same_tokenizer(target, draft_engine)
+    return DraftModelDrafter(draft_engine, target.model_config.vocab_size, threshold)
 
 
 def check_same_tokenizer(target, draft) -> None:

@@ -8,10 +8,9 @@ MoE hooks), so the runner, the KV connector and the engine never branch on the a
 from __future__ import annotations
 
 import torch
-
-from kvbatch.engine.config import ModelConfig
-from kvbatch.engine.deepseek_model import DeepseekV3Model
-from kvbatch.engine.model import LlamaModel
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.deepseek import DeepseekV3Model
+from kvbatch.engine.models.llama import LlamaModel
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvbatch.engine.block_manager import BlockManager
-from kvbatch.engine.kv_connector import KVConnector
-from kvbatch.engine.sequence import Sequence, SequenceStatus
+from kvbatch.engine.runtime.block_manager import BlockManager
+from kvbatch.engine.runtime.kv_connector import KVConnector
+from kvbatch.engine.runtime.sequence import Sequence, SequenceStatus
 
 
 @dataclass

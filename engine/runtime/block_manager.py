@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvbatch.engine.block_hash import chain_keys
-from kvbatch.engine.sequence import Sequence
+from kvbatch.engine.runtime.block_hash import chain_keys
+from kvbatch.engine.runtime.sequence import Sequence
 
 
 @dataclass

@@ -12,24 +12,23 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-
-from kvbatch.engine.block_hash import root_key
-from kvbatch.engine.block_manager import BlockManager
-from kvbatch.engine.block_hash import chain_keys
-from kvbatch.engine.config import EngineConfig, ModelConfig
-from kvbatch.engine.kv_connector import BlockStore, KVConnector
-from kvbatch.engine.model_factory import build_model
-from kvbatch.engine.model_runner import ModelRunner
-from kvbatch.engine.drafters import DraftRequest, build_drafter
-from kvbatch.engine.sampler import sample, top_logprobs
-from kvbatch.engine.spec_verifier import verify
-from kvbatch.engine.speculative import SpecConfig, SpecController
-from kvbatch.engine.sampling_params import SamplingParams
-from kvbatch.engine.scheduler import Scheduler
-from kvbatch.engine.sequence import Sequence
-from kvbatch.engine.stop_checker import StopChecker
-from kvbatch.engine.tokenizer import ChatTokenizer
-from kvbatch.engine.weights import Checkpoint, ModelLoadError, load_checkpoint
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.factory import build_model
+from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_checkpoint
+from kvbatch.engine.runtime.block_hash import chain_keys, root_key
+from kvbatch.engine.runtime.block_manager import BlockManager
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.kv_connector import BlockStore, KVConnector
+from kvbatch.engine.runtime.model_runner import ModelRunner
+from kvbatch.engine.runtime.sampler import sample, top_logprobs
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.runtime.scheduler import Scheduler
+from kvbatch.engine.runtime.sequence import Sequence
+from kvbatch.engine.speculative.controller import SpecConfig, SpecController
+from kvbatch.engine.speculative.drafters import DraftRequest, build_drafter
+from kvbatch.engine.speculative.verifier import verify
+from kvbatch.engine.text.stop_checker import StopChecker
+from kvbatch.engine.text.tokenizer import ChatTokenizer
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -130,7 +129,16 @@ class LLM:
         self.drafter = None
         if speculative is not None:
             self.spec = SpecController(speculative)
-            self.drafter = build_drafter(speculative, self, seed)
+            draft = self._draft_engine(speculative.draft_model, seed) if speculative.method == "draft" else None
+            self.drafter = build_drafter(speculative, self, draft)
+
+    def _draft_engine(self, model: str, seed: int) -> "LLM":
+        """The draft model of draft-model speculation: an engine of its own with this one's
+        cache geometry, batch limits and numerics mode."""
+        ec = self.engine_config
+        return LLM(model, dtype=self.dtype, seed=seed, engine_config=EngineConfig(
+            block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, kv_cache_bytes=ec.kv_cache_bytes,
+            max_model_len=self.max_model_len, batch_invariant=ec.batch_invariant))
 
     # -- requests --------------------------------------------------------------------------
     def prompt_ids(self, request: GenerationRequest) -> list[int]:

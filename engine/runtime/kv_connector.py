@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-
-from kvbatch.engine.sequence import Sequence
+from kvbatch.engine.runtime.sequence import Sequence
 
 
 class BlockStore(Protocol):

@@ -1,0 +1,9 @@
+"""Errors a checkpoint can raise while it is read and turned into a model.
+
+Their own module so that every configuration module can raise them without importing another
+(``config`` reads ``mla_config``; both refuse options the engine does not implement).
+"""
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is not implemented."""

@@ -1,0 +1,65 @@
+"""The unit of work every step hands the engine: a request rendered, tokenized and checked
+against the context window (:class:`Job`), or the reason it cannot run (:class:`Rejected`).
+
+``kvbatch generate``, the shard builder and the decode of manifests all make jobs here, so a
+row is refused for the same reason, with the same words, whichever path it takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvbatch.engine.runtime.llm import LLM
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.text.tokenizer import ChatTokenizer
+from kvbatch.io.batch_requests import ChatRequest, RejectedRow, reject
+
+
+@dataclass
+class Job:
+    """One request ready for the engine: its place in the output and what to run."""
+
+    index: int
+    custom_id: str
+    line_no: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    model: str | None = None
+
+
+@dataclass
+class Rejected:
+    index: int
+    row: RejectedRow
+
+
+def to_engine_sampling(req: ChatRequest) -> SamplingParams:
+    return SamplingParams(**dataclasses.asdict(req.sampling))
+
+
+def tokenize_requests(llm: LLM, items: Iterator[ChatRequest | RejectedRow]) -> Iterator[Job | Rejected]:
+    """Render and tokenize each valid row; a row the template refuses or that does not fit the
+    context window becomes a rejection, like any other bad row."""
+    if llm.tokenizer is None:
+        raise ValueError("chat requests need a model with a tokenizer")
+    for index, item in enumerate(items):
+        yield tokenize_request(llm.tokenizer, llm.max_model_len, index, item)
+
+
+def tokenize_request(tokenizer: ChatTokenizer, max_model_len: int, index: int,
+                     item: ChatRequest | RejectedRow) -> Job | Rejected:
+    """One row of :func:`tokenize_requests`; needs only the tokenizer, so a worker process that
+    rebuilt it from the checkpoint's tokenizer source gives exactly the same answer."""
+    if isinstance(item, RejectedRow):
+        return Rejected(index, item)
+    try:
+        ids = tokenizer.encode_chat(item.messages)
+    except ValueError as exc:  # a template that raises for this conversation
+        return Rejected(index, reject(item, "body.messages", f"chat template failed: {exc}"))
+    if len(ids) >= max_model_len:
+        return Rejected(index, reject(item, "body.messages",
+                                      f"prompt is {len(ids)} tokens; the context window is {max_model_len}"))
+    return Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model)
+
