@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
 from tests.triton_interpreter import (ATTN_TOL, CHILD_ENV, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
-                                      assert_close, interpreter_only, interpreter_settings, randn)
+                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
 
