@@ -18,12 +18,20 @@ import time
 from collections import Counter
 from typing import Any
 
-import fsspec
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvbatch.io.kv_object_tier import ObjectLayout, ObjectStoreTier, RetryPolicy, gc_objects, object_stats
+from kvbatch.io.kv_object_tier import (
+    CircuitBreaker,
+    ObjectLayout,
+    ObjectStoreTier,
+    RetryPolicy,
+    gc_objects,
+    object_stats,
+    open_store,
+)
 from kvbatch.io.kv_tiers import MISSING, DiskTier, Lookup, MemoryTier, Tier, check_key
+from kvbatch.io.urls import redact
 
 __all__ = [
     "KVStore",
@@ -35,6 +43,7 @@ __all__ = [
     "ObjectStoreTier",
     "Tier",
     "RetryPolicy",
+    "CircuitBreaker",
 ]
 
 
@@ -58,6 +67,12 @@ class KVStoreConfig(BaseModel):
     index_refresh_s: float = Field(default=5.0, ge=0)
     retry_attempts: int = Field(default=4, ge=1)
     retry_budget_s: float = Field(default=10.0, gt=0)
+    # Bounded time on an unreachable store: per-request timeouts, then a circuit breaker that
+    # stops calling it for `breaker_cooldown_s` after `breaker_failures` calls in a row gave up.
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    read_timeout_s: float = Field(default=20.0, gt=0)
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_cooldown_s: float = Field(default=30.0, ge=0)
 
 
 class KVStore:
@@ -80,6 +95,7 @@ class KVStore:
         self._misses = Counter()
         self._hits = 0
         self._puts_skipped = 0
+        self._puts_failed = 0
 
     @classmethod
     def from_config(cls, cfg: KVStoreConfig, fingerprint: str) -> "KVStore":
@@ -97,6 +113,10 @@ class KVStore:
                 max_bytes=cfg.max_bytes,
                 retry=RetryPolicy(attempts=cfg.retry_attempts, budget_s=cfg.retry_budget_s),
                 index_refresh_s=cfg.index_refresh_s,
+                connect_timeout_s=cfg.connect_timeout_s,
+                read_timeout_s=cfg.read_timeout_s,
+                breaker_failures=cfg.breaker_failures,
+                breaker_cooldown_s=cfg.breaker_cooldown_s,
             )
         )
         return cls(tiers, fingerprint)
@@ -168,8 +188,11 @@ class KVStore:
             check_key(k)
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"KV block {k} payload must be a torch.Tensor, got {type(t).__name__}")
+        failed_before = self.durable.counters.blocks_failed
         written = self.durable.put_many(blocks, self.fingerprint)
-        self._puts_skipped += len({k for k, _ in blocks}) - written
+        failed = self.durable.counters.blocks_failed - failed_before
+        self._puts_failed += failed
+        self._puts_skipped += len({k for k, _ in blocks}) - written - failed
         for tier in self.tiers[:-1]:
             tier.put_many(blocks, self.fingerprint)
         return written
@@ -182,6 +205,7 @@ class KVStore:
             "misses": sum(self._misses.values()),
             "misses_by_reason": dict(self._misses),
             "puts_skipped": self._puts_skipped,
+            "puts_failed": self._puts_failed,  # blocks the durable tier could not store (faults)
             "tiers": {t.name: t.stats() for t in self.tiers},
         }
 
@@ -194,14 +218,15 @@ class KVStore:
 
 
 def _layout(url: str, storage_options: dict[str, Any] | None) -> ObjectLayout:
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    # Bounded timeouts here too: `kv stats` on an unreachable store fails in seconds.
+    fs, root = open_store(url, storage_options)
     return ObjectLayout(fs, root)
 
 
 def kv_stats(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the durable store at `url` holds: packs, blocks and bytes, per fingerprint."""
     out = object_stats(_layout(url, storage_options))
-    out["url"] = url
+    out["url"] = redact(url)
     return out
 
 
@@ -219,6 +244,6 @@ def kv_gc(
         raise ValueError(f"kv_gc max_bytes must be >= 0, got {max_bytes}")
     t0 = time.monotonic()
     out = gc_objects(_layout(url, storage_options), ttl_s, max_bytes, now=now)
-    out["url"] = url
+    out["url"] = redact(url)
     out["gc_s"] = time.monotonic() - t0
     return out

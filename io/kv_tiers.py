@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MISSING = "missing"
 OBJECT_DELETED = "object_deleted"
 IO_ERROR = "io_error"
+TIER_UNAVAILABLE = "tier_unavailable"  # the tier's circuit breaker is open: not asked at all
 
 
 @dataclass
@@ -61,6 +62,15 @@ class TierCounters:
     write_errors: int = 0
     evictions: int = 0
     retries: int = 0
+    # Outages (the object store tier): calls that gave up, attempts that timed out, blocks whose
+    # pack could not be published, breaker openings, calls not made while it was open, and the
+    # seconds lost to faults (failed attempts plus the backoff between them).
+    failures: int = 0
+    timeouts: int = 0
+    blocks_failed: int = 0
+    breaker_opens: int = 0
+    calls_skipped_open: int = 0
+    fault_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -75,6 +85,12 @@ class TierCounters:
             "write_errors": self.write_errors,
             "evictions": self.evictions,
             "retries": self.retries,
+            "failures": self.failures,
+            "timeouts": self.timeouts,
+            "blocks_failed": self.blocks_failed,
+            "breaker_opens": self.breaker_opens,
+            "calls_skipped_open": self.calls_skipped_open,
+            "fault_wait_s": round(self.fault_wait_s, 4),
         }
 
 
@@ -112,7 +128,8 @@ class Tier:
 
     def _miss(self, key: str, reason: str, detail: str = "") -> Lookup:
         self.counters.misses[reason] += 1
-        if reason != MISSING:
+        # An open breaker said so once already; a line per block would bury it.
+        if reason not in (MISSING, TIER_UNAVAILABLE):
             log.warning("kv %s tier: block %s is a miss (%s) %s", self.name, key[:16], reason, detail)
         return Lookup(None, reason)
 
@@ -192,13 +209,14 @@ class MemoryTier(Tier):
 # --------------------------------------------------------------------------------------------
 # Local disk
 
-_DISK_NAME = re.compile(r"^(?P<key>[0-9A-Za-z_\-]+)\.(?P<digest>[0-9a-f]{32})\.kvb$")
-_KEY_OK = re.compile(r"^[0-9A-Za-z_\-]{1,256}$")
+# Matched with fullmatch: `$` would also accept a name ending in a newline.
+_DISK_NAME = re.compile(r"(?P<key>[0-9A-Za-z_\-]{1,256})\.(?P<digest>[0-9a-f]{32})\.kvb")
+_KEY_OK = re.compile(r"[0-9A-Za-z_\-]{1,256}")
 
 
 def check_key(key: str) -> str:
     """Keys become file and object names: only [0-9A-Za-z_-] (the engine's keys are hex sha256)."""
-    if not isinstance(key, str) or not _KEY_OK.match(key):
+    if not isinstance(key, str) or not _KEY_OK.fullmatch(key):
         raise ValueError(f"KV block key {key!r} is not a hex/ASCII-word string of 1-256 characters")
     return key
 
@@ -239,9 +257,13 @@ class DiskTier(Tier):
         found: list[tuple[float, str, _DiskFile]] = []
         now = time.time()
         for sub in os.scandir(self.folder):
-            if not sub.is_dir():
+            # Never through a symlink: eviction and the temp-file sweep delete what this scan
+            # finds, and must not reach outside the folder.
+            if not sub.is_dir(follow_symlinks=False):
                 continue
             for ent in os.scandir(sub.path):
+                if not ent.is_file(follow_symlinks=False):
+                    continue
                 try:
                     st = ent.stat()
                 except FileNotFoundError:
@@ -250,8 +272,8 @@ class DiskTier(Tier):
                     if now - st.st_mtime > 3600:  # a writer died mid-write long ago
                         _unlink_quiet(ent.path)
                     continue
-                m = _DISK_NAME.match(ent.name)
-                if m:
+                m = _DISK_NAME.fullmatch(ent.name)
+                if m and m["key"][:2] == sub.name:
                     found.append((st.st_atime, m["key"], _DiskFile(ent.path, st.st_size)))
         found.sort(key=lambda x: x[0])
         with self._lock:
@@ -302,7 +324,7 @@ class DiskTier(Tier):
             return self._miss(key, MISSING, "file vanished")
         except OSError as exc:
             return self._miss(key, IO_ERROR, str(exc))
-        m = _DISK_NAME.match(os.path.basename(f.path))
+        m = _DISK_NAME.fullmatch(os.path.basename(f.path))
         assert m is not None
         try:
             if len(data) != f.nbytes:

@@ -111,6 +111,7 @@ def prefill_shard(
     stats["prompt_tokens_computed"] = llm.stats["computed_prompt_tokens"] - computed_before
     stats["manifest_version"] = MANIFEST_VERSION
     stats["connector"] = llm.connector.stats.to_json()
+    stats["store"] = store.stats()  # per tier: retries, failures, timeouts, breaker opens (outages show here)
     if stats_url:
         write_json(stats, stats_url, storage_options=storage_options)
     return stats
@@ -161,6 +162,7 @@ def decode_stats(llm: LLM, report: BatchReport) -> dict[str, Any]:
     stats = report.to_json()
     if llm.connector is not None:
         stats["connector"] = llm.connector.stats.to_json()
+        stats["store"] = llm.connector.store.stats()  # per tier: retries, failures, breaker opens
     balance = llm.stats.get("expert_load_balancedness")  # MoE engines only
     if balance is not None:
         stats["expert_load_balancedness"] = float(balance)

@@ -27,6 +27,9 @@ class ObjectStoreResource(dg.ConfigurableResource):
     access_key_id: str | None = Field(default=None, json_schema_extra=SECRET)
     secret_access_key: str | None = Field(default=None, json_schema_extra=SECRET)
     anon: bool = Field(default=False, description="anonymous access (public buckets)")
+    # An unreachable store must cost seconds, not the run: every S3 request gives up after these.
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=300, description="S3 connect timeout per request")
+    read_timeout_s: float = Field(default=20.0, gt=0, le=3600, description="S3 read timeout (idle socket) per request")
 
     @field_validator("url")
     @classmethod
@@ -60,6 +63,7 @@ class ObjectStoreResource(dg.ConfigurableResource):
             opts["anon"] = True
         if self.region:
             opts["client_kwargs"] = {"region_name": self.region}
+        opts["config_kwargs"] = {"connect_timeout": self.connect_timeout_s, "read_timeout": self.read_timeout_s}
         return opts
 
     def options_for(self, url: str) -> dict[str, Any]:
@@ -67,7 +71,10 @@ class ObjectStoreResource(dg.ConfigurableResource):
         proto = url.split("://", 1)[0] if "://" in url else "file"
         return self.storage_options() if proto == self.protocol else {}
 
-    def __repr__(self) -> str:  # keep secrets out of logs and tracebacks
-        return f"ObjectStoreResource(url={self.url!r}, endpoint_url={self.endpoint_url!r})"
+    def __repr__(self) -> str:  # keep secrets out of logs and tracebacks (a URL may carry some too)
+        from kvbatch.io.urls import redact
+
+        endpoint = redact(self.endpoint_url) if self.endpoint_url else None
+        return f"ObjectStoreResource(url={redact(self.url)!r}, endpoint_url={endpoint!r})"
 
     __str__ = __repr__

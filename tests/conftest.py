@@ -71,3 +71,14 @@ def s3(s3_endpoint):
     bucket = f"kv-{uuid.uuid4().hex[:12]}"
     fs.mkdir(bucket)
     return f"s3://{bucket}/kv", opts, fs
+
+
+@pytest.fixture
+def s3_fault_proxy(s3_endpoint):
+    """(endpoint_url, proxy): a fault-injecting loopback proxy in front of the loopback S3
+    (tests/s3_fault_proxy.py); program it with ``proxy.plan(...)``, ``proxy.refuse()``."""
+    from tests.s3_fault_proxy import FaultProxy
+
+    host, port = s3_endpoint.removeprefix("http://").rsplit(":", 1)
+    with FaultProxy(host, int(port)) as proxy:
+        yield proxy.endpoint_url, proxy
