@@ -2,17 +2,28 @@
 
 Exit status: 0 when every request succeeded, 1 when the batch ran but some rows were rejected
 (see the output's error lines or ``--errors``), 2 when the run could not start (a missing or
-corrupt model, an unreadable input): those fail at once with a one-line message.
+corrupt model, an unreadable input, an output that cannot be written): those fail at once with
+a one-line message. ``generate`` opens its input and its outputs before it loads the model, so
+those fail in seconds, not after the load. 2 also when the input broke part-way (a truncated
+``.gz``): every row read before the break is answered in the output, whose last line says where
+the input ended. 130 / 143 after SIGINT / SIGTERM: one line, unfinished outputs discarded.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 EXIT_OK, EXIT_REJECTS, EXIT_FATAL = 0, 1, 2
+EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
 def _positive_int(text: str) -> int:
@@ -92,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--errors", default=None, help="also write the rejected rows here")
     g.add_argument("--metrics", default=None, help="write run metrics (JSON) here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--strict", action="store_true",
+                   help="reject rows with fields this reader does not know (such as a typo, max_token) instead of "
+                        "ignoring them with a warning once per field name")
     _store_args(g, required=False)
     _spec_args(g)
     _worker_args(g)
@@ -180,37 +194,121 @@ def _write_json(url: str, obj: dict) -> None:
         f.write("\n")
 
 
+class _SamePath(ValueError):
+    """Two of a run's files are one path."""
+
+
+def _check_distinct(args: argparse.Namespace, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> None:
+    """Two outputs at one path overwrite each other on commit; an output over the input
+    replaces the requests with their answers. Both are refused before any work."""
+    def key(url: str) -> str:
+        return os.path.realpath(url.removeprefix("file://")) if "://" not in url or url.startswith("file://") else url
+
+    seen: dict[str, str] = {}
+    for flag in inputs + outputs:
+        url = getattr(args, flag, None)
+        if not url:
+            continue
+        other = seen.setdefault(key(url), flag)
+        if other != flag:
+            raise _SamePath(f"--{other} and --{flag} name the same path {url}")
+
+
+class _Outputs:
+    """The outputs of one run, opened before the model loads (opening is the writability check:
+    a directory, a read-only filesystem or a missing permission fails here, naming the path)
+    and discarded on leaving unless committed."""
+
+    def __init__(self, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+        from kvbatch.io.batch_output import AtomicSink, JsonlWriter, OrderedJsonlWriter
+
+        self.output = OrderedJsonlWriter(args.output)
+        stack.callback(self.output.abort)
+        self.errors = JsonlWriter(args.errors) if args.errors else None
+        if self.errors is not None:
+            stack.callback(self.errors.abort)
+        self.metrics = AtomicSink(args.metrics, None) if args.metrics else None
+        self._metrics_done = False
+        stack.callback(self._abort_metrics)
+
+    def write_metrics(self, metrics: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write((json.dumps(metrics, indent=2) + "\n").encode())
+            self._metrics_done = True
+            self.metrics.commit()
+
+    def _abort_metrics(self) -> None:
+        if self.metrics is not None and not self._metrics_done:
+            self.metrics.abort()
+
+    def close_unused(self) -> None:
+        """Only a check was wanted (the step opens its own writers): discard them now."""
+        self.output.abort()
+        if self.errors is not None:
+            self.errors.abort()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvbatch.ops.batch_generate import run_batch
+    from kvbatch.io.batch_output import OutputError
+    from kvbatch.io.batch_requests import InputStreamError, read_requests
+    from kvbatch.ops.batch_generate import IncompleteInput, run_jobs
+    from kvbatch.ops.jobs import tokenize_requests
 
-    if args.workers > 1:
-        return _run_worker_group(args, "generate")
-    try:
-        llm = _load_llm(args)
-    except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
-        return _fail(_load_error(exc))
-    bar = _progress_bar(args, "requests")
+    with contextlib.ExitStack() as stack:
+        # Everything that can fail in a second fails before the model loads.
+        try:
+            _check_distinct(args, ("input",), ("output", "errors", "metrics"))
+            outputs = _Outputs(args, stack)
+            requests = read_requests(args.input, strict=args.strict)
+        except (_SamePath, OutputError, InputStreamError) as exc:
+            return _fail(str(exc))
+        if args.workers > 1:  # the ranks open their own input and outputs: this was the check
+            outputs.close_unused()
+            if args.strict:  # the worker spec has no such setting yet: refuse rather than ignore it
+                return _fail("--strict is not supported with --workers > 1 yet")
+            return _run_worker_group(args, "generate")
+        try:
+            llm = _load_llm(args)
+        except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
+            return _fail(_load_error(exc))
+        _say_loaded(args, llm)
+        bar = _progress_bar(args, "requests")
 
-    def progress(done: int, rejected: int) -> None:
-        bar.update(done - bar.n)
-        if rejected:
-            bar.set_postfix(rejected=rejected, refresh=False)
+        def progress(done: int, rejected: int) -> None:
+            bar.update(done - bar.n)
+            if rejected:
+                bar.set_postfix(rejected=rejected, refresh=False)
 
-    try:
-        report = run_batch(llm, args.input, args.output, errors_url=args.errors,
-                           model_name=args.model, on_progress=progress)
-    except (FileNotFoundError, PermissionError) as exc:
-        return _fail(f"cannot read {args.input}: {exc}")
-    finally:
-        bar.close()
-    metrics = report.to_json()
-    _add_store_metrics(llm, metrics)
-    if args.metrics:
-        _write_json(args.metrics, metrics)
+        incomplete: IncompleteInput | None = None
+        try:
+            report = run_jobs(llm, tokenize_requests(llm, requests), outputs.output, errors_url=outputs.errors,
+                              model_name=args.model, on_progress=progress)
+        except IncompleteInput as exc:
+            incomplete, report = exc, exc.report
+        except OutputError as exc:
+            return _fail(str(exc))
+        finally:
+            bar.close()
+        metrics = report.to_json()
+        _add_store_metrics(llm, metrics)
+        try:
+            outputs.write_metrics(metrics)
+        except OutputError as exc:  # the results are committed already: say so
+            return _fail(f"{exc} (the results were written to {args.output})")
+    if incomplete is not None:
+        return _fail(f"{incomplete}; the {report.requests - 1} rows read before it are answered in "
+                     f"{args.output}, whose last line marks where the input ended")
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; "
           f"{report.output_tokens} output tokens in {report.wall_s:.1f} s "
           f"({metrics['output_tokens_per_s']} tok/s) -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def _say_loaded(args: argparse.Namespace, llm: Any) -> None:
+    """One line once the model is up: which model answers (whatever rows ask for), and that
+    the batch has started (a wrapper can wait on it before it interrupts)."""
+    print(f"kvbatch: model {args.model} ({args.dtype}, context {llm.max_model_len}) loaded; "
+          f"generating {args.input} -> {args.output}", file=sys.stderr, flush=True)
 
 
 def _run_worker_group(args: argparse.Namespace, command: str) -> int:
@@ -294,43 +392,75 @@ def cmd_prefill(args: argparse.Namespace) -> int:
           f"{report.prompt_tokens_computed} of {report.prompt_tokens} prompt tokens computed, "
           f"{metrics.get('blocks_written', 0)} blocks written in {report.wall_s:.1f} s -> {args.manifests}",
           file=sys.stderr)
+    # Prefill exists to store KV: a store that took none (or only some) of it is a failed run.
+    not_stored = metrics.get("store", {}).get("puts_failed", 0)
+    if not_stored:
+        from kvbatch.io.urls import redact
+
+        written = metrics.get("blocks_written", 0)
+        stored = "none" if not written else f"only {written}"
+        return _fail(f"the KV store at {redact(args.store)} stored {stored} of the {written + not_stored} blocks "
+                     f"prefill asked it to store ({not_stored} failed; see the store's metrics and warnings)")
     return EXIT_REJECTS if report.rejected else EXIT_OK
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
+    from kvbatch.io.batch_output import OutputError
     from kvbatch.ops.kv_handoff import run_decode
     from kvbatch.ops.manifests import ManifestMismatch
 
     if args.workers > 1:
         return _run_worker_group(args, "decode")
-    try:
-        llm = _load_llm(args)
-    except Exception as exc:  # noqa: BLE001
-        return _fail(_load_error(exc))
-    bar = _progress_bar(args, "decode")
-    try:
-        report = run_decode(llm, args.manifests, args.output, errors_url=args.errors, model_name=args.model,
-                            on_progress=lambda done, rej: bar.update(done - bar.n))
-    except (FileNotFoundError, PermissionError) as exc:
-        return _fail(f"cannot read {args.manifests}: {exc}")
-    except (ManifestMismatch, ValueError) as exc:
-        return _fail(str(exc))
-    finally:
-        bar.close()
-    metrics = report.to_json()
-    _add_store_metrics(llm, metrics)
-    if args.metrics:
-        _write_json(args.metrics, metrics)
+    with contextlib.ExitStack() as stack:
+        try:  # outputs checked before the model loads (run_decode opens its own writers)
+            _check_distinct(args, ("manifests",), ("output", "errors", "metrics"))
+            outputs = _Outputs(args, stack)
+            outputs.close_unused()
+        except (_SamePath, OutputError) as exc:
+            return _fail(str(exc))
+        try:
+            llm = _load_llm(args)
+        except Exception as exc:  # noqa: BLE001
+            return _fail(_load_error(exc))
+        bar = _progress_bar(args, "decode")
+        try:
+            report = run_decode(llm, args.manifests, args.output, errors_url=args.errors, model_name=args.model,
+                                on_progress=lambda done, rej: bar.update(done - bar.n))
+        except OutputError as exc:
+            return _fail(str(exc))
+        except (FileNotFoundError, PermissionError) as exc:
+            return _fail(f"cannot read {args.manifests}: {exc}")
+        except (ManifestMismatch, ValueError) as exc:
+            return _fail(str(exc))
+        finally:
+            bar.close()
+        metrics = report.to_json()
+        _add_store_metrics(llm, metrics)
+        try:
+            outputs.write_metrics(metrics)
+        except OutputError as exc:
+            return _fail(f"{exc} (the results were written to {args.output})")
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; {report.loaded_prompt_tokens} of "
           f"{report.prompt_tokens} prompt tokens loaded from the store; {report.output_tokens} output tokens "
           f"in {report.wall_s:.1f} s -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
 
 
+def _store_error(url: str, exc: Exception) -> int:
+    """An unreadable or unreachable store: one line, credentials in the URL (or echoed by s3fs) redacted."""
+    from kvbatch.io.urls import one_line, redact
+
+    return _fail(f"cannot use the KV store at {redact(url)}: {one_line(exc, url)}")
+
+
 def cmd_kv_stats(args: argparse.Namespace) -> int:
     from kvbatch.io.kv_store import kv_stats
 
-    print(json.dumps(kv_stats(args.store), indent=2, default=str))
+    try:
+        out = kv_stats(args.store)
+    except Exception as exc:  # noqa: BLE001 - any store failure is reported in one line
+        return _store_error(args.store, exc)
+    print(json.dumps(out, indent=2, default=str))
     return EXIT_OK
 
 
@@ -341,7 +471,11 @@ def cmd_kv_gc(args: argparse.Namespace) -> int:
     max_bytes = int(args.max_gb * (1 << 30)) if args.max_gb is not None else None
     if ttl is None and max_bytes is None:
         return _fail("kv gc needs --ttl-hours and/or --max-gb")
-    print(json.dumps(kv_gc(args.store, ttl, max_bytes), indent=2, default=str))
+    try:
+        out = kv_gc(args.store, ttl, max_bytes)
+    except Exception as exc:  # noqa: BLE001 - any store failure is reported in one line
+        return _store_error(args.store, exc)
+    print(json.dumps(out, indent=2, default=str))
     return EXIT_OK
 
 
@@ -364,9 +498,62 @@ def cmd_sample_data(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so that every ``with`` unwinds (outputs
+    discarded, temp files removed) exactly as for Ctrl-C's KeyboardInterrupt."""
+
+
+@contextlib.contextmanager
+def _signals_unwind() -> Iterator[None]:
+    """SIGINT and SIGTERM become exceptions, once: a second signal while the first unwinds is
+    ignored, so the clean-up is not cut short into a traceback."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works only there
+        yield
+        return
+
+    def on_signal(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class _StderrHandler(logging.Handler):
+    """The library's warnings (unknown fields, a row asking for another model) as
+    ``kvbatch: warning: ...`` lines on whatever ``sys.stderr`` is now."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"kvbatch: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _warnings_to_stderr() -> Iterator[None]:
+    logger = logging.getLogger("kvbatch")
+    handler = _StderrHandler(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    with _warnings_to_stderr(), _signals_unwind():
+        try:
+            return args.func(args)
+        except KeyboardInterrupt:
+            print("kvbatch: interrupted (SIGINT); unfinished outputs discarded", file=sys.stderr)
+            return EXIT_SIGINT
+        except _Terminated:
+            print("kvbatch: terminated (SIGTERM); unfinished outputs discarded", file=sys.stderr)
+            return EXIT_SIGTERM
 
 
 def entry() -> None:

@@ -10,7 +10,10 @@ that looks complete: a re-run replaces the output whole.
 
 How "commit" works depends on where the file goes:
 
-- local paths: a sibling ``<name>.tmp-<random>`` file, then ``os.replace`` (atomic on POSIX);
+- local paths: a sibling ``.<name>.tmp-<host>-<pid>-<random>`` file, then ``os.replace``
+  (atomic on POSIX). A writer killed before its commit (SIGKILL, out of memory) leaves its
+  temp file behind; the next writer of the same name removes the ones whose process is gone
+  (same host, pid no longer running) and never one of a live writer or of another host;
 - object stores whose fsspec files support ``autocommit=False`` (s3, gcs, azure): a multipart
   upload completed on commit and aborted on failure, so the object appears whole or not at all;
 - any other fsspec filesystem (``memory://``...): a sibling ``.tmp-`` name, then ``fs.mv``.
@@ -22,6 +25,8 @@ import hashlib
 import json
 import math
 import os
+import re
+import socket
 import threading
 import time
 import uuid
@@ -34,13 +39,17 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from kvbatch.io.batch_requests import RejectedRow
+from kvbatch.io.urls import redact_text
 
 __all__ = [
     "FINISH_REASONS",
+    "AtomicSink",
     "JsonlWriter",
     "OrderedJsonlWriter",
+    "OutputError",
     "TokenLogprob",
     "error_line",
+    "remove_stale_temps",
     "result_line",
 ]
 
@@ -207,18 +216,91 @@ def _encode(obj: Mapping[str, Any]) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
+class OutputError(OSError):
+    """An output cannot be written (a directory, a read-only filesystem, no permission, disk
+    full); the message names the output's URL and the reason."""
+
+
+def _host() -> str:
+    # The temp name must parse back: keep the host to characters that cannot be the separator.
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
 def _temp_name(path: str) -> str:
     """A sibling name that dataset readers skip: a process killed before its commit (SIGKILL,
     out of memory) leaves this file behind, and pyarrow, Spark and DuckDB folder scans ignore
-    names starting with ``.``, so it can never be read as part of a table."""
+    names starting with ``.``, so it can never be read as part of a table. The host and pid
+    in it let a later writer tell a dead writer's leftover from a live writer's file."""
     head, tail = os.path.split(path)
-    return os.path.join(head, f".{tail}.tmp-{uuid.uuid4().hex[:12]}") if head else f".{tail}.tmp-{uuid.uuid4().hex[:12]}"
+    name = f".{tail}.tmp-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    return os.path.join(head, name) if head else name
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Delete the temp files of earlier writers of the local ``path`` that died before their
+    commit; returns what was deleted. Only names this module makes for ``path`` are looked
+    at, and one is stale only if it was made on this host by a pid that no longer runs (a pid
+    reused since then keeps a leftover a while longer: the safe direction). Files from other
+    hosts on a shared filesystem, and the old ``.tmp-<random>`` names without a pid, are left
+    alone: nothing here can tell whether their writer still runs."""
+    head, tail = os.path.split(path)
+    pattern = re.compile(rf"\.{re.escape(tail)}\.tmp-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{{12}}")
+    host = _host()
+    removed: list[str] = []
+    try:
+        names = os.listdir(head or ".")
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or m["host"] != host:
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        stale = os.path.join(head, name)
+        try:
+            os.remove(stale)
+        except FileNotFoundError:  # another cleaner got there first
+            continue
+        except OSError:  # not ours to remove: leave it, the write itself will say what is wrong
+            continue
+        removed.append(stale)
+    return removed
+
+
+def _output_error(url: str, exc: BaseException) -> OutputError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+    return OutputError(redact_text(f"cannot write {url}: {reason}"))
 
 
 class AtomicSink:
-    """A binary file that becomes visible at its final name only on :meth:`commit`."""
+    """A binary file that becomes visible at its final name only on :meth:`commit`.
+
+    Opening one is the writability check: for a local path it refuses a directory and creates
+    the temp file at once, so a read-only filesystem or a missing permission fails here, before
+    any work, with :class:`OutputError` naming the URL (and so do failed writes and commits).
+    """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        try:
+            self._open(url, storage_options)
+        except OutputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any opener's failure is one message naming the output
+            raise _output_error(url, exc) from exc
+
+    def _open(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
         fs, path = url_to_fs(url, **dict(storage_options or {}))
         self.url = url
         self._fs = fs
@@ -227,9 +309,16 @@ class AtomicSink:
         self._transactional = False
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         if isinstance(fs, LocalFileSystem):
+            if os.path.isdir(path):
+                # Caught now: os.replace onto a directory would fail only after all the work.
+                raise OutputError(redact_text(f"cannot write {url}: is a directory"))
             parent = os.path.dirname(path)
             if parent:
-                os.makedirs(parent, exist_ok=True)
+                try:
+                    os.makedirs(parent, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):  # errno's "File exists" misleads here
+                    raise OutputError(redact_text(f"cannot write {url}: a parent of it is not a directory")) from None
+            remove_stale_temps(path)
             self._tmp = _temp_name(path)
             self._file: IO[bytes] = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
         elif protocols & _TRANSACTIONAL_PROTOCOLS:
@@ -240,9 +329,20 @@ class AtomicSink:
             self._file = fs.open(self._tmp, "wb")
 
     def write(self, data: bytes) -> None:
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as exc:  # disk full, quota: say which output
+            raise _output_error(self.url, exc) from exc
 
     def commit(self) -> None:
+        try:
+            self._commit()
+        except OutputError:
+            raise
+        except OSError as exc:
+            raise _output_error(self.url, exc) from exc
+
+    def _commit(self) -> None:
         if isinstance(self._fs, LocalFileSystem):
             # Data on disk before the rename, or a power cut can leave an empty "complete" file.
             self._file.flush()

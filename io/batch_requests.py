@@ -2,9 +2,14 @@
 
 Why this module exists: a batch of a million prompts must never die on line 731,482 because
 someone typed ``"temperature": "hot"``, and it must never lose that line either. So every
-non-blank input line becomes exactly one item, in input order: a :class:`ChatRequest` the
-engine can run, or a :class:`RejectedRow` that names the line, the field and the reason and
-ends up in the output as an error line.
+input line, blank ones included, becomes exactly one item, in input order: a
+:class:`ChatRequest` the engine can run, or a :class:`RejectedRow` that names the line, the
+field and the reason and ends up in the output as an error line. The output therefore has as
+many lines as the input, and line N of one answers line N of the other.
+
+A stream that cannot be read further (a truncated or corrupt ``.gz``, a file that is not
+gzip, a directory, a read error) is not a row: :func:`read_requests` yields every row read
+before the break and then raises :class:`InputStreamError`, which says where it broke.
 
 Accepted row shapes (one JSON object per line):
 
@@ -29,9 +34,23 @@ Decisions, each one documented because a user will eventually ask:
 - ``logprobs: true`` alone gives the sampled token's logprob (``SamplingParams.logprobs == 0``);
   with ``top_logprobs: k`` it gives k alternatives. ``top_logprobs > 0`` without
   ``logprobs: true`` is rejected, as OpenAI does.
-- Unknown body fields are ignored (OpenAI clients send many: ``stream``, ``user``,
-  ``metadata``...), but known fields with a wrong type are rejected; types are strict (no
-  ``"0.5"`` -> 0.5, no ``true`` -> 1), since a coerced value is a guess about intent.
+- The ``model`` field of a row does not choose a model: every row is answered by the one
+  model the run loaded (``kvbatch generate --model``, the pipeline's model resource), and the
+  output's ``model`` names that model, never the row's. A row may name another model (OpenAI
+  files usually say ``"gpt-4o"``); it is kept as :attr:`ChatRequest.model` and the run warns
+  once per name it was not given.
+- Unknown fields (a typo such as ``max_token``, or an OpenAI field we do not act on:
+  ``stream``, ``user``, ``metadata``, ``presence_penalty``...) are ignored with a warning,
+  logged once per field name per file with the first line that has it, and listed on the
+  request (:attr:`ChatRequest.unknown_fields`); with ``strict=True`` (``--strict``) such a
+  row is rejected instead, naming the field. Known fields with a wrong type are always
+  rejected; types are strict (no ``"0.5"`` -> 0.5, no ``true`` -> 1), since a coerced value
+  is a guess about intent.
+- Blank and whitespace-only lines are rejected (field ``"$"``, reason ``blank line``), not
+  skipped, so that line numbers and output lines stay aligned.
+- Numbers: an integer longer than Python's int-string limit (4300 digits) is a malformed
+  line, not a crash; integer fields are bounded (``max_tokens``, ``top_k`` and token ids to
+  int32, ``seed`` to int64) so no value can overflow a tensor later.
 - ``custom_id`` must be a non-empty string; the first occurrence of an id is kept and every
   later one is rejected, whether or not the first one was valid, because an output file
   with two lines for one id is ambiguous either way.
@@ -41,13 +60,19 @@ Decisions, each one documented because a user will eventually ask:
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import itertools
 import json
+import logging
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import fsspec
+from kvbatch.io.urls import redact_text
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -59,6 +84,7 @@ from pydantic import (
 
 __all__ = [
     "ChatRequest",
+    "InputStreamError",
     "RejectedRow",
     "SamplingParams",
     "parse_request_line",
@@ -70,8 +96,12 @@ CHAT_COMPLETIONS_URL = "/v1/chat/completions"
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 WHOLE_LINE = "$"
 MISSING = "required field is missing"
+BLANK = "blank line"
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,13 +128,17 @@ class SamplingParams:
 class ChatRequest:
     """One valid input row. ``line_no`` is the 1-based line in the file (blank lines count),
     for messages and stable output ids; an output writer's index is the item's position in
-    the :func:`read_requests` stream, which has no gaps."""
+    the :func:`read_requests` stream, which has no gaps. ``model`` is what the row asked for,
+    not what answers it (see the module docstring); ``unknown_fields`` are the dotted names of
+    the fields that were ignored."""
 
     line_no: int
     custom_id: str
     messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
     sampling: SamplingParams
     model: str | None
+    # A diagnostic about the line, not part of the request: two rows asking the same are equal.
+    unknown_fields: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -177,18 +211,18 @@ class _ChatBody(BaseModel):
     model_config = _STRICT
     model: Text | None = None
     messages: list[_Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool | None = None
 
     @field_validator("stop", mode="before")
@@ -210,10 +244,11 @@ class _BatchEnvelope(BaseModel):
 
 
 def parse_request_line(
-    line: bytes, line_no: int, *, default_max_tokens: int = 256
+    line: bytes, line_no: int, *, default_max_tokens: int = 256, strict: bool = False
 ) -> ChatRequest | RejectedRow:
     """Parse one raw JSONL line. Never raises for bad input: it returns a RejectedRow.
 
+    ``strict`` rejects a row with a field this reader does not know instead of ignoring it.
     Duplicate ``custom_id`` detection needs the whole file's history, so it lives in
     :func:`read_requests`, not here.
     """
@@ -223,12 +258,21 @@ def parse_request_line(
         return RejectedRow(line_no, None, WHOLE_LINE, f"invalid UTF-8 at byte offset {e.start}")
     if line_no == 1 and text.startswith("\ufeff"):  # a BOM written by some editors
         text = text[1:]
+    if not text.strip():
+        return RejectedRow(line_no, None, WHOLE_LINE, BLANK)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return RejectedRow(line_no, None, WHOLE_LINE, f"malformed JSON: {e.msg} at column {e.colno}")
     except RecursionError:
         return RejectedRow(line_no, None, WHOLE_LINE, "malformed JSON: nested too deeply")
+    except ValueError as e:
+        # json turns digits into int() and Python refuses more than sys.get_int_max_str_digits()
+        # of them (a guard against quadratic-time parsing): the line is unreadable, not the file.
+        if "integer string conversion" in str(e):
+            limit = sys.get_int_max_str_digits()
+            return RejectedRow(line_no, None, WHOLE_LINE, f"malformed JSON: an integer has more than {limit} digits")
+        return RejectedRow(line_no, None, WHOLE_LINE, f"malformed JSON: {e}")
     if not isinstance(obj, dict):
         return RejectedRow(line_no, None, WHOLE_LINE, f"must be a JSON object, got {_json_type(obj)}")
 
@@ -255,7 +299,25 @@ def parse_request_line(
         return RejectedRow(line_no, custom_id, field, reason)
 
     prefix = "body." if is_batch else ""
-    return _to_request(body, line_no, custom_id, prefix, default_max_tokens)
+    unknown = _unknown_fields(obj, is_batch)
+    if unknown and strict:
+        return RejectedRow(line_no, custom_id, unknown[0], "unknown field (strict mode rejects fields it would ignore)")
+    item = _to_request(body, line_no, custom_id, prefix, default_max_tokens)
+    if unknown and isinstance(item, ChatRequest):
+        item = dataclasses.replace(item, unknown_fields=unknown)
+    return item
+
+
+_ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+_BODY_FIELDS = frozenset(_ChatBody.model_fields)
+
+
+def _unknown_fields(obj: dict[str, Any], is_batch: bool) -> tuple[str, ...]:
+    """Dotted names of the fields of a validated row that nothing reads, in the row's order."""
+    if is_batch:
+        top = [k for k in obj if k not in _ENVELOPE_FIELDS]
+        return (*top, *(f"body.{k}" for k in obj["body"] if k not in _BODY_FIELDS))
+    return tuple(k for k in obj if k != "custom_id" and k not in _BODY_FIELDS)
 
 
 def _to_request(
@@ -344,28 +406,98 @@ def _short(v: Any, limit: int = 60) -> str:
 # Streaming reader
 
 
+class InputStreamError(Exception):
+    """The request stream cannot be read further: it could not be opened, or it broke after
+    ``lines_read`` lines (every one of them was yielded). Not a row's fault, so not a row."""
+
+    def __init__(self, url: str, lines_read: int, reason: str) -> None:
+        self.url = url
+        self.lines_read = lines_read
+        self.reason = reason
+        where = f" after line {lines_read}" if lines_read else ""
+        # The URL and the reason (an exception's text may quote it) can hold a credential.
+        super().__init__(redact_text(f"cannot read {url}{where}: {reason}"))
+
+
+def _stream_reason(exc: BaseException) -> str:
+    """What broke, in words a user can act on (the exception types are the stdlib's)."""
+    if isinstance(exc, EOFError):
+        return "the compressed stream ends early (truncated file?)"
+    if isinstance(exc, gzip.BadGzipFile):
+        return f"not a valid gzip file ({exc})"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower() if isinstance(exc, (IsADirectoryError, FileNotFoundError,
+                                                        PermissionError)) else str(exc)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _raw_lines(f: Any, url: str) -> Iterator[bytes]:
+    """The file's lines; any failure to read (bad gzip, truncated stream, I/O) becomes an
+    :class:`InputStreamError` that counts the lines already handed out."""
+    n = 0
+    try:
+        while True:
+            try:
+                raw = f.readline()
+            except Exception as exc:  # noqa: BLE001 - any reader's failure ends the stream, in one message
+                raise InputStreamError(url, n, _stream_reason(exc)) from exc
+            if not raw:
+                return
+            n += 1
+            yield raw
+    finally:
+        f.close()
+
+
 def read_requests(
     url: str,
     *,
     default_max_tokens: int = 256,
     storage_options: Mapping[str, Any] | None = None,
+    strict: bool = False,
 ) -> Iterator[ChatRequest | RejectedRow]:
-    """Stream a request file, yielding one item per non-blank line, in input order.
+    """Stream a request file, yielding one item per line (blank lines too), in input order.
 
     ``url`` is a local path or any fsspec URL (``s3://``, ``memory://``...); compression is
-    inferred from the extension (``.gz``, ``.zst``...). Memory stays bounded by the longest
-    line plus the set of ``custom_id`` values seen (needed to reject duplicates). Line
-    numbers are 1-based and count blank lines, so they match what an editor shows.
+    inferred from the extension (``.gz``, ``.zst``...). The file is opened and its first line
+    read before this returns, so a missing, unreadable or not-really-compressed input fails
+    here, before any model is loaded, with :class:`InputStreamError`; a stream that breaks
+    later raises it after every line before the break has been yielded. Memory stays bounded
+    by the longest line plus the set of ``custom_id`` values seen (needed to reject
+    duplicates). Line numbers are 1-based, so they match what an editor shows. Unknown fields
+    are logged once per name (``strict``: rejected, see the module docstring).
     """
+    try:
+        f = fsspec.open(url, "rb", compression="infer", **dict(storage_options or {})).open()
+    except Exception as exc:  # noqa: BLE001 - any opener's failure is one message naming the input
+        raise InputStreamError(url, 0, _stream_reason(exc)) from exc
+    lines = _raw_lines(f, url)
+    first = next(lines, None)  # reads the header of a compressed file: not gzip fails now
+    return _parse_lines(url, first, lines, default_max_tokens, strict)
+
+
+def _parse_lines(
+    url: str, first: bytes | None, lines: Iterator[bytes], default_max_tokens: int, strict: bool
+) -> Iterator[ChatRequest | RejectedRow]:
     seen: dict[str, int] = {}
-    with fsspec.open(url, "rb", compression="infer", **dict(storage_options or {})) as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            item = parse_request_line(raw, line_no, default_max_tokens=default_max_tokens)
+    warned: set[str] = set()
+    try:
+        if first is None:
+            return
+        for line_no, raw in enumerate(itertools.chain((first,), lines), start=1):
+            item = parse_request_line(raw, line_no, default_max_tokens=default_max_tokens, strict=strict)
             cid = item.custom_id
             if cid is not None:
-                first = seen.setdefault(cid, line_no)
-                if first != line_no:
-                    item = RejectedRow(line_no, cid, "custom_id", f"duplicate of line {first}")
+                first_line = seen.setdefault(cid, line_no)
+                if first_line != line_no:
+                    item = RejectedRow(line_no, cid, "custom_id", f"duplicate of line {first_line}")
+            if isinstance(item, ChatRequest) and item.unknown_fields:
+                for name in item.unknown_fields:
+                    if name not in warned:
+                        warned.add(name)
+                        log.warning("%s line %d: unknown field %r ignored (warned once per field name; "
+                                    "--strict rejects such rows)", url, line_no, name)
             yield item
+    finally:
+        lines.close()  # type: ignore[attr-defined]

@@ -5,10 +5,20 @@ call :func:`run_batch`. Bad rows never abort the batch: each becomes an error li
 line, the field and the reason, in the output (where the request would have been) and in the
 optional errors file. Memory stays bounded: requests are read lazily, only the requests in
 flight and the out-of-order tail of the output are held.
+
+An input stream that breaks part-way (:class:`~kvbatch.io.batch_requests.InputStreamError`:
+a truncated ``.gz``, a read error) loses nothing already read: the requests read before the
+break are all answered, the output gets one last error line saying where and why the input
+ended, it is committed, and then :class:`IncompleteInput` is raised with the report, so the
+caller can still write metrics and must say the batch is incomplete.
+
+Every output line names the model that ran (``model_name``), whatever a row's ``model`` asked
+for; a run warns once per model name it was asked for and did not run.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -21,9 +31,21 @@ from kvbatch.io.batch_output import (
     error_line,
     result_line,
 )
-from kvbatch.io.batch_requests import read_requests
+from kvbatch.io.batch_requests import WHOLE_LINE, InputStreamError, RejectedRow, read_requests
 from kvbatch.ops.batch_report import BatchReport
 from kvbatch.ops.jobs import Job, Rejected, tokenize_requests
+
+log = logging.getLogger(__name__)
+
+
+class IncompleteInput(Exception):
+    """The input broke part-way; everything read before the break was answered and the output
+    committed (its last line says where the input ended). ``report`` is the run's report."""
+
+    def __init__(self, error: InputStreamError, report: BatchReport) -> None:
+        self.error = error
+        self.report = report
+        super().__init__(str(error))
 
 
 def _logprobs(llm: LLM, result: Result) -> list[TokenLogprob] | None:
@@ -43,43 +65,71 @@ def _logprobs(llm: LLM, result: Result) -> list[TokenLogprob] | None:
 def run_jobs(
     llm: LLM,
     jobs: Iterator[Job | Rejected],
-    output_url: str,
+    output_url: str | OrderedJsonlWriter,
     *,
-    errors_url: str | None = None,
+    errors_url: str | JsonlWriter | None = None,
     model_name: str = "kvbatch",
     storage_options: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> BatchReport:
-    """Run the jobs through ``llm``, writing one output line per job in index order."""
+    """Run the jobs through ``llm``, writing one output line per job in index order.
+
+    ``output_url`` and ``errors_url`` are URLs, or writers the caller already opened (the
+    CLI opens its outputs before loading the model, so an unwritable one fails first); this
+    commits them on success and discards them on any error except :class:`IncompleteInput`.
+    """
     report = BatchReport.start(llm)
     in_flight: dict[str, Job] = {}
-    with OrderedJsonlWriter(output_url, storage_options=storage_options) as out, \
-            (JsonlWriter(errors_url, storage_options=storage_options) if errors_url else nullcontext()) as errors:
+    broken: list[InputStreamError] = []
+    asked_for: set[str] = set()
+    out = output_url if isinstance(output_url, OrderedJsonlWriter) else \
+        OrderedJsonlWriter(output_url, storage_options=storage_options)
+    if isinstance(errors_url, JsonlWriter):
+        errors_cm: Any = errors_url
+    else:
+        errors_cm = JsonlWriter(errors_url, storage_options=storage_options) if errors_url else nullcontext()
+    with out, errors_cm as errors:
+
+        def put_rejected(index: int, row: RejectedRow) -> None:
+            line = error_line(row)
+            out.put(index, line)
+            if errors is not None:
+                errors.write(line)
+            report.rejected += 1
+            report.rejects_by_field[row.field] = report.rejects_by_field.get(row.field, 0) + 1
 
         def engine_requests() -> Iterator[GenerationRequest]:
-            for job in jobs:
+            index = 0
+            try:
+                for job in jobs:
+                    index = job.index + 1
+                    report.requests += 1
+                    if isinstance(job, Rejected):
+                        put_rejected(job.index, job.row)
+                        if on_progress:
+                            on_progress(report.succeeded + report.rejected, report.rejected)
+                        continue
+                    if job.model is not None and job.model != model_name and job.model not in asked_for:
+                        asked_for.add(job.model)
+                        log.warning("line %d asks for model %r; every row is answered by %r, which the output "
+                                    "names (warned once per model name)", job.line_no, job.model, model_name)
+                    key = str(job.index)
+                    in_flight[key] = job
+                    yield GenerationRequest(key, job.sampling, prompt_token_ids=job.prompt_token_ids)
+            except InputStreamError as exc:
+                # Stop reading, let the requests in flight finish, and end the output with a line
+                # that says where the input broke, so the committed file cannot pass for complete.
+                broken.append(exc)
                 report.requests += 1
-                if isinstance(job, Rejected):
-                    line = error_line(job.row)
-                    out.put(job.index, line)
-                    if errors is not None:
-                        errors.write(line)
-                    report.rejected += 1
-                    field_name = job.row.field
-                    report.rejects_by_field[field_name] = report.rejects_by_field.get(field_name, 0) + 1
-                    if on_progress:
-                        on_progress(report.succeeded + report.rejected, report.rejected)
-                    continue
-                key = str(job.index)
-                in_flight[key] = job
-                yield GenerationRequest(key, job.sampling, prompt_token_ids=job.prompt_token_ids)
+                put_rejected(index, RejectedRow(exc.lines_read + 1, None, WHOLE_LINE,
+                                                f"input ends here, unreadable: {exc.reason}"))
 
         for result in llm.stream(engine_requests()):
             job = in_flight.pop(result.request_id)
             out.put(job.index, result_line(
                 job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
                 prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
-                model=job.model or model_name, logprobs=_logprobs(llm, result),
+                model=model_name, logprobs=_logprobs(llm, result),
                 draft_tokens=(result.spec_accepted_tokens, result.spec_draft_tokens - result.spec_accepted_tokens)
                 if llm.spec is not None else None,
             ))
@@ -87,6 +137,8 @@ def run_jobs(
             if on_progress:
                 on_progress(report.succeeded + report.rejected, report.rejected)
     report.finish(llm)
+    if broken:
+        raise IncompleteInput(broken[0], report)
     return report
 
 
@@ -99,11 +151,15 @@ def run_batch(
     model_name: str = "kvbatch",
     storage_options: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    strict: bool = False,
 ) -> BatchReport:
     """Run every request of ``input_url`` through ``llm``; write ``output_url`` (and the errors).
 
-    ``on_progress(done, rejected)`` is called after each finished or rejected request.
+    ``on_progress(done, rejected)`` is called after each finished or rejected request;
+    ``strict`` rejects rows with unknown fields instead of warning about them. Raises
+    :class:`~kvbatch.io.batch_requests.InputStreamError` when the input cannot be opened and
+    :class:`IncompleteInput` when it breaks part-way (see the module docstring).
     """
-    jobs = tokenize_requests(llm, read_requests(input_url, storage_options=storage_options))
+    jobs = tokenize_requests(llm, read_requests(input_url, storage_options=storage_options, strict=strict))
     return run_jobs(llm, jobs, output_url, errors_url=errors_url, model_name=model_name,
                     storage_options=storage_options, on_progress=on_progress)

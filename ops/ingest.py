@@ -3,7 +3,9 @@
 Plain Python (no Dagster); the pipeline's ``prompts`` asset calls :func:`ingest`.
 
 Inputs: JSONL in OpenAI Batch or plain chat format (validated by
-:mod:`kvbatch.io.batch_requests`, one item per non-blank line), or Parquet with a column
+:mod:`kvbatch.io.batch_requests`, one item per line: a blank line is a reject, as in
+``kvbatch generate``, so row numbers are line numbers; unknown fields are ignored with one
+warning per field name, logged by that reader), or Parquet with a column
 mapping (each row is turned into a plain chat object and goes through the same validation, so
 both formats accept and reject exactly the same things). Every input row ends up in exactly one
 of the two outputs: ``prompts`` (valid) or ``rejects`` (row, custom_id, field, reason).
@@ -215,7 +217,8 @@ def ingest(
 ) -> IngestReport:
     """Validate every row of ``url``; stream the valid rows to ``prompts_url`` and the others to
     ``rejects_url`` (both Parquet, ``batch_rows`` rows per row group, each committed atomically;
-    an error while reading commits neither)."""
+    an error while reading, such as :class:`~kvbatch.io.batch_requests.InputStreamError` for a
+    truncated ``.gz``, commits neither: a shard built from part of a file would pass for all of it)."""
     report = IngestReport()
     out_opts = output_storage_options if output_storage_options is not None else storage_options
     good = TableStream(prompts_url, PROMPTS_SCHEMA, storage_options=out_opts, batch_rows=batch_rows)

@@ -29,9 +29,7 @@ from kvbatch.io.batch_requests import (
     read_requests,
     reject,
 )
-
-DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
-MT_BENCH = DATASETS / "mt_bench" / "question.jsonl"
+from prompt_sets import MT_BENCH  # the 80 MT-Bench questions, kept in tests/data/
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -272,7 +270,7 @@ def test_reject_helper_keeps_line_and_id() -> None:
 def mixed_lines() -> list[bytes]:
     return [
         batch_line(body(), custom_id="a"),  # 1 ok
-        b"",  # 2 blank: skipped, but counted
+        b"",  # 2 blank: rejected, so output lines stay aligned with input lines
         b"{not json",  # 3 bad JSON
         batch_line(body(temperature=5), custom_id="b"),  # 4 bad value
         b"   \t",  # 5 blank
@@ -285,8 +283,10 @@ def mixed_lines() -> list[bytes]:
 
 EXPECTED_MIXED = [
     (1, "a", None),
+    (2, None, "$"),
     (3, None, "$"),
     (4, "b", "body.temperature"),
+    (5, None, "$"),
     (6, "a", "custom_id"),
     (7, "b", "custom_id"),
     (8, "c", None),
@@ -298,14 +298,15 @@ def summarize(items: list[ChatRequest | RejectedRow]) -> list[tuple[int, str | N
     return [(i.line_no, i.custom_id, i.field if isinstance(i, RejectedRow) else None) for i in items]
 
 
-def test_mixed_file_yields_one_item_per_non_blank_line_in_order(tmp_path: Path) -> None:
+def test_mixed_file_yields_one_item_per_line_in_order(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     write_lines(path, mixed_lines())
     items = list(read_requests(str(path)))
     assert summarize(items) == EXPECTED_MIXED
-    dup = items[3]
+    assert [i.reason for i in items if i.line_no in (2, 5)] == ["blank line", "blank line"]
+    dup = items[5]
     assert isinstance(dup, RejectedRow) and dup.reason == "duplicate of line 1"
-    assert isinstance(items[4], RejectedRow) and items[4].reason == "duplicate of line 4"
+    assert isinstance(items[6], RejectedRow) and items[6].reason == "duplicate of line 4"
 
 
 def test_last_line_without_newline(tmp_path: Path) -> None:
@@ -587,7 +588,6 @@ def test_error_line_shape() -> None:
 # Realistic input: MT-Bench turned into batch lines, then a full read -> write round trip
 
 
-@pytest.mark.skipif(not MT_BENCH.exists(), reason="shared datasets not present")
 def test_mt_bench_round_trip(tmp_path: Path) -> None:
     questions = [json.loads(line) for line in MT_BENCH.read_text(encoding="utf-8").splitlines() if line.strip()]
     assert len(questions) == 80
