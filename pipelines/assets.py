@@ -90,14 +90,16 @@ def _head(url: str, opts: dict, rows: int, columns: list[str] | None = None):
         return pa.Table.from_batches([batch]) if batch is not None else pf.schema_arrow.empty_table()
 
 
-def _duplicates(url: str, opts: dict) -> int:
-    """Duplicate custom_ids in a table, reading only that column."""
+def _duplicates(url: str, opts: dict) -> tuple[int, list[str]]:
+    """(rows beyond the first of each custom_id, the repeated ids) of a table, reading only that column."""
     import fsspec
+    import polars as pl
     import pyarrow.parquet as pq
 
     with fsspec.open(url, "rb", **opts) as f:
-        ids = pq.read_table(f, columns=["custom_id"]).column("custom_id")
-    return len(ids) - len(ids.unique())
+        ids = pl.from_arrow(pq.read_table(f, columns=["custom_id"]))
+    counts = ids.group_by("custom_id").len().filter(pl.col("len") > 1).sort("custom_id")
+    return int((counts["len"] - 1).sum()), counts["custom_id"].to_list()
 
 
 def _rejects_metadata(table) -> dict[str, dg.MetadataValue]:
@@ -126,7 +128,9 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_sto
     report = ingest(url, day.table("prompts"), day.table("rejects"), fmt=config.format,
                     columns=config.columns or None, default_max_tokens=config.default_max_tokens,
                     storage_options=object_store.options_for(url), output_storage_options=opts)
-    dup = _duplicates(day.table("prompts"), opts)
+    # Ingest rejects a repeated custom_id (it is in the rejects table); this guards that the
+    # table every later step reads holds each id once.
+    dup, dup_ids = _duplicates(day.table("prompts"), opts)
     yield dg.MaterializeResult(metadata={
         "dagster/row_count": report.valid,
         "input_rows": report.rows,
@@ -141,7 +145,8 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_sto
     yield dg.AssetCheckResult(check_name="reject_rate_below_threshold",
                               passed=report.reject_rate <= config.max_reject_rate,
                               metadata={"reject_rate": report.reject_rate, "threshold": config.max_reject_rate})
-    yield dg.AssetCheckResult(check_name="unique_custom_ids", passed=dup == 0, metadata={"duplicates": dup})
+    yield dg.AssetCheckResult(check_name="unique_custom_ids", passed=dup == 0,
+                              metadata={"duplicates": dup, "duplicate_ids_preview": dg.MetadataValue.json(dup_ids[:20])})
 
 
 class ShardsConfig(dg.Config):
@@ -244,15 +249,9 @@ def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreR
         llm = model.load(_kv(object_store, model, kv_store), decode=True)
         stats = decode_shard(llm, manifests, results_url, stats_url=stats_url, storage_options=opts)
     results = read_table(results_url, storage_options=opts)
-    expected = read_table(day.shard("shards", shard), storage_options=opts).column("custom_id").to_pylist()
-    got = results.column("custom_id").to_pylist()
-    missing = sorted(set(expected) - set(got))
-    extra = sorted(set(got) - set(expected))
-    dups = len(got) - len(set(got))
-    over = [r["custom_id"] for r in results.select(["custom_id", "completion_tokens", "max_tokens"]).to_pylist()
-            if r["completion_tokens"] > r["max_tokens"]]
+    problems = _result_problems(results, read_table(day.shard("shards", shard), storage_options=opts))
     if piped:  # the worker's rank 0 reported the materialization through Pipes
-        yield from _decode_checks(missing, extra, dups, over)
+        yield from _decode_checks(problems)
         return
     yield dg.MaterializeResult(metadata={
         "dagster/row_count": results.num_rows,
@@ -266,15 +265,40 @@ def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreR
         "results_url": dg.MetadataValue.path(results_url),
         "decode_world_size": decode_cluster.world_size,
     })
-    yield from _decode_checks(missing, extra, dups, over)
+    yield from _decode_checks(problems)
 
 
-def _decode_checks(missing: list, extra: list, dups: int, over: list):
-    yield dg.AssetCheckResult(check_name="one_result_per_custom_id", passed=not (missing or extra or dups),
-                              metadata={"missing": len(missing), "unexpected": len(extra), "duplicates": dups,
-                                        "missing_ids_preview": dg.MetadataValue.json(missing[:20])})
-    yield dg.AssetCheckResult(check_name="output_within_max_tokens", passed=not over,
-                              metadata={"over_limit": len(over), "ids_preview": dg.MetadataValue.json(over[:20])})
+def _result_problems(results, shard) -> dict[str, list[str] | int]:
+    """What the decode checks look for, results against the shard's rows: ids with no result,
+    results of no shard row, ids answered more than once (rows beyond the first), and results
+    longer than the request's own ``max_tokens``. The limit is the shard's, not the one the
+    results carry: those come from the manifest, so a hand-off that loosened it would pass."""
+    import polars as pl
+
+    got = pl.from_arrow(results.select(["custom_id", "completion_tokens"]))
+    want = pl.from_arrow(shard.select(["custom_id", "max_tokens"]))
+    counts = got.group_by("custom_id").len().filter(pl.col("len") > 1)
+    over = got.join(want, on="custom_id").filter(pl.col("completion_tokens") > pl.col("max_tokens"))
+    return {
+        "missing": want.join(got, on="custom_id", how="anti")["custom_id"].sort().to_list(),
+        "unexpected": got.join(want, on="custom_id", how="anti")["custom_id"].unique().sort().to_list(),
+        "duplicated": counts["custom_id"].sort().to_list(),
+        "duplicates": int((counts["len"] - 1).sum()),
+        "over_limit": over["custom_id"].unique().sort().to_list(),
+    }
+
+
+def _decode_checks(p: dict):
+    def preview(key: str) -> dg.MetadataValue:
+        return dg.MetadataValue.json(p[key][:20])
+
+    yield dg.AssetCheckResult(
+        check_name="one_result_per_custom_id", passed=not (p["missing"] or p["unexpected"] or p["duplicates"]),
+        metadata={"missing": len(p["missing"]), "unexpected": len(p["unexpected"]), "duplicates": p["duplicates"],
+                  "missing_ids_preview": preview("missing"), "unexpected_ids_preview": preview("unexpected"),
+                  "duplicate_ids_preview": preview("duplicated")})
+    yield dg.AssetCheckResult(check_name="output_within_max_tokens", passed=not p["over_limit"],
+                              metadata={"over_limit": len(p["over_limit"]), "ids_preview": preview("over_limit")})
 
 
 @dg.asset(group_name="kvbatch", deps=[decode_results], partitions_def=date_shard_partitions, retry_policy=IO_RETRY)
