@@ -15,7 +15,6 @@ row order, so a re-ingested dataset puts every id in the same shard again.
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import pickle
@@ -46,24 +45,13 @@ from kvbatch.io.prompt_table import (
 from kvbatch.io.shard_tables import shard_url
 from kvbatch.ops.ingest import TableStream
 from kvbatch.ops.jobs import Rejected, tokenize_request, tokenize_requests
+from kvbatch.ops.shard_routing import shard_keys, shard_of
 
 SHARD_SCHEMA = pa.schema([
     *PROMPTS_SCHEMA,
     ("prompt_token_ids", pa.list_(pa.int32())),
     ("block_keys", pa.list_(pa.string())),  # content keys of the prompt's full KV blocks
 ])
-
-
-def shard_keys(num_shards: int) -> list[str]:
-    """The shard partition keys: ``"0000"``, ``"0001"``... (zero-padded, so they sort)."""
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    return [f"{i:04d}" for i in range(num_shards)]
-
-
-def shard_of(custom_id: str, num_shards: int) -> int:
-    digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "big") % num_shards
 
 
 def kv_fingerprint(model_fingerprint: str, dtype: str, block_size: int) -> str:

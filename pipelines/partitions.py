@@ -22,8 +22,7 @@ import re
 import warnings
 
 import dagster as dg
-
-from kvbatch.ops.shards import shard_keys
+from kvbatch.ops.shard_routing import shard_keys
 
 NUM_SHARDS = int(os.environ.get("KVBATCH_NUM_SHARDS", "8"))
 START_DATE = os.environ.get("KVBATCH_START_DATE", "2026-01-01")

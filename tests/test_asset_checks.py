@@ -14,7 +14,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from kvbatch.ops.shards import shard_of
+from kvbatch.ops.shard_routing import shard_of
 from kvbatch.pipelines.assets import decode_results, prefill_kv, prompt_shards, prompts
 from kvbatch.pipelines.layout import DayLayout
 from kvbatch.pipelines.partitions import NUM_SHARDS, date_shard_key, shard_partitions

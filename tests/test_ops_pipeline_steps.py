@@ -16,7 +16,8 @@ from kvbatch.io.shard_tables import read_shards, shard_url, write_table
 from kvbatch.ops.cost import Pricing, shard_metrics
 from kvbatch.ops.ingest import ingest
 from kvbatch.ops.results import decode_shard, prefill_shard
-from kvbatch.ops.shards import build_shards, kv_fingerprint, shard_of
+from kvbatch.ops.shard_routing import shard_of
+from kvbatch.ops.shards import build_shards, kv_fingerprint
 
 from tests.tiny_models import build_tiny_chat_model
 
