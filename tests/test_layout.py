@@ -142,3 +142,12 @@ def test_public_api_from_kvbatch_engine_without_loading_the_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "no attribute 'NoSuchThing'" in out.stdout
+
+
+def test_dagster_definitions_load_without_torch():
+    """Every dagster command and run-worker process imports the definitions; the engine (torch)
+    loads only in the steps that run a model."""
+    code = "import sys, kvbatch.pipelines.definitions\nprint(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
