@@ -412,12 +412,51 @@ def test_deepseek_checkpoint_loads_for_its_moe_layers(tmp_path, q_lora_rank):
         load_checkpoint(str(tmp_path))
 
 
-def test_batch_invariant_mode_is_refused_for_moe(tmp_path):
+def _build_any_moe(arch: str, folder) -> None:
+    if arch == "deepseek_v3":
+        from tests.tiny_deepseek import build_tiny_deepseek
+
+        build_tiny_deepseek(folder, "moe")
+    else:
+        build_tiny_moe(arch, folder)
+
+
+@pytest.mark.parametrize("arch", [*MOE_ARCHS, "deepseek_v3"])
+def test_batch_invariant_mode_is_refused_for_every_moe_architecture(tmp_path, arch):
     from kvbatch.engine.models.errors import UnsupportedModelError
 
-    build_tiny_moe("mixtral", tmp_path)
-    with pytest.raises(UnsupportedModelError, match="batch-invariant"):
-        LLM(str(tmp_path), engine_config=EngineConfig(batch_invariant=True))
+    _build_any_moe(arch, tmp_path)
+    with pytest.raises(UnsupportedModelError, match="batch-invariant.*mixture-of-experts"):
+        LLM(str(tmp_path), engine_config=EngineConfig(batch_invariant=True, num_blocks=8))
+    # The same model without the mode loads (the refusal is about the mode, not the model).
+    assert LLM(str(tmp_path), engine_config=EngineConfig(num_blocks=8)).model.moe_layers
+
+
+def test_batch_invariant_mode_is_accepted_for_deepseek_without_moe_layers(tmp_path):
+    """A DeepSeek-V3 config whose layers are all dense (first_k_dense_replace = layers) runs
+    only dense GEMMs, which the mode pads: it is accepted."""
+    from tests.tiny_deepseek import build_tiny_deepseek
+
+    build_tiny_deepseek(tmp_path, "dense")
+    llm = LLM(str(tmp_path), engine_config=EngineConfig(batch_invariant=True, num_blocks=8))
+    assert llm.model_config.moe is not None and not llm.model.moe_layers and llm.model.batch_invariant
+
+
+def test_cli_deterministic_refuses_a_moe_model_in_one_line(tmp_path, capsys):
+    import json
+
+    from kvbatch.cli.main import main
+
+    build_tiny_moe("qwen2_moe", tmp_path / "model")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    capsys.readouterr()  # the build's own progress output
+    code = main(["generate", "--model", str(tmp_path / "model"), "--input", str(src),
+                 "--output", str(tmp_path / "out.jsonl"), "--deterministic", "--no-progress"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2
+    assert len(err) == 1 and "batch-invariant" in err[0] and "mixture-of-experts" in err[0], err
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_experts_of_different_shapes_are_a_load_error(tmp_path):

@@ -71,6 +71,12 @@ def _results(root: Path) -> list[str]:
     return ids
 
 
+def _temp_files(root: Path) -> list[str]:
+    """Every temp file under ``root``, hidden or not: the atomic writers' ``.NAME.tmp-*``
+    (io/batch_output.py) and the KV tiers' ``.tmp-*`` both contain ``.tmp``."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if ".tmp" in p.name)
+
+
 def _kill_group(proc: subprocess.Popen, timeout: float = 15) -> None:
     if proc.poll() is not None:
         return
@@ -212,7 +218,8 @@ def test_webserver_graphql_launches_ingest_then_each_shard(tiny, tmp_path):
         for part in (root / "results").glob("date=*/shard=*/part.parquet"):
             rows = pq.read_table(part).to_pylist()
             assert all(0 < r["completion_tokens"] <= r["max_tokens"] == 4 for r in rows)
-        assert not [p for p in root.rglob("*") if ".tmp-" in p.name and not p.name.startswith(".")]
+        # Every run completed: no temp file of any kind is left behind.
+        assert _temp_files(root) == []
     finally:
         _kill_group(proc)
         log.close()
@@ -342,6 +349,7 @@ def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_pa
     seen, _ = _decode(env, second, tmp_path, stop=f"result:{n1 // 2}")
     assert seen == n1 // 2
     assert _files(root, second) == []
+    assert _temp_files(root) == []  # killed before its write began: nothing was opened anywhere
     assert not (root / "decode_stats" / f"date={DATE}" / f"shard={second}" / "stats.json").exists()
 
     # First shard: a good commit first, then a killed re-run must leave that commit byte for byte.
@@ -352,6 +360,7 @@ def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_pa
     seen, _ = _decode(env, first, tmp_path, stop=f"result:{n0 // 2}")
     assert seen == n0 // 2
     assert _files(root, first) == ["part.parquet"]
+    assert _temp_files(root) == []
     assert part0.read_bytes() == good and part0.stat().st_mtime_ns == mtime
     assert sorted(pq.read_table(part0).column("custom_id").to_pylist()) == expected[first]
 
@@ -363,7 +372,8 @@ def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_pa
     got = read_shards(str(root), f"results/date={DATE}").column("custom_id").to_pylist()
     assert len(got) == len(set(got)) and sorted(got) == valid
     assert sorted(pq.read_table(root / "results").column("custom_id").to_pylist()) == valid
-    assert not [p for p in root.rglob("*") if ".tmp-" in p.name and not p.name.startswith(".")]
+    # Both kills came before any write began, and every later run completed: no temp file at all.
+    assert _temp_files(root) == []
 
 
 def test_decode_killed_during_commit_leaves_nothing_a_reader_sees(tiny, tmp_path):
@@ -372,11 +382,21 @@ def test_decode_killed_during_commit_leaves_nothing_a_reader_sees(tiny, tmp_path
     from kvbatch.io.shard_tables import read_shards
 
     env, root, (first, _), expected = _prepare(tmp_path, tiny, 60)
+    assert _temp_files(root) == []  # ingest and prefill completed
     _decode(env, first, tmp_path, stop="commit")
-    # The project's own reader ignores the temp file: no results for the shard.
+    # Exactly one leftover: the killed writer's hidden temp file beside the results' final name.
+    leftovers = _temp_files(root)
+    shard_dir = f"results/date={DATE}/shard={first}"
+    assert len(leftovers) == 1 and leftovers[0].startswith(f"{shard_dir}/.part.parquet.tmp-"), leftovers
+    assert _files(root, first) == [Path(leftovers[0]).name]  # and no part.parquet yet
+    # Neither the project's reader nor a whole-folder dataset reader sees it as rows.
     assert read_shards(str(root), f"results/date={DATE}").num_rows == 0
+    assert pq.read_table(root / "results").num_rows == 0
     _decode(env, first, tmp_path)
     assert sorted(read_shards(str(root), f"results/date={DATE}").column("custom_id").to_pylist()) == expected[first]
-    # A whole-folder reader must see each custom_id once; only hidden leftovers may remain.
+    # The completed re-run leaves no temp file of its own. The killed run's may remain today:
+    # removing stale temp files of killed runs is a separate change to io/batch_output.py.
+    assert set(_temp_files(root)) <= set(leftovers), _temp_files(root)
     assert [f for f in _files(root, first) if not f.startswith(".")] == ["part.parquet"], _files(root, first)
+    # A whole-folder reader sees each custom_id once: the hidden leftover is never read as rows.
     assert sorted(pq.read_table(root / "results").column("custom_id").to_pylist()) == expected[first]

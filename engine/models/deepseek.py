@@ -30,7 +30,11 @@ from kvbatch.engine.models.linear import (
     blas_invariant_rows,
     choose_linear_format,
 )
-from kvbatch.engine.models.llama import ForwardBatch, LlamaModel
+from kvbatch.engine.models.llama import (
+    ForwardBatch,
+    LlamaModel,
+    refuse_batch_invariant_moe,
+)
 from kvbatch.engine.models.mla_config import MLAConfig, yarn_mscale
 from kvbatch.engine.models.moe import (
     ExpertCompute,
@@ -133,6 +137,8 @@ class DeepseekV3Model(LlamaModel):
                  batch_invariant: bool = False) -> None:
         if config.mla is None:
             raise UnsupportedModelError(f"{config.model_type}: not an MLA model")
+        if batch_invariant:  # the MLA part is invariant; routed experts are not (as in LlamaModel)
+            refuse_batch_invariant_moe(config)
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant

@@ -27,6 +27,20 @@ from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.kernels import dispatch as K
 
 
+def refuse_batch_invariant_moe(config: ModelConfig) -> None:
+    """Raise :class:`UnsupportedModelError` when ``config`` has a mixture-of-experts layer: each
+    expert's GEMM gets however many rows the batch routes to it, and padding those like the
+    dense GEMMs is not implemented, so a row's bits would depend on its neighbours. A MoE
+    family whose layers are all dense (DeepSeek-V3 with ``first_k_dense_replace`` = layers) runs
+    only dense GEMMs and is accepted. Every architecture's model calls this."""
+    moe = config.moe
+    sparse = [i for i in range(config.num_layers) if moe is not None and moe.is_moe_layer(i)]
+    if sparse:
+        raise UnsupportedModelError(
+            f"batch-invariant (deterministic) mode is not implemented for mixture-of-experts models: "
+            f"{config.model_type} has {len(sparse)} MoE layer(s), the first is layer {sparse[0]}")
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
@@ -79,10 +93,8 @@ class LlamaModel:
         self.dtype = dtype
         self.batch_invariant = batch_invariant
         c = config
-        if batch_invariant and c.moe is not None:
-            # Each expert's GEMM gets however many rows the batch routes to it; padding them
-            # like _linear does is not implemented, so the bits would depend on the batch.
-            raise UnsupportedModelError("batch-invariant mode is not implemented for mixture-of-experts models")
+        if batch_invariant:
+            refuse_batch_invariant_moe(c)
 
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
