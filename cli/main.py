@@ -3,10 +3,11 @@
 Exit status: 0 when every request succeeded, 1 when the batch ran but some rows were rejected
 (see the output's error lines or ``--errors``), 2 when the run could not start (a missing or
 corrupt model, an unreadable input, an output that cannot be written): those fail at once with
-a one-line message. ``generate`` opens its input and its outputs before it loads the model, so
-those fail in seconds, not after the load. 2 also when the input broke part-way (a truncated
-``.gz``): every row read before the break is answered in the output, whose last line says where
-the input ended. 130 / 143 after SIGINT / SIGTERM: one line, unfinished outputs discarded.
+a one-line message. ``generate`` (one process or ``--workers N``) and ``prefill`` open their
+input and their outputs before they load the model, so those fail in seconds, not after the
+load. 2 also when the input broke part-way (a truncated ``.gz``): every row read before the
+break is answered in the output (prefill: prefilled and in the manifests), whose last line says
+where the input ended. 130 / 143 after SIGINT / SIGTERM: one line, unfinished outputs discarded.
 """
 
 from __future__ import annotations
@@ -186,14 +187,6 @@ def _kv_fingerprint(model_fingerprint: str, dtype: str, block_size: int) -> str:
     return kv_fingerprint(model_fingerprint, dtype, block_size)
 
 
-def _write_json(url: str, obj: dict) -> None:
-    import fsspec
-
-    with fsspec.open(url, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-
-
 class _SamePath(ValueError):
     """Two of a run's files are one path."""
 
@@ -217,14 +210,19 @@ def _check_distinct(args: argparse.Namespace, inputs: tuple[str, ...], outputs: 
 class _Outputs:
     """The outputs of one run, opened before the model loads (opening is the writability check:
     a directory, a read-only filesystem or a missing permission fails here, naming the path)
-    and discarded on leaving unless committed."""
+    and discarded on leaving unless committed.
 
-    def __init__(self, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+    ``main`` names the flag of the run's main output: ``--output`` (answers, which finish out of
+    order: an :class:`OrderedJsonlWriter`) or prefill's ``--manifests`` (written in input order:
+    a :class:`JsonlWriter`)."""
+
+    def __init__(self, args: argparse.Namespace, stack: contextlib.ExitStack, main: str = "output") -> None:
         from kvbatch.io.batch_output import AtomicSink, JsonlWriter, OrderedJsonlWriter
 
-        self.output = OrderedJsonlWriter(args.output)
+        url = getattr(args, main)
+        self.output: Any = OrderedJsonlWriter(url) if main == "output" else JsonlWriter(url)
         stack.callback(self.output.abort)
-        self.errors = JsonlWriter(args.errors) if args.errors else None
+        self.errors = JsonlWriter(args.errors) if getattr(args, "errors", None) else None
         if self.errors is not None:
             stack.callback(self.errors.abort)
         self.metrics = AtomicSink(args.metrics, None) if args.metrics else None
@@ -261,11 +259,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             outputs = _Outputs(args, stack)
             requests = read_requests(args.input, strict=args.strict)
         except (_SamePath, OutputError, InputStreamError) as exc:
-            return _fail(str(exc))
+            return _fail(_input_error_text(exc, args.input))
         if args.workers > 1:  # the ranks open their own input and outputs: this was the check
+            requests.close()
             outputs.close_unused()
-            if args.strict:  # the worker spec has no such setting yet: refuse rather than ignore it
-                return _fail("--strict is not supported with --workers > 1 yet")
             return _run_worker_group(args, "generate")
         try:
             llm = _load_llm(args)
@@ -296,12 +293,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except OutputError as exc:  # the results are committed already: say so
             return _fail(f"{exc} (the results were written to {args.output})")
     if incomplete is not None:
-        return _fail(f"{incomplete}; the {report.requests - 1} rows read before it are answered in "
-                     f"{args.output}, whose last line marks where the input ended")
+        return _fail(_incomplete_text(incomplete, args.input, report.requests - 1, args.output, "answered in"))
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; "
           f"{report.output_tokens} output tokens in {report.wall_s:.1f} s "
           f"({metrics['output_tokens_per_s']} tok/s) -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def _input_error_text(exc: BaseException | str, input_url: str) -> str:
+    """An error before any work, as one line (botocore's text runs over several). The input URL
+    may carry a credential that the reader's own text repeats without its scheme (s3fs quotes
+    ``KEY:SECRET@bucket`` back as a bucket name): masked wherever it appears."""
+    from kvbatch.io.urls import one_line
+
+    return one_line(exc if isinstance(exc, BaseException) else Exception(exc), input_url)
+
+
+def _incomplete_text(error: BaseException | str, input_url: str, rows: int, output: str, done: str) -> str:
+    """The one line of a run whose input broke part-way (generate, prefill, the worker group)."""
+    return (f"{_input_error_text(error, input_url)}; the {rows} rows read before it are {done} {output}, "
+            f"whose last line marks where the input ended")
 
 
 def _say_loaded(args: argparse.Namespace, llm: Any) -> None:
@@ -330,6 +341,7 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
     }
     if command == "generate":
         spec["input"] = args.input
+        spec["strict"] = args.strict
     else:
         spec["manifests"] = args.manifests
     if getattr(args, "store", None):
@@ -347,6 +359,10 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
             return code if code not in (EXIT_OK, EXIT_REJECTS) else EXIT_FATAL
         with open(spec["report"], encoding="utf-8") as f:
             m = json.load(f)
+    broken = m.get("input_broken")
+    if broken:  # rank 0 wrote every row read before the break and the marker line; the CLI says so
+        return _fail(_incomplete_text(broken["message"], args.input, broken["lines_read"], args.output,
+                                      "answered in"))
     ep = m.get("expert_parallel")
     ep_text = (f"; all-to-all {ep['a2a_bytes_per_token_per_layer']:.0f} B/token/layer, "
                f"{ep['rebalances']} rebalances" if ep else "")
@@ -371,23 +387,42 @@ def _add_store_metrics(llm: Any, metrics: dict) -> None:
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
-    from kvbatch.ops.kv_handoff import run_prefill
+    from kvbatch.io.batch_output import OutputError
+    from kvbatch.io.batch_requests import InputStreamError, read_requests
+    from kvbatch.ops.kv_handoff import IncompletePrefill, run_prefill
 
-    try:
-        llm = _load_llm(args)
-    except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
-        return _fail(_load_error(exc))
-    bar = _progress_bar(args, "prefill")
-    try:
-        report = run_prefill(llm, args.input, args.manifests, model_name=args.model,
-                             on_progress=lambda n: bar.update(n - bar.n))
-    except (FileNotFoundError, PermissionError) as exc:
-        return _fail(f"cannot read {args.input}: {exc}")
-    finally:
-        bar.close()
-    metrics = report.to_json()
-    if args.metrics:
-        _write_json(args.metrics, metrics)
+    with contextlib.ExitStack() as stack:
+        # As in generate: the input opened and the outputs checked before the model loads.
+        try:
+            _check_distinct(args, ("input",), ("manifests", "metrics"))
+            outputs = _Outputs(args, stack, main="manifests")
+            requests = read_requests(args.input)
+        except (_SamePath, OutputError, InputStreamError) as exc:
+            return _fail(_input_error_text(exc, args.input))
+        stack.callback(requests.close)
+        try:
+            llm = _load_llm(args)
+        except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
+            return _fail(_load_error(exc))
+        bar = _progress_bar(args, "prefill")
+        incomplete: IncompletePrefill | None = None
+        try:
+            report = run_prefill(llm, requests, outputs.output, model_name=args.model,
+                                 on_progress=lambda n: bar.update(n - bar.n))
+        except IncompletePrefill as exc:
+            incomplete, report = exc, exc.report
+        except OutputError as exc:
+            return _fail(str(exc))
+        finally:
+            bar.close()
+        metrics = report.to_json()
+        try:
+            outputs.write_metrics(metrics)
+        except OutputError as exc:  # the manifests are committed already: say so
+            return _fail(f"{exc} (the manifests were written to {args.manifests})")
+    if incomplete is not None:
+        return _fail(_incomplete_text(incomplete, args.input, report.requests - 1, args.manifests,
+                                      "prefilled, their manifests in"))
     print(f"prefilled {report.requests - report.rejected} requests ({report.rejected} rejected): "
           f"{report.prompt_tokens_computed} of {report.prompt_tokens} prompt tokens computed, "
           f"{metrics.get('blocks_written', 0)} blocks written in {report.wall_s:.1f} s -> {args.manifests}",

@@ -416,7 +416,7 @@ class InputStreamError(Exception):
         self.reason = reason
         where = f" after line {lines_read}" if lines_read else ""
         # The URL and the reason (an exception's text may quote it) can hold a credential.
-        super().__init__(redact_text(f"cannot read {url}{where}: {reason}"))
+        super().__init__(redact_text(f"cannot read {url}{where}: {reason}", url))
 
 
 def _stream_reason(exc: BaseException) -> str:

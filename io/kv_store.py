@@ -3,7 +3,8 @@
 Who calls what, and when:
 - prefill calls `contains(keys)` to skip blocks some earlier run already stored, then
   `put_many(blocks)` with the new ones (written through to every tier, packed on the durable one);
-- decode calls `get_many(keys)` and recomputes every block that comes back as a miss;
+- decode (the engine's KV connector) calls `lookup(keys)` (`contains` with the reason of each
+  "no") to plan what to load, then `get_many(keys)`, and recomputes every block that is a miss;
 - the CLI (`kvbatch kv stats`, `kvbatch kv gc`) calls `kv_stats(url)` and `kv_gc(url, ...)`.
 
 A fault anywhere (a missing, truncated or corrupted block, an object deleted under a stale
@@ -30,7 +31,7 @@ from kvbatch.io.kv_object_tier import (
     object_stats,
     open_store,
 )
-from kvbatch.io.kv_tiers import MISSING, DiskTier, Lookup, MemoryTier, Tier, check_key
+from kvbatch.io.kv_tiers import IO_ERROR, MISSING, TIER_UNAVAILABLE, DiskTier, Lookup, MemoryTier, Tier, check_key
 from kvbatch.io.urls import redact
 
 __all__ = [
@@ -127,16 +128,36 @@ class KVStore:
 
     def contains(self, keys: list[str]) -> list[bool]:
         """Whether each key is stored in some tier (index lookups only, no data read)."""
+        return [not reason for reason in self.lookup(keys)]
+
+    def lookup(self, keys: list[str]) -> list[str]:
+        """:meth:`contains` with the reason of each "no": ``""`` when some tier holds the key,
+        ``"missing"``; ``"tier_unavailable"`` when a tier that may hold it was not asked (its
+        circuit breaker is open), ``"io_error"`` when asking it failed (its index could not be
+        listed). Those two are counted as misses, here and in that tier's stats, as
+        :meth:`get_many` counts its own: an outage that only ever meets lookups (decode plans no
+        load of a block it cannot find) must still show where a user looks for misses."""
         for k in keys:
             check_key(k)
-        found = [False] * len(keys)
+        reasons = [MISSING] * len(keys)
         for tier in self.tiers:
-            todo = [i for i, f in enumerate(found) if not f]
+            todo = [i for i, r in enumerate(reasons) if r]
             if not todo:
                 break
-            for i, hit in zip(todo, tier.contains([keys[i] for i in todo], self.fingerprint)):
-                found[i] = found[i] or hit
-        return found
+            # A tier counts each call its breaker refused and each call that gave up: a rise
+            # during this one means its "no" is "could not look", not "not stored".
+            skipped, failed = tier.counters.calls_skipped_open, tier.counters.failures
+            hits = tier.contains([keys[i] for i in todo], self.fingerprint)
+            why = TIER_UNAVAILABLE if tier.counters.calls_skipped_open > skipped else \
+                IO_ERROR if tier.counters.failures > failed else MISSING
+            for i, hit in zip(todo, hits):
+                reasons[i] = "" if hit else why
+            if why != MISSING:
+                tier.counters.misses[why] += sum(not hit for hit in hits)
+        for r in reasons:
+            if r not in ("", MISSING):
+                self._misses[r] += 1
+        return reasons
 
     def get_many(self, keys: list[str]) -> list[tuple[torch.Tensor | None, str]]:
         """(tensor, tier name) per key, or (None, miss reason). Hits fill the faster tiers.

@@ -6,20 +6,26 @@ the halves). ``run_decode`` reads the manifests in another process (or machine),
 blocks into its paged cache through the engine's KV connector, computes only the tail, and
 writes the same output as ``kvbatch generate``.
 
+An input stream that breaks part-way (a truncated ``.gz``) loses nothing read before the break,
+as in ``kvbatch generate``: every row read is prefilled and has its manifest line, the manifests
+end with a rejected line saying where and why the input ended (decode answers it as a rejected
+row, so the results say so too), they are committed, and :class:`IncompletePrefill` is raised.
+
 The manifest format is :mod:`kvbatch.ops.manifests`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.io.batch_output import JsonlWriter
-from kvbatch.io.batch_requests import read_requests
-from kvbatch.ops.batch_generate import run_jobs
+from kvbatch.io.batch_requests import WHOLE_LINE, ChatRequest, InputStreamError, RejectedRow, read_requests
+from kvbatch.io.urls import redact_text
+from kvbatch.ops.batch_generate import IncompleteInput, run_jobs
 from kvbatch.ops.batch_report import BatchReport
 from kvbatch.ops.jobs import Rejected, tokenize_requests
 from kvbatch.ops.manifests import (
@@ -55,16 +61,34 @@ class PrefillReport:
         }
 
 
+class IncompletePrefill(IncompleteInput):
+    """:class:`~kvbatch.ops.batch_generate.IncompleteInput` of a prefill: the rows read before
+    the break are prefilled and the manifests committed; ``report`` is the :class:`PrefillReport`."""
+
+    report: PrefillReport  # type: ignore[assignment]
+
+
+def _rejected_manifest(index: int, row: RejectedRow) -> dict[str, Any]:
+    return {"v": MANIFEST_VERSION, "index": index, "custom_id": row.custom_id, "line_no": row.line_no,
+            "rejected": {"field": row.field, "reason": row.reason}}
+
+
 def run_prefill(
     llm: LLM,
-    input_url: str,
-    manifests_url: str,
+    input_url: str | Iterable[ChatRequest | RejectedRow],
+    manifests_url: str | JsonlWriter,
     *,
     model_name: str = "kvbatch",
     storage_options: dict[str, Any] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> PrefillReport:
-    """Compute and store the prompt KV of every row of ``input_url``; write the manifests."""
+    """Compute and store the prompt KV of every row of ``input_url``; write the manifests.
+
+    ``input_url`` may be the rows already opened (:func:`~kvbatch.io.batch_requests.read_requests`)
+    and ``manifests_url`` a writer already opened: the CLI opens both before it loads the model,
+    so an unreadable input or unwritable output fails first. The writer is committed on success
+    and on :class:`IncompletePrefill`, discarded on any other error.
+    """
     if llm.connector is None:
         raise ValueError("prefill needs an LLM with a kv_store")
     store = llm.connector.store
@@ -72,31 +96,42 @@ def run_prefill(
     report = PrefillReport()
     started = time.perf_counter()
     computed_before = llm.stats["computed_prompt_tokens"]
-    jobs = tokenize_requests(llm, read_requests(input_url, storage_options=storage_options))
-    with JsonlWriter(manifests_url, storage_options=storage_options) as out:
+    rows = read_requests(input_url, storage_options=storage_options) if isinstance(input_url, str) else input_url
+    jobs = tokenize_requests(llm, iter(rows))
+    broken: list[InputStreamError] = []
+    out = manifests_url if isinstance(manifests_url, JsonlWriter) else \
+        JsonlWriter(manifests_url, storage_options=storage_options)
+    with out:
 
         def engine_requests() -> Iterator[GenerationRequest]:
-            for job in jobs:
-                report.requests += 1
-                if isinstance(job, Rejected):
-                    report.rejected += 1
-                    out.write({"v": MANIFEST_VERSION, "index": job.index, "custom_id": job.row.custom_id,
-                               "line_no": job.row.line_no,
-                               "rejected": {"field": job.row.field, "reason": job.row.reason}})
-                else:
-                    report.prompt_tokens += len(job.prompt_token_ids)
-                    manifest = manifest_line(llm, job, model_name)
-                    keys = manifest["block_keys"]
-                    if keys and not all(store.contains(keys)):
-                        yield GenerationRequest(str(job.index), job.sampling,
-                                                prompt_token_ids=job.prompt_token_ids, prefill_only=True)
+            try:
+                for job in jobs:
+                    report.requests += 1
+                    if isinstance(job, Rejected):
+                        report.rejected += 1
+                        out.write(_rejected_manifest(job.index, job.row))
                     else:
-                        report.prompt_tokens_already_stored += len(keys) * bs
-                    # Manifests are written in input order; decode waits for the blocks it needs
-                    # only through the store, so order of completion does not matter here.
-                    out.write(manifest)
-                if on_progress:
-                    on_progress(report.requests)
+                        report.prompt_tokens += len(job.prompt_token_ids)
+                        manifest = manifest_line(llm, job, model_name)
+                        keys = manifest["block_keys"]
+                        if keys and not all(store.contains(keys)):
+                            yield GenerationRequest(str(job.index), job.sampling,
+                                                    prompt_token_ids=job.prompt_token_ids, prefill_only=True)
+                        else:
+                            report.prompt_tokens_already_stored += len(keys) * bs
+                        # Manifests are written in input order; decode waits for the blocks it needs
+                        # only through the store, so order of completion does not matter here.
+                        out.write(manifest)
+                    if on_progress:
+                        on_progress(report.requests)
+            except InputStreamError as exc:
+                # Stop reading; the requests already handed to the engine still run. The last
+                # manifest line says where the input broke, so the file cannot pass for complete.
+                broken.append(exc)
+                out.write(_rejected_manifest(report.requests, RejectedRow(exc.lines_read + 1, None, WHOLE_LINE,
+                    f"input ends here, unreadable: {redact_text(exc.reason, exc.url)}")))
+                report.requests += 1
+                report.rejected += 1
 
         for _ in llm.stream(engine_requests()):
             pass
@@ -104,6 +139,8 @@ def run_prefill(
     report.prompt_tokens_computed = llm.stats["computed_prompt_tokens"] - computed_before
     report.connector = llm.connector.stats.to_json()
     report.store = store.stats()
+    if broken:
+        raise IncompletePrefill(broken[0], report)
     return report
 
 

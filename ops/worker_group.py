@@ -19,20 +19,23 @@ group (gloo: the engine computes on the CPU; ``KVBATCH_DIST_BACKEND`` overrides)
   are summed over ranks, :func:`~kvbatch.engine.parallel.eplb.rebalance_experts` places ``E +
   redundant_experts`` slots, and the expert weights move (between steps, on all ranks).
 - Rank 0 gathers every rank's output lines, writes them in input order (the same file a
-  single process writes), and the metrics.
+  single process writes), and the metrics. An input that breaks part-way ends the output as in
+  one process: every row read before the break answered, then one line saying where it ended.
 
 The spec is the decode worker's (:mod:`kvbatch.ops.decode_worker`) plus: ``command``
 (``"generate"`` with ``input``, or ``"decode"`` with ``manifests``), ``output``, ``errors``,
-``metrics``, ``model_name``, ``report`` (a JSON file rank 0 writes for the launcher),
-``eplb_interval``, ``redundant_experts``, ``eplb_window`` (steps of load history, default the
-interval) and, for tests, ``eplb_force`` (``"rotate"``: at each interval move every expert to the
-next rank instead of balancing).
+``metrics``, ``model_name``, ``strict`` (generate: reject rows with unknown fields, as
+``--strict`` does), ``report`` (a JSON file rank 0 writes for the launcher), ``eplb_interval``,
+``redundant_experts``, ``eplb_window`` (steps of load history, default the interval) and, for
+tests, ``eplb_force`` (``"rotate"``: at each interval move every expert to the next rank instead
+of balancing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -235,14 +238,27 @@ def _renumbered(jobs: Iterable[Any]) -> Iterator[Any]:
         yield job
 
 
-def _rank_jobs(llm: Any, spec: dict[str, Any], rank: int, world: int) -> Iterator[Any]:
+def _until_broken(items: Iterable[Any], broken: list[Any]) -> Iterator[Any]:
+    """The rows of a request stream up to where it breaks; the :class:`InputStreamError` is kept
+    in ``broken`` instead of raised, so this rank answers its rows read before the break and rank 0
+    writes the one marker line of the group (every rank would otherwise end its share with one)."""
+    from kvbatch.io.batch_requests import InputStreamError
+
+    try:
+        yield from items
+    except InputStreamError as exc:
+        broken.append(exc)
+
+
+def _rank_jobs(llm: Any, spec: dict[str, Any], rank: int, world: int, broken: list[Any]) -> Iterator[Any]:
     from kvbatch.io.batch_requests import read_requests
     from kvbatch.ops.jobs import tokenize_requests
     from kvbatch.ops.manifests import manifest_jobs, read_manifests
 
     so = spec.get("storage_options") or {}
     if spec["command"] == "generate":
-        return tokenize_requests(llm, _my_rows(read_requests(spec["input"], storage_options=so), rank, world))
+        rows = read_requests(spec["input"], storage_options=so, strict=bool(spec.get("strict", False)))
+        return tokenize_requests(llm, _my_rows(_until_broken(rows, broken), rank, world))
     if spec["command"] == "decode":
         return _renumbered(manifest_jobs(llm, _my_rows(read_manifests(spec["manifests"], so), rank, world)))
     raise ValueError(f"unknown worker command {spec['command']!r} (generate or decode)")
@@ -253,6 +269,7 @@ def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | Non
     import fsspec
     import torch.distributed as dist
     from kvbatch.engine.parallel.expert_parallel import install
+    from kvbatch.io.urls import redact_text
     from kvbatch.ops.batch_generate import run_jobs
 
     rank, world = init_group(spec.get("timeout_s"))
@@ -271,14 +288,17 @@ def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | Non
                 on_step = balancer.on_step
             engine = LockstepLLM(llm, ep, on_step)
         sink = f"memory://kvbatch-worker-{uuid.uuid4().hex}/out.jsonl"
-        report = run_jobs(engine, _rank_jobs(llm, spec, rank, world), sink,
+        broken: list[Any] = []
+        report = run_jobs(engine, _rank_jobs(llm, spec, rank, world, broken), sink,
                           model_name=spec.get("model_name", "kvbatch"), on_progress=on_progress if rank == 0 else None)
         fs, path = fsspec.core.url_to_fs(sink)
         lines = fs.cat_file(path).splitlines(keepends=True)
         fs.rm(path)
         mine = {"lines": lines, "report": report, "ep": ep.stats.to_json() if ep else None,
                 "balancer": _balancer_json(balancer, ep), "step_s": getattr(engine, "step_s", []),
-                "step_had_work": getattr(engine, "step_had_work", [])}
+                "step_had_work": getattr(engine, "step_had_work", []),
+                "broken": {"lines_read": broken[0].lines_read, "reason": redact_text(broken[0].reason, broken[0].url),
+                           "message": str(broken[0])} if broken else None}
         parts: list[Any] = [None] * world if rank == 0 else []
         dist.gather_object(mine, parts if rank == 0 else None, dst=0)
         if rank != 0:
@@ -332,17 +352,40 @@ def rank_load_segments(parts: Sequence[dict[str, Any]], world: int) -> list[dict
     return segments
 
 
+def _broken_input(parts: list[dict[str, Any]], world: int) -> dict[str, Any] | None:
+    """Where the group's input broke (the earliest break any rank saw), after cutting every
+    rank's share to the rows before it: every rank reads the same bytes, so they break at the
+    same line, but a read error need not, and the output must have no hole (the metrics still
+    count all that the ranks did)."""
+    breaks = [p["broken"] for p in parts if p.get("broken")]
+    if not breaks:
+        return None
+    first = min(breaks, key=lambda b: b["lines_read"])
+    for r, p in enumerate(parts):
+        p["lines"] = p["lines"][:len(range(r, first["lines_read"], world))]
+    return first
+
+
 def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int) -> int:
-    """Rank 0: every rank's lines in input order (row i came from rank i % W), the metrics."""
-    from kvbatch.io.batch_output import JsonlWriter
+    """Rank 0: every rank's lines in input order (row i came from rank i % W), the metrics.
+
+    An input that broke part-way: the rows read before the break, then one line saying where the
+    input ended (as a single process writes it); the metrics and the launcher's report say so
+    (``input_broken``), and the exit status is ``EXIT_FATAL`` unless a launcher (``report``)
+    reports it, in one line, itself."""
+    from kvbatch.io.batch_output import JsonlWriter, error_line
+    from kvbatch.io.batch_requests import WHOLE_LINE, RejectedRow
     from kvbatch.ops.batch_report import BatchReport
 
     so = spec.get("storage_options") or {}
+    broken = _broken_input(parts, world)
     total = sum(len(p["lines"]) for p in parts)
     for r, p in enumerate(parts):
         want = len(range(r, total, world))
         if len(p["lines"]) != want:
             raise RuntimeError(f"rank {r} returned {len(p['lines'])} lines, expected {want}")
+    marker = None if broken is None else error_line(RejectedRow(
+        broken["lines_read"] + 1, None, WHOLE_LINE, f"input ends here, unreadable: {broken['reason']}"))
     with JsonlWriter(spec["output"], storage_options=so) as out:
         errors = JsonlWriter(spec["errors"], storage_options=so) if spec.get("errors") else None
         try:
@@ -351,6 +394,10 @@ def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int
                 out.write_encoded(line)
                 if errors is not None and json.loads(line).get("error") is not None:
                     errors.write_encoded(line)
+            if marker is not None:
+                out.write(marker)
+                if errors is not None:
+                    errors.write(marker)
         except BaseException:
             if errors is not None:
                 errors.abort()
@@ -368,8 +415,14 @@ def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int
         report.wall_s = max(report.wall_s, r.wall_s)
         for k, v in r.rejects_by_field.items():
             report.rejects_by_field[k] = report.rejects_by_field.get(k, 0) + v
+    if marker is not None:  # counted as one process counts it: a rejected row
+        report.requests += 1
+        report.rejected += 1
+        report.rejects_by_field[WHOLE_LINE] = report.rejects_by_field.get(WHOLE_LINE, 0) + 1
     metrics = report.to_json()
     metrics["workers"] = world
+    if broken is not None:
+        metrics["input_broken"] = {"lines_read": broken["lines_read"], "message": broken["message"]}
     if parts[0]["ep"] is not None:
         metrics["expert_parallel"] = group_metrics(parts, world)
     if spec.get("metrics"):
@@ -379,6 +432,10 @@ def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int
     if spec.get("report"):
         with open(spec["report"], "w", encoding="utf-8") as f:
             json.dump(metrics, f)
+    elif broken is not None:  # no launcher to say it (torchrun): this rank's one line and status
+        print(f"kvbatch: error: {broken['message']}; the {broken['lines_read']} rows read before it are answered "
+              f"in {spec['output']}, whose last line marks where the input ended", file=sys.stderr)
+        return EXIT_FATAL
     return EXIT_REJECTS if report.rejected else EXIT_OK
 
 
@@ -526,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.spec, encoding="utf-8") as f:
         spec = json.load(f)
     rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        # Every rank reads the whole input: the reader's warnings (an unknown field, once per
+        # name) are the same on each, so rank 0's say them once for the group.
+        logging.getLogger("kvbatch.io.batch_requests").setLevel(logging.ERROR)
     try:
         return run_rank(spec)
     except Exception as exc:  # noqa: BLE001 - one line naming the rank; the launcher stops the group

@@ -1,8 +1,9 @@
-"""Hostile input at `kvbatch generate` (issue 19, items 2, 4, 7, 8, 9, 10): each case through
-the CLI entry point. No bad byte loses a batch, an unusable input or output fails before the
-model loads and names itself, the output names the model that ran, every input line has its
-output line, and SIGINT / SIGTERM / SIGKILL leave nothing behind for long. Plus hypothesis
-fuzzing of the JSONL reader: any bytes in, never a traceback, every line accounted for."""
+"""Hostile input at `kvbatch generate`, `generate --workers N` and `kvbatch prefill` (issue 19,
+items 2, 4, 7, 8, 9, 10): each case through the CLI entry point. No bad byte loses a batch, an
+unusable input or output fails before the model loads and names itself, the output names the
+model that ran, every input line has its output line, and SIGINT / SIGTERM / SIGKILL leave
+nothing behind for long. Plus hypothesis fuzzing of the JSONL reader: any bytes in, never a
+traceback, every line accounted for."""
 
 from __future__ import annotations
 
@@ -306,3 +307,109 @@ def test_reader_on_damaged_gzip_yields_lines_then_one_clear_error(data, cut):
     except InputStreamError as exc:
         assert exc.lines_read == len(items) and url in str(exc)
     _check_items(items)
+
+
+# ------------------------------------------------------------------ prefill and the worker group meet the same input
+
+
+def _broken_gz(tmp: Path, n: int = 40, odd_rows: dict | None = None) -> tuple[Path, int]:
+    """A truncated .gz of ``n`` rows ``r<i>-<pad>`` (the incompressible padding puts the cut well
+    past gzip's first read buffer, so some rows come out before the break), ``odd_rows`` added to
+    the body of every odd row; returns it and ``n``."""
+    lines = [_row(f"r{i}-{random.Random(i).randbytes(512).hex()}", content=f"question {i}", max_tokens=1,
+                  **(odd_rows if odd_rows and i % 2 else {})) for i in range(n)]
+    src = tmp / "in.jsonl.gz"
+    src.write_bytes(_truncated(gzip.compress(_jsonl(lines), mtime=0)))
+    return src, n
+
+
+def _ids(rows: list[dict]) -> list[str | None]:
+    return [r["custom_id"] and r["custom_id"].split("-")[0] for r in rows]
+
+
+def _prefill(model, src, manifests, *extra, store=None) -> int:
+    return main(["prefill", "--model", str(model), "--store", str(store or Path(manifests).parent / "kv"),
+                 "--input", str(src), "--manifests", str(manifests), "--no-progress", *extra])
+
+
+def test_prefill_of_a_broken_stream_stores_and_lists_every_row_read(tiny_chat, tmp_path, capsys):
+    src, n = _broken_gz(tmp_path)
+    manifests, metrics = tmp_path / "m.jsonl", tmp_path / "p.json"
+    code = _prefill(tiny_chat, src, manifests, "--metrics", str(metrics))
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert code == 2
+    assert len(err) == 1 and str(src) in err[0] and "cannot read" in err[0] and str(manifests) in err[0], err
+    rows = _read(manifests)
+    done, marker = rows[:-1], rows[-1]
+    assert 0 < len(done) < n
+    assert _ids(done) == [f"r{i}" for i in range(len(done))]
+    assert all("rejected" not in r and r["block_keys"] for r in done)
+    assert marker["custom_id"] is None and marker["line_no"] == len(done) + 1 and marker["index"] == len(done)
+    assert marker["rejected"]["field"] == "$" and "input ends here" in marker["rejected"]["reason"]
+    m = json.loads(metrics.read_text())
+    assert m["requests"] == len(rows) and m["blocks_written"] == len({k for r in done for k in r["block_keys"]})
+    # Decode reads the marker as a rejected row: the results say where the input ended too.
+    out = tmp_path / "out.jsonl"
+    assert main(["decode", "--model", str(tiny_chat), "--store", str(tmp_path / "kv"), "--manifests", str(manifests),
+                 "--output", str(out), "--no-progress"]) == 1
+    results = _read(out)
+    assert len(results) == len(rows) and "input ends here" in results[-1]["error"]["message"]
+    assert all(r["error"] is None for r in results[:-1])
+    assert _temps(tmp_path) == []
+
+
+def _prefill_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    good = tmp / "in.jsonl"
+    good.write_bytes(_jsonl([_row("a")]))
+    notgz = tmp / "plain.jsonl.gz"
+    notgz.write_bytes(_jsonl([_row("a")]))
+    folder = tmp / "folder"
+    folder.mkdir()
+    a_file = tmp / "a_file"
+    a_file.write_text("x")
+    m = str(tmp / "m.jsonl")
+    return {
+        "input is a directory": (["--input", str(folder), "--manifests", m], "is a directory"),
+        "input not gzip": (["--input", str(notgz), "--manifests", m], "gzip"),
+        "manifests is a directory": (["--input", str(good), "--manifests", str(folder)], "is a directory"),
+        "manifests under a file": (["--input", str(good), "--manifests", str(a_file / "m.jsonl")], "a_file/m.jsonl"),
+        "metrics under a file": (["--input", str(good), "--manifests", m, "--metrics", str(a_file / "p.json")],
+                                 "a_file/p.json"),
+        "manifests over the input": (["--input", str(good), "--manifests", str(good)], "same path"),
+    }
+
+
+@pytest.mark.parametrize("case", ["input is a directory", "input not gzip", "manifests is a directory",
+                                  "manifests under a file", "metrics under a file", "manifests over the input"])
+def test_prefill_fails_before_the_model_loads(tmp_path, capsys, case):
+    args, expected = _prefill_cases(tmp_path)[case]
+    code = main(["prefill", "--model", str(tmp_path / "no-such-model"), "--store", str(tmp_path / "kv"),
+                 "--no-progress", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and expected in err[0] and "no-such-model" not in err[0], err
+    assert not (tmp_path / "m.jsonl").exists() and _temps(tmp_path) == []
+    assert (tmp_path / "in.jsonl").read_bytes() == _jsonl([_row("a")])  # the input is never replaced
+
+
+def test_worker_group_answers_a_broken_stream_up_to_the_break_and_carries_strict(tiny_chat, tmp_path):
+    # A subprocess, as a user runs it: the ranks' own stderr is part of what must be one line.
+    src, n = _broken_gz(tmp_path, odd_rows={"max_token": 3})  # a typo in odd rows: --strict rejects them
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "kvbatch.cli.main", "generate", "--model", str(tiny_chat),
+                           "--input", str(src), "--output", str(out), "--errors", str(errors), "--no-progress",
+                           "--workers", "2", "--strict"], check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]  # (rows name a model: a warning too)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert str(src) in lines[0] and "cannot read" in lines[0] and str(out) in lines[0]
+    rows = _read(out)
+    answered, marker = rows[:-1], rows[-1]
+    assert 0 < len(answered) < n
+    assert _ids(answered) == [f"r{i}" for i in range(len(answered))]  # both ranks' rows, in order
+    assert [r["error"] and r["error"]["field"] for r in answered] == \
+        [None if i % 2 == 0 else "body.max_token" for i in range(len(answered))]
+    assert marker["custom_id"] is None and marker["error"]["line"] == len(answered) + 1
+    assert "input ends here" in marker["error"]["message"]
+    assert _read(errors) == [r for r in rows if r["error"] is not None]  # the marker too
+    assert _temps(tmp_path) == []

@@ -235,8 +235,37 @@ def test_refused_store_one_warning_fast_run_correct_tokens(tiny, requests_file, 
     o = _object(decoder.connector.store)
     assert o["breaker_opens"] == 1 and o["calls_skipped_open"] > 0 and o["failures"] == 3, o
     assert o["fault_wait_s"] < 3.0 and elapsed < 15.0, (o, elapsed)
+    # No block could be looked up (the index listings failed, then the breaker opened): misses.
+    lookups = decoder.connector.stats.misses_by_reason
+    assert lookups and set(lookups) <= {"io_error", "tier_unavailable"}, lookups
     assert len(_lines(caplog, OUTAGE)) == 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and OUTAGE not in r.getMessage()]
+
+
+def test_lookups_skipped_by_an_open_breaker_are_misses_in_generate_metrics(tiny, s3, s3_fault_proxy, tmp_path,
+                                                                          aws_env):
+    url, _, _ = s3
+    endpoint, proxy = s3_fault_proxy
+    aws_env.setenv("AWS_ENDPOINT_URL", endpoint)
+    # Prompts that share no block, so each is looked up in the store (none waits for another's
+    # prefix): the first lookups fail and open the breaker, the later ones are skipped.
+    n = 6
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"d{i}", "method": "POST", "url": "/v1/chat/completions",
+                                       "body": {"messages": [
+        {"role": "system", "content": f"{i} {SYSTEM}"}, {"role": "user", "content": "Hammers?"}],
+        "max_tokens": 1, "temperature": 0}}) + "\n" for i in range(n)))
+    proxy.refuse()
+    metrics = tmp_path / "m.json"
+    assert main(["generate", "--model", str(tiny), "--input", str(src), "--output", str(tmp_path / "out.jsonl"),
+                 "--store", url, "--store-memory-gb", "0", "--metrics", str(metrics), "--no-progress"]) == 0
+    kv = json.loads(metrics.read_text())["kv_store"]
+    o = kv["store"]["tiers"]["object"]
+    assert o["breaker_opens"] == 1 and o["calls_skipped_open"] > 0, o
+    skipped = kv["misses_by_reason"].get("tier_unavailable", 0)  # the connector's: what generate looked up
+    assert skipped > 0 and set(kv["misses_by_reason"]) <= {"io_error", "tier_unavailable"}, kv["misses_by_reason"]
+    assert kv["store"]["misses_by_reason"]["tier_unavailable"] == o["misses_by_reason"]["tier_unavailable"] == skipped
+    assert kv["blocks_loaded"] == 0
 
 
 def test_cut_pack_reads_are_recomputed_to_the_same_tokens(tiny, requests_file, reference, s3, s3_fault_proxy,
@@ -292,8 +321,10 @@ def test_prefill_exits_2_when_the_store_took_none_or_only_some(tiny, requests_fi
     elapsed = time.monotonic() - t0
     (line,) = _errors(capsys.readouterr().err)
     assert "stored none of the" in line
-    o = json.loads((tmp_path / "p2.json").read_text())["store"]["tiers"]["object"]
+    p2 = json.loads((tmp_path / "p2.json").read_text())
+    o = p2["store"]["tiers"]["object"]
     assert o["breaker_opens"] == 1 and o["blocks_failed"] > 0 and o["calls_skipped_open"] > 0, o
+    assert p2["store"]["misses_by_reason"]["tier_unavailable"] > 0, p2["store"]  # the lookups it skipped
     assert elapsed < 20.0, elapsed
     assert (tmp_path / "m2.jsonl").read_text().count("\n") == 3  # the manifests are still whole
 
@@ -316,6 +347,26 @@ def test_kv_commands_on_an_unreachable_store_say_one_line_without_credentials(s3
     assert len(err.strip().splitlines()) == 1 and "s3://***@bucket/kv" in err, err
     for piece in ("AKIAFAKEKEY", "sec/ret", "ret+Zz9"):
         assert piece not in err
+
+
+@pytest.mark.parametrize("secret_url", ["s3://KEY:SECRET@bucket/x.jsonl",
+                                        "s3://AKIAFAKEKEY:sec/ret+Zz9@bucket/x.jsonl"], ids=["key-secret", "slash"])
+def test_an_s3_input_with_a_credential_fails_in_one_line_without_it(s3_fault_proxy, aws_env, capsys, tmp_path,
+                                                                    secret_url):
+    endpoint, proxy = s3_fault_proxy
+    proxy.refuse()
+    aws_env.setenv("AWS_ENDPOINT_URL", endpoint)
+    model = str(tmp_path / "no-such-model")  # the input fails first, before any model is looked for
+    for argv in (["generate", "--output", str(tmp_path / "out.jsonl")],
+                 ["prefill", "--manifests", str(tmp_path / "m.jsonl"), "--store", str(tmp_path / "kv")]):
+        t0 = time.monotonic()
+        assert main([*argv, "--model", model, "--input", secret_url, "--no-progress"]) == 2
+        assert time.monotonic() - t0 < 20.0
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and len(_errors(err)) == 1, err
+        assert "cannot read s3://***@bucket/x.jsonl" in err and "no-such-model" not in err, err
+        for piece in ("KEY:SECRET", "SECRET", "AKIAFAKEKEY", "sec/ret", "ret+Zz9"):
+            assert piece not in err, err
 
 
 def test_redact_masks_userinfo_and_secret_parameters():

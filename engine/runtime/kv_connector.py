@@ -9,8 +9,8 @@ Who calls what, and when (the scheduler never touches tensors, the runner never 
   truncated, checksum, io_error...) makes the sequence recompute from that block on.
 - LLM, after the step: ``save(blocks, kv_cache)`` writes newly completed prompt blocks through.
 
-The store is anything with ``contains``/``get_many``/``put_many``/``stats`` (``kvbatch.io``'s
-``KVStore``): the engine does not import storage code.
+The store is anything with ``contains``/``lookup``/``get_many``/``put_many``/``stats``
+(``kvbatch.io``'s ``KVStore``): the engine does not import storage code.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from kvbatch.engine.runtime.sequence import Sequence
 
 class BlockStore(Protocol):
     def contains(self, keys: list[str]) -> list[bool]: ...
+
+    def lookup(self, keys: list[str]) -> list[str]:
+        """``contains`` with the reason of each "no" (``""`` for a key the store holds)."""
+        ...
 
     def get_many(self, keys: list[str]) -> list[tuple[torch.Tensor | None, str]]: ...
 
@@ -72,6 +76,9 @@ class ConnectorStats:
         }
 
 
+MISSING = "missing"  # the store's reason for a key no tier holds (kvbatch.io.kv_tiers says the same)
+
+
 class KVConnector:
     """Loads and saves whole KV blocks (``kv_cache[:, :, block]``: ``[layers, 2, block_size,
     kv_heads, head_dim]`` for the Llama family, ``[layers, 1, block_size, 1, latent + rope]`` for
@@ -99,7 +106,14 @@ class KVConnector:
         todo = keys[num_local_blocks:]
         if not todo:
             return []
-        present = self.store.contains(todo)
+        reasons = self.store.lookup(todo)
+        # Blocks the store could not look up (a tier's breaker open, a failed index listing) are
+        # misses like a failed load's: else an outage leaves misses_by_reason empty while every
+        # block is recomputed. A block simply not stored is no miss here, as before.
+        for reason in reasons:
+            if reason and reason != MISSING:
+                self.stats.misses_by_reason[reason] += 1
+        present = [not reason for reason in reasons]
         n = 0
         while n < len(present) and present[n]:
             n += 1
