@@ -69,7 +69,7 @@ from kvbatch.ops.jobs import Rejected, tokenize_requests  # noqa: E402
 from kvbatch.ops.kv_handoff import run_decode, run_prefill  # noqa: E402
 
 from benchmarks.timing import Stopwatch  # noqa: E402
-from benchmarks.workloads import _sharegpt, default_datasets_dir  # noqa: E402
+from benchmarks.workloads import _sharegpt, datasets_root, default_datasets_dir  # noqa: E402
 
 GOALS = {
     "shared_fraction": 0.60,  # prompt tokens that some other prompt starts with
@@ -436,6 +436,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     log(f"torch {torch.__version__}, {args.threads} threads; model {args.model}; dtypes {args.dtypes}; "
         f"load average {load_before[0]:.1f} before the run")
+    datasets_root(args.datasets, ("sharegpt",))  # before the model loads: a missing folder fails at once
     with Stopwatch() as sw:
         ckpt = load_checkpoint(args.model)
     log(f"checkpoint loaded in {sw.timed.wall_s:.1f}s")

@@ -42,7 +42,7 @@ from kvbatch.engine.runtime.llm import LLM, GenerationRequest  # noqa: E402
 from kvbatch.engine.runtime.sampling_params import SamplingParams  # noqa: E402
 from kvbatch.engine.speculative.controller import SpecConfig  # noqa: E402
 
-from benchmarks.workloads import WorkloadPrompt, chat_workload, copy_workload  # noqa: E402
+from benchmarks.workloads import WorkloadPrompt, chat_workload, copy_workload, default_datasets_dir  # noqa: E402
 
 
 @dataclass
@@ -144,19 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--workloads", default="copy-heavy,open chat", help="comma-separated: copy-heavy, open chat")
     ap.add_argument("--accept-threshold", type=float, default=None, help="adaptive survival threshold (default: SpecConfig's)")
+    ap.add_argument("--datasets", type=Path, default=default_datasets_dir(),
+                    help="folder of the prompt sets (default ../shared/datasets from the repo root)")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, 1 round")
     ap.add_argument("--json", default=None, help="also write every figure here")
     args = ap.parse_args(argv)
     if args.quick:
         args.batch1_prompts, args.batch, args.max_tokens, args.rounds = 2, 4, 32, 1
-    ckpt = load_checkpoint(args.model)
     arms = [Arm("plain", None)] + parse_arms(args.drafters, args.spec_max_len, args.accept_threshold)
     n = max(3 * args.batch, args.batch1_prompts)
     builders = {"copy-heavy": copy_workload, "open chat": chat_workload}
     unknown = set(args.workloads.split(",")) - set(builders)
     if unknown:
         ap.error(f"unknown workload(s) {sorted(unknown)}; choose from {sorted(builders)}")
-    workloads = {w: builders[w](num_requests=n) for w in args.workloads.split(",")}
+    # The prompts (from ../shared/datasets) before the model: a missing datasets folder fails at once.
+    workloads = {w: builders[w](args.datasets, num_requests=n) for w in args.workloads.split(",")}
+    ckpt = load_checkpoint(args.model)
     engines = {a.name: build(ckpt, args.dtype, a, args.threads, args.batch) for a in arms}
     tok = engines["plain"].tokenizer
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)

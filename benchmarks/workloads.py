@@ -1,5 +1,10 @@
 """Deterministic benchmark workloads built from the real prompt sets in ``../shared/datasets``.
 
+That folder sits beside the repository (``/work/shared/datasets`` here, and in CI) and is not
+part of it; without it every workload stops at once with :class:`DatasetsMissing`, naming the
+folder and the files it looked for. (The test suite does not need it: it reads the small subsets
+in ``tests/data/``.)
+
 A workload is a list of :class:`WorkloadPrompt` (an id, where it came from and its chat
 messages). Nothing here touches the network or a model; the same arguments always give the
 same prompts, in the same order, so two engines (or two runs) see identical input.
@@ -17,8 +22,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["COPY_TASKS", "SUPPORT_SYSTEM_PROMPT", "WorkloadPrompt", "chat_workload", "copy_workload",
-           "default_datasets_dir"]
+__all__ = ["COPY_TASKS", "DATASET_FILES", "SUPPORT_SYSTEM_PROMPT", "DatasetsMissing", "WorkloadPrompt",
+           "chat_workload", "copy_workload", "datasets_root", "default_datasets_dir"]
 
 # A realistic operator system prompt (~300 tokens with SmolLM2's tokenizer).
 SUPPORT_SYSTEM_PROMPT = """\
@@ -58,8 +63,35 @@ def default_datasets_dir() -> Path:
     return Path(__file__).resolve().parents[1].parent / "shared" / "datasets"
 
 
+# Where each source lives under the datasets folder (the layout of ../shared/datasets).
+DATASET_FILES = {
+    "sharegpt": "sharegpt_500/ShareGPT_V3_filtered_500.json",
+    "mt_bench": "mt_bench/question.jsonl",
+    "gsm8k": "gsm8k_test/test.jsonl",
+}
+
+
+class DatasetsMissing(FileNotFoundError):
+    """The prompt sets a benchmark reads are not where it looked."""
+
+
+def datasets_root(datasets_dir: str | Path | None, sources: tuple[str, ...] = tuple(DATASET_FILES)) -> Path:
+    """The datasets folder (``datasets_dir``, or :func:`default_datasets_dir`), checked to hold
+    the file of every source in ``sources``. Benchmarks call it before loading a model, so a
+    missing folder costs nothing and says what to do."""
+    root = Path(datasets_dir) if datasets_dir is not None else default_datasets_dir()
+    missing = [DATASET_FILES[s] for s in sources if not (root / DATASET_FILES[s]).is_file()]
+    if missing:
+        where = "folder not found" if not root.is_dir() else f"missing {', '.join(missing)}"
+        raise DatasetsMissing(
+            f"{root}: prompt sets {where}. The benchmarks read the real prompt sets (ShareGPT, MT-Bench, "
+            f"GSM8K) from ../shared/datasets beside the repository, which a clone does not include; pass "
+            f"--datasets DIR with that layout ({', '.join(DATASET_FILES[s] for s in sources)}).")
+    return root
+
+
 def _sharegpt(root: Path, max_chars: int) -> list[str]:
-    path = root / "sharegpt_500" / "ShareGPT_V3_filtered_500.json"
+    path = datasets_root(root, ("sharegpt",)) / DATASET_FILES["sharegpt"]
     records = json.loads(path.read_text(encoding="utf-8"))
     texts = [r["conversations"][0]["value"] for r in records if r.get("conversations")]
     # Drop one-word openers ("hi") and the longest prompts, which would dominate the padding of a
@@ -68,13 +100,13 @@ def _sharegpt(root: Path, max_chars: int) -> list[str]:
 
 
 def _mt_bench(root: Path, max_chars: int) -> list[str]:
-    path = root / "mt_bench" / "question.jsonl"
+    path = datasets_root(root, ("mt_bench",)) / DATASET_FILES["mt_bench"]
     texts = [json.loads(line)["turns"][0] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [t for t in texts if len(t) <= max_chars]
 
 
 def _gsm8k(root: Path, max_chars: int) -> list[str]:
-    path = root / "gsm8k_test" / "test.jsonl"
+    path = datasets_root(root, ("gsm8k",)) / DATASET_FILES["gsm8k"]
     texts = [json.loads(line)["question"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [t for t in texts if len(t) <= max_chars]
 
@@ -98,9 +130,7 @@ def chat_workload(
     """
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    root = Path(datasets_dir) if datasets_dir is not None else default_datasets_dir()
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: datasets folder not found (pass --datasets)")
+    root = datasets_root(datasets_dir, tuple(_LOADERS))
     pools: dict[str, list[str]] = {}
     for name, load in _LOADERS.items():
         texts = load(root, max_prompt_chars)
@@ -144,9 +174,7 @@ def copy_workload(
 ) -> list[WorkloadPrompt]:
     """``num_requests`` summarise / edit / extract requests over a given text (ShareGPT prompts
     and GSM8K questions of ``min_chars`` to ``max_chars`` characters), tasks in turn."""
-    root = Path(datasets_dir) if datasets_dir is not None else default_datasets_dir()
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: datasets folder not found (pass --datasets)")
+    root = datasets_root(datasets_dir, ("sharegpt", "gsm8k"))
     texts = [t for t in _sharegpt(root, max_chars) + _gsm8k(root, max_chars) if len(t) >= min_chars]
     random.Random(f"copy-{seed}").shuffle(texts)
     if len(texts) < num_requests:

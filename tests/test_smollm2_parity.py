@@ -1,14 +1,36 @@
 """Correctness on the real default model, SmolLM2-135M-Instruct (dequantized from its GGUF).
 
-1. fp32 greedy parity with transformers on the same weights: token for token on 16 chat
-   prompts x 64 tokens, where a difference is allowed only at a near-tie; per-step logits agree.
-2. Batch invariance: the same greedy tokens alone and inside a batch of 32 mixed-length
-   requests, with the default engine config and with ``batch_invariant=True``.
-3. bf16 against fp32: a documented loose tolerance.
+Each SmolLM2 claim of docs/correctness.md is what one assertion here checks, stated so that it
+holds on any CPU, not only on the one where it was measured:
+
+1. fp32 parity with transformers on the same weights (transformers reads the GGUF itself): 16
+   chat prompts (11 MT-Bench first turns, 5 GSM8K questions; 48..402 prompt tokens) x 64 greedy
+   tokens, decoded by kvbatch in one batch of 16. Every one of the 1,024 next-token logit vectors
+   is within MAX_LOGIT_DIFF of transformers' over the same prefix, and every kvbatch token is
+   transformers' argmax there, except at a near-tie (transformers' top-2 margin under NEAR_TIE,
+   twice the bound), where it may be transformers' second choice.
+2. Batch invariance: 32 requests (17 MT-Bench, 15 GSM8K; 47..245 prompt tokens) x
+   INVARIANCE_TOKENS greedy tokens, each alone and inside one batch of 32. Default engine config:
+   logits within MAX_BATCH_LOGIT_DIFF, tokens identical except at a near-tie of the alone run.
+   ``batch_invariant=True``: every logit of all 32 requests bitwise equal (so tokens too).
+3. bf16 against fp32: a documented loose tolerance on the first BF16_TOKENS tokens.
+
+Why near-ties are allowed: with every logit within a bound B of the reference, two argmaxes can
+differ only where the reference's top-2 margin is under 2B. How often such a step flips depends
+on the BLAS kernels of the machine (these prompts have a few steps with margins near 1e-4), so
+"N/N identical" is a measurement of one machine, printed and recorded in the figures, while the
+assertion is the part that holds everywhere.
+
+Why these sizes are enough: the fp32 logits differ between engines by accumulated rounding on
+every step, so 1,024 compared steps over prompts from 48 to 466 positions cover short and long
+contexts and the batched prefill and decode paths; tokens after 64 add only more of the same
+steps. Batch variance comes from the kernel chosen for the step's row count, which is different
+from the first decode step on, so 16 tokens x 32 requests compare 512 steps per config; three
+requests cross position 256 while decoding (the batch-invariant attention's key tile), so the
+multi-tile path runs too.
 
 The figures go to stdout (``pytest -s``) and to ``smollm2_parity.json`` in pytest's base temp
-directory. Cost: ~240 CPU-seconds (measured single-threaded: 303 s wall on a busy 2-core host;
-two OpenMP threads on a host that busy took 15 minutes, so prefer OMP_NUM_THREADS=1 there).
+directory, with wall and process-CPU seconds of each phase.
 """
 
 from __future__ import annotations
@@ -19,53 +41,47 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
+from prompt_sets import gsm8k, mt_bench  # real prompts kept in tests/data/
 
 pytestmark = pytest.mark.slow
 
-DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"  # the prompt sets, beside the repo
-PAD = 2  # <|im_end|>, SmolLM2's EOS and PAD
 NEW_TOKENS = 64
-NEAR_TIE = 1e-3  # a greedy choice this close may go either way between two fp32 engines
-MAX_LOGIT_DIFF = 1e-3
+# Largest |kvbatch - transformers| over every logit of the 16 x 64 steps, fp32: 1.54e-4 on the
+# AMD EPYC AVX2-only machine (oneDNN-packed fp32 projections, 1 thread, 2026-12-01); 7.6e-5 was
+# recorded on a Zen 4 with AVX-512 (2026-11-29, an older prompt set). The bound is about twice the
+# worst measured, room for another machine's BLAS.
+MAX_LOGIT_DIFF = 3e-4
+# With every logit within MAX_LOGIT_DIFF of the reference, the two argmaxes can differ only where
+# the reference's top-2 margin is under twice that: a near-tie, where either choice is rounding.
+NEAR_TIE = 2 * MAX_LOGIT_DIFF
+# Default config, alone vs in the batch of 32 (the same kind of rounding): largest |difference| on
+# the shared prefix 9.6e-5 on the AMD EPYC AVX2-only machine (2026-12-01); about twice that.
+MAX_BATCH_LOGIT_DIFF = 2e-4
+BATCH_NEAR_TIE = 2 * MAX_BATCH_LOGIT_DIFF
 
-# Short and long first turns (prompt lengths with the default system prompt: 34..446 tokens).
-PARITY_MT_BENCH = (81, 104, 90, 105, 120, 124, 133, 144)
-PARITY_SHAREGPT = ("fzcoUcK_0", "mv9l4vA_0", "l4MsKo7_0", "GpZfkFE_0", "1LtlS83_0", "5ZTmGcy_0", "D383thR_0",
-                   "zAbRguB_0")
-# The batch of 32 (34..245 tokens): short enough that batch_invariant=True prefill stays cheap
+# Short and long first turns, one or more of each MT-Bench category (48..402 prompt tokens with
+# the default system prompt), and GSM8K questions (65..96 tokens, digits and arithmetic).
+PARITY_MT_BENCH = (81, 104, 90, 105, 120, 124, 133, 144, 138, 95, 154)
+PARITY_GSM8K = (0, 40, 80, 120, 160)
+# The batch of 32 (47..245 tokens): short enough that batch_invariant=True prefill stays cheap
 # (its attention pads every sequence of a step to the step's longest chunk and context), long
-# enough that five requests cross position 256 while decoding (its tile size), so the
-# multi-tile path runs too.
-INVARIANCE_MT_BENCH = (81, 104, 90, 105, 120, 124, 144, 85, 97, 110, 113, 131, 151, 160, 132, 134)
-INVARIANCE_SHAREGPT = ("fzcoUcK_0", "mv9l4vA_0", "GpZfkFE_0", "1LtlS83_0", "5ZTmGcy_0", "zAbRguB_0", "Uxnccdl_0",
-                       "z9VxpVu_0", "tipbjpG_0", "BZ45pni_0", "NHOvp4w_0", "d05inuw_0", "7zR6M3E_0", "lygk1QO_0",
-                       "c24AV7u_0", "A9VfOAM_0")
-INVARIANCE_TOKENS = 32
+# enough that three requests (243, 243, 245 tokens) cross position 256 while decoding.
+INVARIANCE_MT_BENCH = (81, 104, 90, 105, 120, 124, 144, 85, 97, 110, 113, 131, 151, 160, 132, 134, 137)
+INVARIANCE_GSM8K = tuple(range(0, 195, 13))  # 15 questions, every 13th of the 200 kept
+INVARIANCE_TOKENS = 16
 
 FIGURES: dict = {}
 
 
-def _first_turns() -> tuple[dict[int, str], dict[str, str]]:
-    mt_bench = {}
-    with open(DATASETS / "mt_bench/question.jsonl") as f:
-        for line in f:
-            q = json.loads(line)
-            mt_bench[q["question_id"]] = q["turns"][0]
-    with open(DATASETS / "sharegpt_500/ShareGPT_V3_filtered_500.json") as f:
-        sharegpt = {c["id"]: c["conversations"][0]["value"] for c in json.load(f)}
-    return mt_bench, sharegpt
-
-
-def _chats(mt_ids, sg_ids) -> list[list[dict]]:
-    mt_bench, sharegpt = _first_turns()
-    texts = [mt_bench[i] for i in mt_ids] + [sharegpt[i] for i in sg_ids]
+def _chats(mt_ids: tuple[int, ...], gsm8k_ids: tuple[int, ...]) -> list[list[dict]]:
+    questions, records = mt_bench(), gsm8k()
+    texts = [questions[i]["turns"][0] for i in mt_ids] + [records[i]["question"] for i in gsm8k_ids]
     return [[{"role": "user", "content": t}] for t in texts]
 
 
@@ -75,7 +91,8 @@ def _greedy(n: int) -> SamplingParams:
 
 @contextmanager
 def _captured_logits(llm: LLM) -> Iterator[dict[str, list[torch.Tensor]]]:
-    """Every sampled row's logits, per request id, in step order (a spy on the runner)."""
+    """Every sampled row's logits, per request id, in step order (a spy on the runner that is
+    removed on exit, so the session's shared engine is left as it was)."""
     seen: dict[str, list[torch.Tensor]] = defaultdict(list)
     execute = llm.runner.execute
 
@@ -93,7 +110,7 @@ def _captured_logits(llm: LLM) -> Iterator[dict[str, list[torch.Tensor]]]:
 
 
 class _Clock:
-    """Wall and process-CPU seconds of a block (CPU time is steadier on a busy host at one thread)."""
+    """Wall and process-CPU seconds of a block (CPU time is steadier on a busy host)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -111,9 +128,10 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-def _margin(logits: torch.Tensor) -> tuple[float, list[int]]:
-    top = logits.topk(2)
-    return float(top.values[0] - top.values[1]), top.indices.tolist()
+def _margins(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit of each row of [T, V]."""
+    top = logits.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -126,7 +144,7 @@ def _write_figures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def parity_prompts(smollm2_llm: LLM) -> list[list[int]]:
-    return [smollm2_llm.tokenizer.encode_chat(c) for c in _chats(PARITY_MT_BENCH, PARITY_SHAREGPT)]
+    return [smollm2_llm.tokenizer.encode_chat(c) for c in _chats(PARITY_MT_BENCH, PARITY_GSM8K)]
 
 
 @pytest.fixture(scope="module")
@@ -142,67 +160,63 @@ def kv_fp32(smollm2_llm: LLM, parity_prompts) -> tuple[list[list[int]], list[tor
 
 
 @pytest.fixture(scope="module")
-def hf_fp32(smollm2_hf, parity_prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """transformers' greedy tokens and raw per-step logits, left-padded batches of 8 by length.
+def hf_fp32(smollm2_hf, parity_prompts, kv_fp32) -> list[torch.Tensor]:
+    """transformers' next-token logits [64, V] over each prompt followed by kvbatch's tokens.
 
-    No ``min_new_tokens``: transformers implements it by masking EOS, which changes the argmax
-    wherever the model wants to end its turn. kvbatch's ``ignore_eos`` keeps EOS choosable and
-    just goes on, so transformers gets ``eos_token_id=None`` instead (never stops, masks nothing).
+    One full forward pass per prompt instead of 64 generate steps: transformers' greedy output
+    equals kvbatch's exactly when, at every step, transformers' argmax over that same prefix is
+    kvbatch's token (by induction over the steps), and the logits are then compared at every
+    step too, not only up to a first divergence.
     """
-    n = len(parity_prompts)
-    order = sorted(range(n), key=lambda i: len(parity_prompts[i]))
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    logits: list[torch.Tensor] = [torch.empty(0)] * n
-    with _Clock("transformers_fp32_generate"):
-        for start in range(0, n, 8):
-            group = order[start:start + 8]
-            width = max(len(parity_prompts[i]) for i in group)
-            ids = torch.tensor([[PAD] * (width - len(parity_prompts[i])) + parity_prompts[i] for i in group])
-            mask = torch.tensor([[0] * (width - len(parity_prompts[i])) + [1] * len(parity_prompts[i]) for i in group])
-            with torch.inference_mode():
-                out = smollm2_hf.generate(
-                    input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS,
-                    eos_token_id=None, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
-            steps = torch.stack(out.logits, 1).float()  # raw logits, before any processor
-            for row, i in enumerate(group):
-                tokens[i] = out.sequences[row, width:].tolist()
-                logits[i] = steps[row].clone()
-    assert all(len(t) == NEW_TOKENS for t in tokens), "transformers stopped early"
-    return tokens, logits
+    kv_tokens, _ = kv_fp32
+    logits = []
+    with _Clock("transformers_fp32_forward"), torch.inference_mode():
+        for prompt, output in zip(parity_prompts, kv_tokens):
+            out = smollm2_hf(torch.tensor([prompt + output[:-1]])).logits[0].float()
+            logits.append(out[len(prompt) - 1:].clone())
+    assert all(len(l) == NEW_TOKENS for l in logits)
+    return logits
 
 
 # ------------------------------------------------------------------------------- 1. fp32 parity
 
 
-def test_fp32_greedy_matches_transformers(kv_fp32, hf_fp32, parity_prompts) -> None:
+def _near_tie_flips(tokens: list[int], ref: torch.Tensor, near_tie: float) -> tuple[list[int], list[int]]:
+    """Steps where ``tokens`` is not ``ref``'s argmax: (those at a near-tie, where the token is
+    ``ref``'s second choice and ``ref``'s top-2 margin is under ``near_tie``; all the others)."""
+    top = ref.topk(2, dim=-1)
+    margin = top.values[:, 0] - top.values[:, 1]
+    tied, wrong = [], []
+    for k, tok in enumerate(tokens):
+        if tok != int(top.indices[k, 0]):
+            (tied if tok == int(top.indices[k, 1]) and float(margin[k]) < near_tie else wrong).append(k)
+    return tied, wrong
+
+
+def test_fp32_greedy_and_logits_match_transformers(kv_fp32, hf_fp32, parity_prompts) -> None:
     kv_tokens, kv_logits = kv_fp32
-    hf_tokens, hf_logits = hf_fp32
-    per_prompt, max_diff, problems = [], 0.0, []
-    for i, (kt, ht) in enumerate(zip(kv_tokens, hf_tokens)):
-        k = _first_divergence(kt, ht)
-        upto = NEW_TOKENS if k is None else k + 1  # the logits at the divergence share their prefix too
-        diff = float((kv_logits[i][:upto] - hf_logits[i][:upto]).abs().max())
-        max_diff = max(max_diff, diff)
-        entry = {"prompt_tokens": len(parity_prompts[i]), "first_divergence": k, "max_abs_logit_diff": diff}
-        if k is not None:
-            (kv_gap, kv_top), (hf_gap, hf_top) = _margin(kv_logits[i][k]), _margin(hf_logits[i][k])
-            entry.update(kvbatch_top2=kv_top, kvbatch_margin=kv_gap, transformers_top2=hf_top,
-                         transformers_margin=hf_gap)
-            if not (kv_gap < NEAR_TIE and hf_gap < NEAR_TIE and set(kv_top) == set(hf_top)):
-                problems.append(f"prompt {i}: diverges at step {k} without a near-tie: {entry}")
-        per_prompt.append(entry)
+    per_prompt, wrong = [], {}
+    for i, (tokens, kv, hf) in enumerate(zip(kv_tokens, kv_logits, hf_fp32)):
+        tied, bad = _near_tie_flips(tokens, hf, NEAR_TIE)
+        if bad:
+            wrong[i] = bad
+        per_prompt.append({
+            "prompt_tokens": len(parity_prompts[i]), "first_divergence": min(tied + bad, default=None),
+            "near_tie_flips": tied, "max_abs_logit_diff": float((kv - hf).abs().max()),
+            "near_tie_steps": int((_margins(hf) < NEAR_TIE).sum()), "min_top2_margin": float(_margins(hf).min())})
     identical = sum(e["first_divergence"] is None for e in per_prompt)
+    max_diff = max(e["max_abs_logit_diff"] for e in per_prompt)
+    near_ties = sum(e["near_tie_steps"] for e in per_prompt)
     FIGURES["fp32_parity"] = {"identical": identical, "prompts": len(per_prompt), "tokens_each": NEW_TOKENS,
-                              "max_abs_logit_diff_on_matching_prefix": max_diff}
+                              "max_abs_logit_diff": max_diff, "bound": MAX_LOGIT_DIFF, "near_tie": NEAR_TIE,
+                              "near_tie_steps": near_ties,
+                              "min_top2_margin_transformers": min(e["min_top2_margin"] for e in per_prompt)}
     FIGURES["per_prompt"] = per_prompt
-    print(f"\nfp32 parity: {identical}/{len(per_prompt)} identical over {NEW_TOKENS} tokens; "
-          f"max |logit diff| on matching prefixes {max_diff:.2e}")
-    for e in per_prompt:
-        if e["first_divergence"] is not None:
-            print(f"  divergence: {e}")
-    assert not problems, "\n".join(problems)
-    assert identical >= len(per_prompt) - 1, per_prompt
-    assert max_diff < MAX_LOGIT_DIFF, per_prompt
+    print(f"\nfp32 parity: {identical}/{len(per_prompt)} identical over {NEW_TOKENS} tokens; max |logit diff| "
+          f"{max_diff:.2e} (bound {MAX_LOGIT_DIFF:.1e}); {near_ties} of {len(per_prompt) * NEW_TOKENS} steps are "
+          f"near-ties (transformers' top-2 margin < {NEAR_TIE:.1e}); flips {[e['near_tie_flips'] for e in per_prompt]}")
+    assert max_diff <= MAX_LOGIT_DIFF, per_prompt
+    assert not wrong, f"kvbatch's token is not transformers' argmax, and not a near-tie, at steps {wrong}"
 
 
 # ------------------------------------------------------------------------------- 2. batch invariance
@@ -210,86 +224,98 @@ def test_fp32_greedy_matches_transformers(kv_fp32, hf_fp32, parity_prompts) -> N
 
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
 def test_greedy_tokens_same_alone_and_in_a_batch_of_32(smollm2_checkpoint, batch_invariant: bool) -> None:
-    # Prefix caching off: an "alone" run must not reuse KV that the batched run computed, or
-    # the reverse, or the comparison would be partly with itself.
+    # Prefix caching off: an "alone" run must not reuse KV that another run computed, or the
+    # comparison would be partly with itself.
     llm = LLM(smollm2_checkpoint, engine_config=EngineConfig(
-        enable_prefix_caching=False, batch_invariant=batch_invariant, kv_cache_bytes=512 << 20))
-    chats = _chats(INVARIANCE_MT_BENCH, INVARIANCE_SHAREGPT)
-    prompts = [llm.tokenizer.encode_chat(c) for c in chats]
-    # Shortest first (3,689 prompt tokens): the first 2048-token step prefills the 24 shortest
-    # and chunks of two more, the second prefills the rest beside 24 decodes, then all 32
-    # decode together. (The order matters only for cost: with batch_invariant=True, a
-    # long chunk in a step with many decodes pads every one of them to its length.)
+        enable_prefix_caching=False, batch_invariant=batch_invariant, kv_cache_bytes=256 << 20))
+    prompts = [llm.tokenizer.encode_chat(c) for c in _chats(INVARIANCE_MT_BENCH, INVARIANCE_GSM8K)]
+    # Shortest first (3,516 prompt tokens): the first 2048-token step prefills the shortest ones
+    # and a chunk of the next, the second the rest beside their decodes, then all 32 decode
+    # together. (With batch_invariant=True a long chunk in a step with many decodes pads every
+    # one of them to its length, so the order matters for cost.)
     prompts.sort(key=len)
     reqs = [GenerationRequest(f"r{i}", _greedy(INVARIANCE_TOKENS), prompt_token_ids=p) for i, p in enumerate(prompts)]
     name = "batch_invariant" if batch_invariant else "default"
-    with _Clock(f"invariance_{name}_alone"):
+    with _Clock(f"invariance_{name}_alone"), _captured_logits(llm) as alone_logits:
         alone = [llm.generate([r])[0].output_token_ids for r in reqs]
     steps_before = llm.stats["steps"]
-    with _Clock(f"invariance_{name}_batch32"):
+    with _Clock(f"invariance_{name}_batch32"), _captured_logits(llm) as batch_logits:
         batched_results = llm.generate(reqs)
     batched = [r.output_token_ids for r in batched_results]
     batch_steps = llm.stats["steps"] - steps_before
+    pairs = [(torch.stack(alone_logits[r.request_id]), torch.stack(batch_logits[r.request_id])) for r in reqs]
+    del alone_logits, batch_logits, llm
+    gc.collect()
     same = sum(a == b for a, b in zip(alone, batched))
-    differing = {i: _first_divergence(a, b) for i, (a, b) in enumerate(zip(alone, batched)) if a != b}
+    bitwise = sum(torch.equal(a, b) for a, b in pairs)
+    # Paths part at a first differing token; the logits are compared on the shared prefix, and
+    # the token there may differ only at a near-tie of the alone run.
+    upto = [INVARIANCE_TOKENS if (k := _first_divergence(a, b)) is None else k + 1 for a, b in zip(alone, batched)]
+    max_diff = max(float((a[:n] - b[:n]).abs().max()) for (a, b), n in zip(pairs, upto))
+    flips = {i: _near_tie_flips(batched[i][:n], pairs[i][0][:n], BATCH_NEAR_TIE)
+             for i, n in enumerate(upto) if alone[i] != batched[i]}
+    wrong = {i: bad for i, (_, bad) in flips.items() if bad}
+    near_ties = sum(int((_margins(a) < BATCH_NEAR_TIE).sum()) for a, _ in pairs)
     FIGURES.setdefault("batch_invariance", {})[name] = {
-        "same": same, "requests": len(reqs), "fraction": same / len(reqs), "tokens_each": INVARIANCE_TOKENS,
-        "batched_run_steps": batch_steps, "preemptions": sum(r.num_preemptions for r in batched_results), "first_divergence_by_request": differing,
+        "same": same, "requests": len(reqs), "tokens_each": INVARIANCE_TOKENS, "bitwise_equal_logits": bitwise,
+        "max_abs_logit_diff_on_shared_prefix": max_diff, "bound": MAX_BATCH_LOGIT_DIFF,
+        "near_tie_steps_alone": near_ties, "near_tie_flips": {i: tied for i, (tied, _) in flips.items()},
+        "min_top2_margin_alone": min(float(_margins(a).min()) for a, _ in pairs), "batched_run_steps": batch_steps,
+        "preemptions": sum(r.num_preemptions for r in batched_results),
         "prompt_tokens_min_max": [min(map(len, prompts)), max(map(len, prompts))]}
-    print(f"\nbatch invariance ({name}): {same}/{len(reqs)} = {same / len(reqs):.3f} requests identical alone vs "
-          f"in a batch of {len(reqs)} ({batch_steps} steps); first divergences {differing}")
+    print(f"\nbatch invariance ({name}): {same}/{len(reqs)} requests identical alone vs in a batch of {len(reqs)} "
+          f"({batch_steps} steps); logits bitwise equal for {bitwise}/{len(reqs)}, max |diff| {max_diff:.2e}; "
+          f"{near_ties} near-tie steps alone; flips {flips}")
     assert batch_steps < 2 * INVARIANCE_TOKENS, "the 32 requests did not share steps"
     if batch_invariant:
-        assert same == len(reqs), differing
+        assert bitwise == len(reqs), f"{bitwise}/{len(reqs)} bitwise equal, max |diff| {max_diff}"
     else:
-        assert same >= len(reqs) - 1, differing
-    del llm
-    gc.collect()
+        assert max_diff <= MAX_BATCH_LOGIT_DIFF, max_diff
+        assert not wrong, f"alone and batched tokens differ away from a near-tie: {wrong}"
 
 
 # ------------------------------------------------------------------------------- 3. bf16 tolerance
 
 # The bf16 parity tolerance. bf16 rounds the weights and every activation (8 significant bits),
 # so greedy paths part from fp32 at the first close call, sometimes at the first token.
-# Observed (2-core Zen 4, torch 2.13 CPU, 1 or 2 threads, 16 prompts x 64 tokens): 3/16
-# identical; matching leading tokens [0, 4, 11, 20, 14, 3, 0, 32, 64, 37, 64, 26, 16, 63, 9, 64],
-# mean 26.7; first 4 match for 13/16, first 8 for 12/16; first-step |logit diff| max 0.53,
-# mean 0.094; fp32's own top-2 margin where bf16 turns away is 0.007..0.21.
+# Measured on the AMD EPYC AVX2-only machine (bf16 projections through BLAS, 2026-12-01): 11/16
+# identical over 16 tokens; matching leading tokens [0, 5, 16, 16, 14, 3, 0, 16, 16, ...]; first 4
+# match for 13/16; first-step |logit diff| max 0.65, mean 0.098; fp32's own top-2 margin where bf16
+# turns away 0.039..0.127.
+BF16_TOKENS = 16  # compared on the first 16 of fp32's 64 tokens (bf16 is emulated, slow, on AVX2)
 BF16_LEADING = 4  # the first 4 tokens match fp32 ...
 BF16_MIN_PROMPTS = 10  # ... for at least 10 of the 16 prompts,
-BF16_MIN_MEAN_LEADING = 12  # on average the first 12 tokens match,
-BF16_MAX_FLIPPED_MARGIN = 0.5  # and bf16 turns away only where fp32's top-2 margin is under 0.5.
+BF16_MAX_FLIPPED_MARGIN = 0.5  # bf16 turns away only where fp32's top-2 margin is under 0.5,
+BF16_MAX_FIRST_STEP_DIFF = 1.0  # and on the shared first step no logit is 1.0 or more away.
 
 
 def test_bf16_stays_close_to_fp32(smollm2_checkpoint, kv_fp32, parity_prompts) -> None:
     fp32_tokens, fp32_logits = kv_fp32
     llm = LLM(smollm2_checkpoint, dtype="bf16", engine_config=EngineConfig(kv_cache_bytes=256 << 20))
-    reqs = [GenerationRequest(f"b{i}", _greedy(NEW_TOKENS), prompt_token_ids=p) for i, p in enumerate(parity_prompts)]
+    reqs = [GenerationRequest(f"b{i}", _greedy(BF16_TOKENS), prompt_token_ids=p) for i, p in enumerate(parity_prompts)]
     with _Clock("kvbatch_bf16_generate"), _captured_logits(llm) as seen:
         bf16_tokens = [r.output_token_ids for r in llm.generate(reqs)]
     # The first step sees the same prompt in both dtypes: how far apart are the logits there?
     first = [(seen[r.request_id][0] - fp32_logits[i][0]).abs() for i, r in enumerate(reqs)]
-    del seen
-    leading = [NEW_TOKENS if (k := _first_divergence(a, b)) is None else k for a, b in zip(bf16_tokens, fp32_tokens)]
-    # How close a call fp32 itself had where bf16 went another way (for the report).
-    fp32_margins = [round(_margin(fp32_logits[i][k])[0], 4) for i, k in enumerate(leading) if k < NEW_TOKENS]
-    identical = sum(n == NEW_TOKENS for n in leading)
+    del seen, llm
+    gc.collect()
+    leading = [BF16_TOKENS if (k := _first_divergence(a, b[:BF16_TOKENS])) is None else k
+               for a, b in zip(bf16_tokens, fp32_tokens)]
+    # How close a call fp32 itself had where bf16 went another way.
+    fp32_margins = [round(float(_margins(fp32_logits[i][k:k + 1])[0]), 4) for i, k in enumerate(leading)
+                    if k < BF16_TOKENS]
+    identical = sum(n == BF16_TOKENS for n in leading)
     ok = sum(n >= BF16_LEADING for n in leading)
-    mean = sum(leading) / len(leading)
+    first_max = max(float(d.max()) for d in first)
     FIGURES["bf16_vs_fp32"] = {
-        "identical": identical, "prompts": len(leading), "tokens_each": NEW_TOKENS,
-        "mean_matching_leading_tokens": mean, "matching_leading_tokens": leading,
-        f"first_{BF16_LEADING}_match": ok, "first_8_match": sum(n >= 8 for n in leading),
-        "first_step_max_abs_logit_diff": max(float(d.max()) for d in first),
+        "identical": identical, "prompts": len(leading), "tokens_each": BF16_TOKENS,
+        "mean_matching_leading_tokens": sum(leading) / len(leading), "matching_leading_tokens": leading,
+        f"first_{BF16_LEADING}_match": ok, "first_step_max_abs_logit_diff": first_max,
         "first_step_mean_abs_logit_diff": sum(float(d.mean()) for d in first) / len(first),
         "fp32_top2_margin_where_bf16_diverges": fp32_margins}
-    print(f"\nbf16 vs fp32: {identical}/{len(leading)} identical over {NEW_TOKENS} tokens; mean matching leading "
-          f"tokens {mean:.1f}; first {BF16_LEADING} match for {ok}/{len(leading)}; per prompt {leading}; first-step "
-          f"|logit diff| max {FIGURES['bf16_vs_fp32']['first_step_max_abs_logit_diff']:.3f} mean "
-          f"{FIGURES['bf16_vs_fp32']['first_step_mean_abs_logit_diff']:.4f}; fp32 top-2 margins where bf16 diverges "
-          f"{fp32_margins}")
+    print(f"\nbf16 vs fp32: {identical}/{len(leading)} identical over {BF16_TOKENS} tokens; first {BF16_LEADING} "
+          f"match for {ok}/{len(leading)}; per prompt {leading}; first-step |logit diff| max {first_max:.3f}; "
+          f"fp32 top-2 margins where bf16 diverges {fp32_margins}")
     assert ok >= BF16_MIN_PROMPTS, leading
-    assert mean >= BF16_MIN_MEAN_LEADING, leading
     assert max(fp32_margins, default=0.0) < BF16_MAX_FLIPPED_MARGIN, fp32_margins
-    del llm
-    gc.collect()
+    assert first_max < BF16_MAX_FIRST_STEP_DIFF, first_max

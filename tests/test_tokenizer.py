@@ -19,9 +19,9 @@ from kvbatch.engine.models.weights import (
     resolve_model,
 )
 from kvbatch.engine.text.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from prompt_sets import gsm8k, mt_bench  # real prompts kept in tests/data/
 from tokenizers import pre_tokenizers
 
-DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 IM_START, IM_END = 1, 2
 
 TRICKY = [
@@ -39,30 +39,30 @@ TRICKY = [
 ]
 
 
+def _gsm8k_texts() -> list[str]:
+    """GSM8K's 200 questions, then their 200 worked answers (digit runs, ``<<48/2=24>>`` notes)."""
+    records = gsm8k()
+    return [r["question"] for r in records] + [r["answer"] for r in records]
+
+
 def _dataset_prompts() -> list[str]:
-    prompts = []
-    with open(DATASETS / "mt_bench" / "question.jsonl") as handle:
-        for line in handle:
-            prompts += json.loads(line)["turns"]
-    with open(DATASETS / "sharegpt_500" / "ShareGPT_V3_filtered_500.json") as handle:
-        prompts += [record["conversations"][0]["value"] for record in json.load(handle)]
-    return prompts
+    """MT-Bench's 160 turns (prose, code, roleplay, extraction tables), then :func:`_gsm8k_texts`."""
+    return [turn for q in mt_bench().values() for turn in q["turns"]] + _gsm8k_texts()
 
 
 def _mt_bench_chats() -> list[list[dict[str, str]]]:
     chats = []
-    with open(DATASETS / "mt_bench" / "question.jsonl") as handle:
-        for line in handle:
-            first, second = json.loads(line)["turns"][:2]
-            chats.append([{"role": "user", "content": first}])
-            chats.append(
-                [
-                    {"role": "system", "content": "You are a careful assistant. Answer in 3 sentences."},
-                    {"role": "user", "content": first},
-                    {"role": "assistant", "content": "Sure: here is 1 answer ✓."},
-                    {"role": "user", "content": second},
-                ]
-            )
+    for q in mt_bench().values():
+        first, second = q["turns"][:2]
+        chats.append([{"role": "user", "content": first}])
+        chats.append(
+            [
+                {"role": "system", "content": "You are a careful assistant. Answer in 3 sentences."},
+                {"role": "user", "content": first},
+                {"role": "assistant", "content": "Sure: here is 1 answer ✓."},
+                {"role": "user", "content": second},
+            ]
+        )
     return chats
 
 
@@ -118,7 +118,7 @@ def test_smollm_digits_split(tok: ChatTokenizer) -> None:
 
 def test_plain_text_parity_on_datasets(tok: ChatTokenizer, hf_tok: Any) -> None:
     prompts = _dataset_prompts() + TRICKY
-    assert len(prompts) > 600
+    assert len(prompts) == 160 + 400 + len(TRICKY)
     for text in prompts:
         assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False), text[:80]
 
@@ -131,8 +131,8 @@ def test_chat_parity_on_mt_bench(tok: ChatTokenizer, hf_tok: Any) -> None:
             assert tok.encode_chat(messages, add_generation_prompt) == _hf_ids(hf_tok, messages, add_generation_prompt)
 
 
-def test_chat_parity_on_sharegpt_and_tricky_text(tok: ChatTokenizer, hf_tok: Any) -> None:
-    prompts = _dataset_prompts()[160:] + TRICKY
+def test_chat_parity_on_gsm8k_and_tricky_text(tok: ChatTokenizer, hf_tok: Any) -> None:
+    prompts = _gsm8k_texts() + TRICKY
     for text in prompts:
         messages = [{"role": "user", "content": text}]
         assert tok.render_chat(messages) == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -141,7 +141,7 @@ def test_chat_parity_on_sharegpt_and_tricky_text(tok: ChatTokenizer, hf_tok: Any
 
 def test_split_tokenization_equals_whole_string_for_ordinary_prompts(tok: ChatTokenizer) -> None:
     """Tokenizing template and content pieces apart gives the whole string's ids, so prefixes are shared."""
-    chats = _mt_bench_chats() + [[{"role": "user", "content": text}] for text in _dataset_prompts()[160:]]
+    chats = _mt_bench_chats() + [[{"role": "user", "content": text}] for text in _gsm8k_texts()]
     for messages in chats:
         rendered, pieces = tok._chat_pieces(messages, True)
         assert sum(is_content for _, is_content in pieces) == len(messages)
@@ -324,6 +324,21 @@ CHUNK_SIZES = st.lists(st.integers(1, 4), min_size=1, max_size=8)
 # SmolLM2's byte alphabet lacks six C0 controls and the lead bytes of planes 4-11 (0xF1, 0xF2);
 # such characters are dropped by encode (as in transformers), so they cannot round-trip.
 ENCODABLE = st.characters(codec="utf-8", max_codepoint=0x3FFFF, exclude_characters="\x04\x06\x13\x14\x16\x1d")
+
+
+# The shipped prompt sets are English (tests/data/README.md says why ShareGPT's many-language
+# chats are not among them), so generated text stands in for them: runs of any character (every
+# script, emoji, controls, characters SmolLM2 cannot encode) between the pieces where the
+# pre-tokenizer splits (digit runs, blank lines, space runs, contractions, punctuation).
+SPLIT_PIECES = st.sampled_from(["\n\n", "\n", "  ", " ", "\t", "\r\n", "7", "42", "2024", "'s", "'ll", ".", "..."])
+GENERATED_TEXT = st.lists(st.one_of(SPLIT_PIECES, st.text(st.characters(codec="utf-8"), min_size=1, max_size=6)),
+                          max_size=12).map("".join)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=GENERATED_TEXT)
+def test_plain_text_parity_on_generated_text(tok: ChatTokenizer, hf_tok: Any, text: str) -> None:
+    assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
