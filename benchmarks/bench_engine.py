@@ -44,14 +44,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks.workloads` importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.timing import Stopwatch, Timed  # noqa: E402
+from benchmarks.workloads import WorkloadPrompt, chat_workload, default_datasets_dir  # noqa: E402
 from kvbatch.engine.models.weights import Checkpoint, load_checkpoint, resolve_model  # noqa: E402
 from kvbatch.engine.runtime.engine_config import EngineConfig  # noqa: E402
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest  # noqa: E402
 from kvbatch.engine.runtime.sampling_params import SamplingParams  # noqa: E402
 from kvbatch.engine.text.tokenizer import ChatTokenizer  # noqa: E402
-
-from benchmarks.timing import Stopwatch, Timed  # noqa: E402
-from benchmarks.workloads import WorkloadPrompt, chat_workload, default_datasets_dir  # noqa: E402
 
 TARGETS = {"batched": 5.0, "batch-1": 2.0}  # kvbatch tok/s over transformers fp32, same mode
 _T0 = time.perf_counter()

@@ -204,6 +204,7 @@ def probe_a2a(world: int) -> dict[str, float]:
     """At W = ``world``: the latency of a 64-byte-per-peer all_to_all (``small_s``), of a one-int
     all_reduce (``all_reduce_s``), and the per-rank bandwidth of a 1 MiB-per-peer all_to_all."""
     import torch.multiprocessing as mp
+
     from kvbatch.ops.worker_group import _free_port
 
     with tempfile.TemporaryDirectory() as tmp:

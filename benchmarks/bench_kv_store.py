@@ -56,6 +56,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks.workloads` importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.timing import Stopwatch  # noqa: E402
+from benchmarks.workloads import _sharegpt, datasets_root, default_datasets_dir  # noqa: E402
 from kvbatch.cli.main import _kv_fingerprint  # noqa: E402  (the CLI's store fingerprint: stores stay compatible)
 from kvbatch.engine.models.weights import Checkpoint, load_checkpoint  # noqa: E402
 from kvbatch.engine.runtime.engine_config import EngineConfig  # noqa: E402
@@ -67,9 +69,6 @@ from kvbatch.io.batch_requests import read_requests  # noqa: E402
 from kvbatch.io.kv_store import KVStore, KVStoreConfig  # noqa: E402
 from kvbatch.ops.jobs import Rejected, tokenize_requests  # noqa: E402
 from kvbatch.ops.kv_handoff import run_decode, run_prefill  # noqa: E402
-
-from benchmarks.timing import Stopwatch  # noqa: E402
-from benchmarks.workloads import _sharegpt, datasets_root, default_datasets_dir  # noqa: E402
 
 GOALS = {
     "shared_fraction": 0.60,  # prompt tokens that some other prompt starts with

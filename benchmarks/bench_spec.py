@@ -36,13 +36,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.workloads import WorkloadPrompt, chat_workload, copy_workload, default_datasets_dir  # noqa: E402
 from kvbatch.engine.models.weights import load_checkpoint  # noqa: E402
 from kvbatch.engine.runtime.engine_config import EngineConfig  # noqa: E402
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest  # noqa: E402
 from kvbatch.engine.runtime.sampling_params import SamplingParams  # noqa: E402
 from kvbatch.engine.speculative.controller import SpecConfig  # noqa: E402
-
-from benchmarks.workloads import WorkloadPrompt, chat_workload, copy_workload, default_datasets_dir  # noqa: E402
 
 
 @dataclass

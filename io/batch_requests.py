@@ -72,7 +72,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import fsspec
-from kvbatch.io.urls import redact_text
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -81,6 +80,8 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+
+from kvbatch.io.urls import redact_text
 
 __all__ = [
     "ChatRequest",

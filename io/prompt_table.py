@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
+
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow, SamplingParams
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))

@@ -28,6 +28,7 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from kvbatch.io.batch_output import AtomicSink
 from kvbatch.io.batch_requests import (
     ChatRequest,

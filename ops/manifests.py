@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import fsspec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from kvbatch.engine.runtime.llm import LLM
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.io.batch_requests import (
@@ -52,7 +54,6 @@ from kvbatch.io.batch_requests import (
 )
 from kvbatch.io.kv_tiers import check_key
 from kvbatch.ops.jobs import Job, Rejected
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MANIFEST_VERSION = 1
 _INT32_MAX = 2**31 - 1  # token ids, counts: what a tensor index holds

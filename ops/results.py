@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
+
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.io.batch_output import JsonlWriter
 from kvbatch.io.prompt_table import record_request

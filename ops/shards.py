@@ -30,6 +30,7 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from kvbatch.engine.models.weights import TokenizerSource
 from kvbatch.engine.runtime.block_hash import chain_keys, store_fingerprint
 from kvbatch.engine.runtime.llm import LLM, parse_dtype

@@ -116,6 +116,7 @@ class LiveBalancer:
     def on_step(self, step: int) -> None:
         import torch
         import torch.distributed as dist
+
         from kvbatch.engine.parallel.eplb import (
             Placement,
             rank_loads,
@@ -268,6 +269,7 @@ def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | Non
     """Run this rank's share; rank 0 writes the output. Returns the exit status."""
     import fsspec
     import torch.distributed as dist
+
     from kvbatch.engine.parallel.expert_parallel import install
     from kvbatch.io.urls import redact_text
     from kvbatch.ops.batch_generate import run_jobs

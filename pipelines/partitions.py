@@ -22,6 +22,7 @@ import re
 import warnings
 
 import dagster as dg
+
 from kvbatch.ops.shard_routing import shard_keys
 
 NUM_SHARDS = int(os.environ.get("KVBATCH_NUM_SHARDS", "8"))

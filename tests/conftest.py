@@ -37,8 +37,9 @@ def smollm2_llm(smollm2_checkpoint):
 def smollm2_hf():
     """transformers' fp32 model read from the same GGUF: the reference for parity tests."""
     import torch
-    from kvbatch.engine.models.weights import resolve_model
     from transformers import AutoModelForCausalLM
+
+    from kvbatch.engine.models.weights import resolve_model
 
     path = resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(

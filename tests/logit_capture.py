@@ -4,6 +4,7 @@ transformers reference model, for parity tests."""
 from __future__ import annotations
 
 import torch
+
 from kvbatch.engine.runtime.llm import LLM
 
 

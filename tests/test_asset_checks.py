@@ -14,6 +14,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from kvbatch.ops.shard_routing import shard_of
 from kvbatch.pipelines.assets import decode_results, prefill_kv, prompt_shards, prompts
 from kvbatch.pipelines.layout import DayLayout
@@ -25,7 +26,6 @@ from kvbatch.resources import (
     ObjectStoreResource,
     PricingResource,
 )
-
 from tests.tiny_models import build_tiny_chat_model
 
 DATE = "2026-11-29"

@@ -29,7 +29,7 @@ from kvbatch.io.batch_requests import (
     read_requests,
     reject,
 )
-from prompt_sets import MT_BENCH  # the 80 MT-Bench questions, kept in tests/data/
+from tests.prompt_sets import MT_BENCH  # the 80 MT-Bench questions, kept in tests/data/
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.deepseek import DeepseekV3Model
 from kvbatch.engine.models.errors import UnsupportedModelError
@@ -28,7 +29,6 @@ from kvbatch.kernels.reference_mla import (
     store_mla_kv,
 )
 from kvbatch.ops.shards import kv_fingerprint
-
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_deepseek import VOCAB, build_tiny_deepseek, deepseek_config
 

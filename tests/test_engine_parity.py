@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_models import ARCHS, VOCAB, build_tiny
 

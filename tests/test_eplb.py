@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
 from kvbatch.engine.parallel.eplb import (
     ExpertLoadWindow,
     Placement,
@@ -441,7 +442,6 @@ def test_command_runs_with_calibration_file_and_measured_points(tmp_path, capsys
 def test_window_on_a_skewed_tiny_moe_model_and_the_rebalance_it_feeds(tmp_path):
     from kvbatch.engine.runtime.llm import LLM, GenerationRequest
     from kvbatch.engine.runtime.sampling_params import SamplingParams
-
     from tests.tiny_models import HOT_EXPERTS, NUM_EXPERTS, VOCAB, build_tiny_moe
 
     build_tiny_moe("mixtral", tmp_path, skew=4.0)

@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from kvbatch.cli.main import main
 from kvbatch.engine.models.moe import MoELayerWeights
 from kvbatch.engine.parallel.eplb import Placement, rebalance_experts
 from kvbatch.kernels import dispatch as K
-
 from tests import tiny_models
 from tests.tiny_models import build_tiny_chat_model, build_tiny_moe
 

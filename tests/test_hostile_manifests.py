@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvbatch.cli.main import EXIT_REJECTS, _kv_fingerprint, main
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
@@ -24,7 +25,6 @@ from kvbatch.io.kv_store import KVStore, KVStoreConfig
 from kvbatch.ops.jobs import Job, Rejected
 from kvbatch.ops.kv_handoff import run_decode
 from kvbatch.ops.manifests import ManifestMismatch, manifest_jobs, manifest_line, read_manifests
-
 from tests.tiny_models import VOCAB, build_tiny
 
 MAX_POSITIONS = 256  # tiny_models' max_position_embeddings

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvbatch.cli.main import main
 from kvbatch.io.kv_block_format import digest, pack_blocks
 from kvbatch.io.kv_object_tier import IndexInvalid, ObjectStoreTier, PackManifest, fingerprint_id

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
 from tests.triton_interpreter import (ATTN_TOL, CHILD_ENV, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
-                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)
+                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)  # noqa: F401 (fixture)
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
 
@@ -415,7 +415,6 @@ def test_engine_logits_same_on_triton_kernels(tmp_path, monkeypatch):
     from kvbatch.engine.runtime.engine_config import EngineConfig
     from kvbatch.engine.runtime.llm import LLM, GenerationRequest
     from kvbatch.engine.runtime.sampling_params import SamplingParams
-
     from tests.tiny_models import VOCAB, build_tiny
 
     build_tiny("llama", tmp_path)

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
 from tests.triton_interpreter import (ATTN_TOL, CHILD_ENV, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
-                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)
+                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)  # noqa: F401 (fixture)
 from kvbatch.engine.runtime.sampler import filter_logits
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.speculative.verifier import verify

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kvbatch.cli.main import _kv_fingerprint
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
@@ -16,7 +17,6 @@ from kvbatch.io.kv_store import KVStore, KVStoreConfig
 from kvbatch.ops.batch_generate import run_batch
 from kvbatch.ops.kv_handoff import run_decode, run_prefill
 from kvbatch.ops.manifests import ManifestMismatch
-
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = ("You are a meticulous assistant for a hardware store. Answer briefly, cite the aisle number, "

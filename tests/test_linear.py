@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvbatch.engine.models.linear import (
     BLAS,
     ONEDNN,
@@ -17,7 +18,6 @@ from kvbatch.engine.models.linear import (
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_models import VOCAB, build_tiny
 

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
 from kvbatch.engine.models.config import ModelConfig, MoEConfig
 from kvbatch.engine.models.moe import (
     LocalExperts,
@@ -20,8 +22,6 @@ from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import dispatch, reference
-from safetensors.torch import load_file, save_file
-
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_models import HOT_EXPERTS, MOE_ARCHS, NUM_EXPERTS, VOCAB, build_tiny_moe
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
 from kvbatch.io.kv_store import KVStore, KVStoreConfig
@@ -18,7 +19,6 @@ from kvbatch.ops.ingest import ingest
 from kvbatch.ops.results import decode_shard, prefill_shard
 from kvbatch.ops.shard_routing import shard_of
 from kvbatch.ops.shards import build_shards, kv_fingerprint
-
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = "You are a librarian. Recommend one book, give its author, and keep it to one sentence. " * 2

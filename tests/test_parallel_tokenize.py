@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
 from kvbatch.io.batch_requests import ChatRequest
@@ -29,7 +30,6 @@ from kvbatch.ops.shards import (
     tokenized_in_pool,
     tokenized_in_process,
 )
-
 from tests.tiny_models import build_tiny_chat_model
 
 NUM_SHARDS = 4
@@ -220,8 +220,9 @@ def test_worker_count_is_validated(llm, prompts, tmp_path):
 
 
 def test_asset_config_refuses_fewer_than_one_worker():
-    from kvbatch.pipelines.assets import ShardsConfig
     from pydantic import ValidationError
+
+    from kvbatch.pipelines.assets import ShardsConfig
 
     assert ShardsConfig().tokenize_workers is None and ShardsConfig(tokenize_workers=3).tokenize_workers == 3
     with pytest.raises(ValidationError, match="greater than or equal to 1"):

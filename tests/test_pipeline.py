@@ -17,6 +17,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 import pytest
+
 from kvbatch.io.shard_tables import read_shards
 from kvbatch.pipelines.assets import (
     ASSETS,
@@ -46,7 +47,6 @@ from kvbatch.resources import (
     ObjectStoreResource,
     PricingResource,
 )
-
 from tests.tiny_models import build_tiny_chat_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-
 from tests.tiny_models import VOCAB, build_tiny
 
 BLOCK = 4

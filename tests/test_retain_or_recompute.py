@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.io.kv_store import KVStore, KVStoreConfig
 from kvbatch.ops.shards import kv_fingerprint
-
 from tests.tiny_models import VOCAB, build_tiny
 
 BLOCK = 4

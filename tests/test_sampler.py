@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvbatch.engine.runtime.sampler import filter_logits, sample, top_logprobs
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-
 from tests.chi_square import chi_square_p
 
 

@@ -12,6 +12,7 @@ import random
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+
 from kvbatch.engine.runtime.block_manager import BlockManager
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.runtime.scheduler import Scheduler

@@ -44,10 +44,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from prompt_sets import gsm8k, mt_bench  # real prompts kept in tests/data/
+from tests.prompt_sets import gsm8k, mt_bench  # real prompts kept in tests/data/
 
 pytestmark = pytest.mark.slow
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import VOCAB, build_tiny
+
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
@@ -19,8 +21,6 @@ from kvbatch.engine.speculative.controller import (
 )
 from kvbatch.engine.speculative.drafters import Draft, NgramDrafter
 from kvbatch.engine.speculative.verifier import verify
-from tiny_models import VOCAB, build_tiny
-
 from tests.chi_square import chi_square_p
 
 
@@ -456,8 +456,9 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
 def test_cli_generate_with_spec_reports_metrics_and_keeps_greedy_output(tmp_path):
     import json
 
-    from kvbatch.cli.main import main
     from tiny_models import build_tiny_chat_model
+
+    from kvbatch.cli.main import main
 
     model = build_tiny_chat_model(tmp_path / "chat", max_positions=128)
     rows = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -497,13 +498,14 @@ def test_speculative_decode_of_a_shard_from_stored_kv_feeds_the_cost_metrics(tmp
     shard's cost metrics."""
     import json
 
+    from tiny_models import build_tiny_chat_model
+
     from kvbatch.io.kv_store import KVStore, KVStoreConfig
     from kvbatch.io.shard_tables import read_table, shard_url
     from kvbatch.ops.cost import Pricing, shard_metrics
     from kvbatch.ops.ingest import ingest
     from kvbatch.ops.results import decode_shard, prefill_shard
     from kvbatch.ops.shards import build_shards, kv_fingerprint
-    from tiny_models import build_tiny_chat_model
 
     model = build_tiny_chat_model(tmp_path / "chat", max_positions=160)
     rows = [{"custom_id": f"id-{i}", "messages": [{"role": "user", "content": "red green blue " * 6 + str(i)}],

@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+
 from kvbatch.cli.main import _kv_fingerprint, main
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
@@ -30,7 +31,6 @@ from kvbatch.ops.ingest import ingest
 from kvbatch.ops.kv_handoff import run_decode, run_prefill
 from kvbatch.ops.results import decode_shard, prefill_shard
 from kvbatch.ops.shards import build_shards
-
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = "You answer for a hardware store: be brief, give the aisle, never invent a price. " * 3

@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import pre_tokenizers
+
 from kvbatch.engine.models.weights import (
     ModelLoadError,
     TokenizerSource,
@@ -19,8 +21,7 @@ from kvbatch.engine.models.weights import (
     resolve_model,
 )
 from kvbatch.engine.text.tokenizer import ChatTokenizer, IncrementalDetokenizer
-from prompt_sets import gsm8k, mt_bench  # real prompts kept in tests/data/
-from tokenizers import pre_tokenizers
+from tests.prompt_sets import gsm8k, mt_bench  # real prompts kept in tests/data/
 
 IM_START, IM_END = 1, 2
 

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+
 from kvbatch.engine.models.weights import (
     Checkpoint,
     ModelLoadError,
     load_checkpoint,
     resolve_model,
 )
-from safetensors.torch import load_file, save_file
 
 TINY = dict(
     hidden_size=64,

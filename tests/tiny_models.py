@@ -58,6 +58,7 @@ def build_tiny_chat_model(folder: Path, seed: int = 0, max_positions: int = 256)
     import json
 
     import transformers as tf
+
     from kvbatch.engine.text.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.from_model("smollm2-135m")

@@ -8,6 +8,7 @@ MoE hooks), so the runner, the KV connector and the engine never branch on the a
 from __future__ import annotations
 
 import torch
+
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.deepseek import DeepseekV3Model
 from kvbatch.engine.models.llama import LlamaModel

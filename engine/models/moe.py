@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.kernels import dispatch as K
 

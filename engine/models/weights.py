@@ -24,6 +24,7 @@ import fsspec
 import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
+
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
 

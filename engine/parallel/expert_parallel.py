@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from kvbatch.engine.models.moe import MoELayerWeights
 from kvbatch.engine.parallel.eplb import Placement, identity_placement, replica_choice
 from kvbatch.kernels import dispatch as K

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
 from kvbatch.engine.runtime.sequence import Sequence
 
 

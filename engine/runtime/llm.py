@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.factory import build_model
 from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_checkpoint

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from kvbatch.engine.models.llama import ForwardBatch, LlamaModel
 from kvbatch.engine.runtime.scheduler import ScheduledSeq
 

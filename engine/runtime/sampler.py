@@ -8,6 +8,7 @@ else shares the batch.
 from __future__ import annotations
 
 import torch
+
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 
 

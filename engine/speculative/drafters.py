@@ -27,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+
 from kvbatch.engine.runtime.model_runner import ModelRunner, WorkItem
 from kvbatch.engine.runtime.sampler import filter_logits
 from kvbatch.engine.runtime.sampling_params import SamplingParams

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvbatch.engine.runtime.sampler import filter_logits
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 

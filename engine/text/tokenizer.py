@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
 from kvbatch.engine.models.weights import (
     ModelLoadError,
     TokenizerSource,
     load_tokenizer_source,
 )
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 if TYPE_CHECKING:
     from kvbatch.engine.models.weights import Checkpoint
