@@ -2,7 +2,7 @@
 
 They live in the repository (``tests/data/README.md`` says where each file came from, how it
 was cut and under which licence) so that the suite runs the same on a fresh clone as on a
-machine that also has ``../shared/datasets``; no test skips for want of data.
+machine that also has the team's shared datasets folder beside the checkout; no test skips for want of data.
 """
 
 from __future__ import annotations
