@@ -275,13 +275,13 @@ def parse_request_line(
             return RejectedRow(line_no, None, WHOLE_LINE, f"malformed JSON: an integer has more than {limit} digits")
         return RejectedRow(line_no, None, WHOLE_LINE, f"malformed JSON: {e}")
     if not isinstance(obj, dict):
-        return RejectedRow(line_no, None, WHOLE_LINE, f"must be a JSON object, got {_json_type(obj)}")
+        return RejectedRow(line_no, None, WHOLE_LINE, f"must be a JSON object, got {json_type(obj)}")
 
     custom_id = obj.get("custom_id")
     if "custom_id" not in obj:
         return RejectedRow(line_no, None, "custom_id", MISSING)
     if not isinstance(custom_id, str):
-        return RejectedRow(line_no, None, "custom_id", f"must be a string, got {_json_type(custom_id)}")
+        return RejectedRow(line_no, None, "custom_id", f"must be a string, got {json_type(custom_id)}")
     if not custom_id:
         return RejectedRow(line_no, None, "custom_id", "must not be empty")
     try:
@@ -296,7 +296,7 @@ def parse_request_line(
         else:
             body = _ChatBody.model_validate(obj)
     except ValidationError as e:
-        field, reason = _describe(e)
+        field, reason = describe_validation_error(e)
         return RejectedRow(line_no, custom_id, field, reason)
 
     prefix = "body." if is_batch else ""
@@ -356,7 +356,7 @@ def _to_request(
     return ChatRequest(line_no, custom_id, messages, sampling, body.model)
 
 
-def _describe(e: ValidationError) -> tuple[str, str]:
+def describe_validation_error(e: ValidationError) -> tuple[str, str]:
     """The first pydantic error as (dotted field path, reason with the offending value)."""
     errors = e.errors(include_url=False)
     err = errors[0]
@@ -376,7 +376,7 @@ def _describe(e: ValidationError) -> tuple[str, str]:
 _CLASS_NAME = re.compile(r" or instance of _\w+")
 
 
-def _json_type(v: Any) -> str:
+def json_type(v: Any) -> str:
     """The JSON name of a Python value's type, for messages a JSON author understands."""
     if v is None:
         return "null"

@@ -49,8 +49,8 @@ from kvbatch.io.batch_requests import (
     RejectedRow,
     StopString,
     Text,
-    _describe,
-    _json_type,
+    describe_validation_error,
+    json_type,
 )
 from kvbatch.io.kv_tiers import check_key
 from kvbatch.ops.jobs import Job, Rejected
@@ -196,7 +196,7 @@ def _parse_line(raw: bytes, line: int) -> ManifestLine:
     except RecursionError:
         return ManifestLine(line, None, (WHOLE_LINE, "malformed JSON: nested too deeply"))
     if not isinstance(obj, dict):
-        return ManifestLine(line, None, (WHOLE_LINE, f"must be a JSON object, got {_json_type(obj)}"))
+        return ManifestLine(line, None, (WHOLE_LINE, f"must be a JSON object, got {json_type(obj)}"))
     return ManifestLine(line, obj)
 
 
@@ -211,7 +211,7 @@ def manifest_jobs(llm: LLM, manifests: Iterable[ManifestLine | dict[str, Any]]) 
     for position, item in enumerate(manifests):
         if not isinstance(item, ManifestLine):
             item = ManifestLine(position + 1, item) if isinstance(item, dict) else \
-                ManifestLine(position + 1, None, (WHOLE_LINE, f"must be a JSON object, got {_json_type(item)}"))
+                ManifestLine(position + 1, None, (WHOLE_LINE, f"must be a JSON object, got {json_type(item)}"))
         yield _job(llm, want, vocab, position, item)
 
 
@@ -223,12 +223,12 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
         try:
             r = _RejectedLine.model_validate(m)
         except ValidationError as e:
-            return _bad(position, item.line, m, *_describe(e))
+            return _bad(position, item.line, m, *describe_validation_error(e))
         return Rejected(position, RejectedRow(r.line_no, r.custom_id, r.rejected.field, r.rejected.reason))
     try:
         j = _Job.model_validate(m)
     except ValidationError as e:
-        return _bad(position, item.line, m, *_describe(e))
+        return _bad(position, item.line, m, *describe_validation_error(e))
     got = {k: getattr(j, k) for k in _IDENTITY}
     if got != want:
         diff = ", ".join(f"{k}: manifest {got[k]!r} vs decoder {want[k]!r}" for k in want if got[k] != want[k])
