@@ -108,7 +108,9 @@ def test_broken_gzip_answers_every_row_read_before_the_break(tiny_chat, tmp_path
 # ------------------------------------------------------------------ items 4 and 10: fail before the model loads
 
 
-def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+def _unusable_paths(tmp: Path) -> tuple[Path, Path, Path, Path]:
+    """(a good input, a .gz that is not gzip, a directory, a plain file) for the fail-first cases
+    of generate and prefill."""
     good = tmp / "in.jsonl"
     good.write_bytes(_jsonl([_row("a")]))
     notgz = tmp / "plain.jsonl.gz"
@@ -117,6 +119,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     folder.mkdir()
     a_file = tmp / "a_file"
     a_file.write_text("x")
+    return good, notgz, folder, a_file
+
+
+def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    good, notgz, folder, a_file = _unusable_paths(tmp)
     out = str(tmp / "out.jsonl")
     return {
         "input missing": (["--input", str(tmp / "nope.jsonl"), "--output", out], "nope.jsonl"),
@@ -359,14 +366,7 @@ def test_prefill_of_a_broken_stream_stores_and_lists_every_row_read(tiny_chat, t
 
 
 def _prefill_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
-    good = tmp / "in.jsonl"
-    good.write_bytes(_jsonl([_row("a")]))
-    notgz = tmp / "plain.jsonl.gz"
-    notgz.write_bytes(_jsonl([_row("a")]))
-    folder = tmp / "folder"
-    folder.mkdir()
-    a_file = tmp / "a_file"
-    a_file.write_text("x")
+    good, notgz, folder, a_file = _unusable_paths(tmp)
     m = str(tmp / "m.jsonl")
     return {
         "input is a directory": (["--input", str(folder), "--manifests", m], "is a directory"),
