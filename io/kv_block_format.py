@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 import torch
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: segments of many sequences, create-only writes, a layout marker (kv_object_tier)
 FORMAT_NAME = "kvbatch.kvblock"
 
 # Dtypes a block may have, by the name written into metadata. Names are torch's own.

@@ -12,24 +12,34 @@ PutStart/PutEnd in two PUTs). Objects are immutable and never appended to.
 
 from __future__ import annotations
 
+import atexit
 import errno
-import itertools
 import json
 import logging
 import math
 import os
-import re
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from kvbatch.io.kv_block_format import DTYPES, BlockCorrupt, BlockEntry, digest, pack_blocks, unpack_block
+from kvbatch.io.kv_block_format import (
+    LAYOUT_VERSION,
+    BlockCorrupt,
+    BlockEntry,
+    digest,
+    pack_blocks,
+    unpack_block,
+)
+from kvbatch.io.kv_index import IndexReader
+from kvbatch.io.kv_requests import RequestCounter
 from kvbatch.io.kv_tiers import (
     IO_ERROR,
     MISSING,
@@ -310,178 +320,80 @@ def store_endpoint(url: str, storage_options: dict[str, Any] | None = None) -> s
     return redact(f"{url} (endpoint {endpoint})" if endpoint else url)
 
 
-# -- names and ranges read from the store ------------------------------------------------------
-#
-# Everything an index file (or a listing) says later becomes a path (pack, fingerprint id) or a
-# byte range (offset, length). Anyone who can write one file into a shared store writes these,
-# so each is checked against the one shape kvbatch itself produces before it is used, and the
-# layout builds paths from checked names only.
-
-_PACK_NAME = re.compile(r"[0-9]{13,20}-[0-9a-f]{32}")  # f"{created ms:013d}-{digest(object)}", see _write_pack
-_FPID_NAME = re.compile(r"[0-9a-f]{32}")  # fingerprint_id(): a blake2b-128 hex digest
-_DIGEST = re.compile(r"[0-9a-f]{32}")  # kv_block_format.digest()
-_MAX_DIMS = 8  # a KV block is [layers, 2, heads, block, dim] or fewer; more is not ours
-_MAX_FINGERPRINT_CHARS = 4096
-
-
-class IndexInvalid(ValueError):
-    """An index file (or a name in the store) that fails validation: hostile or corrupt.
-
-    It is skipped and counted (`invalid_index_files`), never used to find data, and nothing is
-    ever deleted through it. The message names the file and the field.
-    """
-
-    def __init__(self, source: str, field: str, reason: str) -> None:
-        self.source, self.field, self.reason = source, field, reason
-        super().__init__(f"{source}: {field}: {reason}")
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    s = repr(value)  # repr, not str: a NUL, a backslash or a newline shows as itself
-    return s if len(s) <= limit else s[: limit - 3] + "..."
-
-
-def _checked_name(value: Any, pattern: re.Pattern[str], source: str, field: str, shape: str) -> str:
-    if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise IndexInvalid(source, field, f"{_shown(value)} is not {shape}")
-    return value
-
-
-def _checked_int(value: Any, source: str, field: str, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):  # JSON true is not a number here
-        raise IndexInvalid(source, field, f"must be an integer, got {_shown(value)}")
-    if value < lo:
-        raise IndexInvalid(source, field, f"must be >= {lo}, got {value}")
-    return value
-
-
-def _checked_entry(b: Any, source: str, field: str, object_bytes: int) -> BlockEntry:
-    if not isinstance(b, dict):
-        raise IndexInvalid(source, field, f"must be an object, got {_shown(b)}")
-    try:
-        key = check_key(b.get("key"))
-    except ValueError as exc:
-        raise IndexInvalid(source, f"{field}.key", str(exc)) from None
-    offset = _checked_int(b.get("offset"), source, f"{field}.offset", 0)
-    length = _checked_int(b.get("length"), source, f"{field}.length", 1)
-    if offset + length > object_bytes:
-        raise IndexInvalid(source, f"{field}.length", f"block [{offset}, {offset + length}) ends past the "
-                           f"{object_bytes} bytes the index gives its object")
-    checksum = _checked_name(b.get("checksum"), _DIGEST, source, f"{field}.checksum", "a 32-hex digest")
-    range_checksum = _checked_name(b.get("range_checksum"), _DIGEST, source, f"{field}.range_checksum",
-                                   "a 32-hex digest")
-    dtype = b.get("dtype")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise IndexInvalid(source, f"{field}.dtype", f"{_shown(dtype)} is not one of {sorted(DTYPES)}")
-    shape = b.get("shape")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
-        raise IndexInvalid(source, f"{field}.shape", f"must be a list of at most {_MAX_DIMS} sizes, got {_shown(shape)}")
-    dims = tuple(_checked_int(s, source, f"{field}.shape.{i}", 0) for i, s in enumerate(shape))
-    # The range holds the tensor's raw bytes plus their IPC framing: a shape whose bytes cannot fit
-    # is a lie, refused here rather than by an allocation later.
-    nbytes = math.prod(dims) * torch.empty((), dtype=DTYPES[dtype]).element_size()
-    if nbytes > length:
-        raise IndexInvalid(source, f"{field}.shape", f"{dtype}{list(dims)} needs {nbytes} bytes, more than the "
-                           f"block's {length}-byte range")
-    return BlockEntry(key, offset, length, checksum, range_checksum, dtype, dims)
-
-
-@dataclass
-class PackManifest:
-    """The index file of one packed object: published after the object is whole."""
-
-    pack: str  # "<created_ms>-<digest>"
-    fingerprint: str
-    fingerprint_id: str
-    object_bytes: int
-    created_s: float
-    entries: dict[str, BlockEntry]
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": "kvbatch.kvpack-index",
-                "version": 1,
-                "pack": self.pack,
-                "fingerprint": self.fingerprint,
-                "fingerprint_id": self.fingerprint_id,
-                "object_bytes": self.object_bytes,
-                "created_s": self.created_s,
-                "blocks": [e.to_json() for e in self.entries.values()],
-            },
-            separators=(",", ":"),
-        ).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes, source: str = "index file", where: tuple[str, str] | None = None) -> "PackManifest":
-        """Parse and validate an index file; raise IndexInvalid naming `source` and the field.
-
-        `where` is (fingerprint id, pack) as the file's own path names them: an index file may
-        describe only the pack it is named for, so it can never point gc at another pack.
-        """
-        try:
-            d = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, nested too deeply
-            raise IndexInvalid(source, "$", f"not JSON ({_shown(str(exc), 120)})") from None
-        if not isinstance(d, dict):
-            raise IndexInvalid(source, "$", f"must be a JSON object, got {type(d).__name__}")
-        if d.get("format") != "kvbatch.kvpack-index":
-            raise IndexInvalid(source, "format", f"not a kvbatch pack index (format {_shown(d.get('format'))})")
-        if type(d.get("version")) is not int or d["version"] != 1:
-            raise IndexInvalid(source, "version", f"version {_shown(d.get('version'))}, this reader knows 1")
-        pack = _checked_name(d.get("pack"), _PACK_NAME, source, "pack", "a pack name (<created ms>-<32 hex>)")
-        fingerprint = d.get("fingerprint")
-        if not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= _MAX_FINGERPRINT_CHARS:
-            raise IndexInvalid(source, "fingerprint", f"must be a non-empty string, got {_shown(fingerprint)}")
-        fpid = _checked_name(d.get("fingerprint_id"), _FPID_NAME, source, "fingerprint_id", "32 hex digits")
-        if fpid != fingerprint_id(fingerprint):
-            raise IndexInvalid(source, "fingerprint_id", f"{fpid} is not the id of fingerprint {_shown(fingerprint)}")
-        if where is not None and (fpid, pack) != where:
-            raise IndexInvalid(source, "pack", f"describes pack {fpid}/{pack}, but the file is the index of "
-                               f"{where[0]}/{where[1]}")
-        object_bytes = _checked_int(d.get("object_bytes"), source, "object_bytes", 1)
-        created_s = d.get("created_s")
-        if isinstance(created_s, bool) or not isinstance(created_s, int | float) or not math.isfinite(created_s) \
-                or not 0 <= created_s <= 1e15:
-            raise IndexInvalid(source, "created_s", f"must be a time in seconds, got {_shown(created_s)}")
-        # The pack's name carries its write time: retention must not be steered by a second clock.
-        if abs(int(created_s * 1000) - int(pack.split("-", 1)[0])) > 1:
-            raise IndexInvalid(source, "created_s", f"{created_s} disagrees with the time in pack name {pack}")
-        blocks = d.get("blocks")
-        if not isinstance(blocks, list) or not blocks:
-            raise IndexInvalid(source, "blocks", f"must be a non-empty list, got {_shown(blocks)}")
-        entries: dict[str, BlockEntry] = {}
-        for i, b in enumerate(blocks):
-            e = _checked_entry(b, source, f"blocks.{i}", object_bytes)
-            if e.key in entries:
-                raise IndexInvalid(source, f"blocks.{i}.key", f"block {e.key} is listed twice")
-            entries[e.key] = e
-        # pack_blocks writes each block as its own IPC message, one after the other: ranges never overlap.
-        ordered = sorted(entries.values(), key=lambda e: e.offset)
-        for a, b in itertools.pairwise(ordered):
-            if b.offset < a.offset + a.length:
-                raise IndexInvalid(source, "blocks", f"the ranges of blocks {a.key[:16]} and {b.key[:16]} overlap")
-        return cls(pack=pack, fingerprint=fingerprint, fingerprint_id=fpid, object_bytes=object_bytes,
-                   created_s=float(created_s), entries=entries)
-
-
-def fingerprint_id(fingerprint: str) -> str:
-    """A short, path-safe name for a fingerprint: each model's packs live in their own folder."""
-    return digest(fingerprint.encode())
-
-
-def _pack_created_s(pack: str) -> float | None:
-    head = pack.split("-", 1)[0]
-    return int(head) / 1000 if head.isdigit() else None
+from kvbatch.io.kv_index_files import (  # noqa: F401 - the index file format; names kept importable here
+    _DIGEST,
+    _FPID_NAME,
+    _MAX_DIMS,
+    _MAX_FINGERPRINT_CHARS,
+    _PACK_NAME,
+    _PARTITION,
+    IndexInvalid,
+    PackManifest,
+    _checked_entry,
+    _checked_int,
+    _checked_name,
+    _pack_created_s,
+    _shown,
+    fingerprint_id,
+)
 
 
 class ObjectLayout:
     """Paths under the store's root. Objects: objects/<fpid>/<pack>.arrow; index: index/<fpid>/<pack>.json."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, requests: RequestCounter | None = None) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.local = isinstance(fs, LocalFileSystem)
+        # Every request below is counted by the kind the store bills it as (kv_requests.py).
+        self.requests = requests if requests is not None else RequestCounter()
+
+    # -- requests: every call to the store goes through one of these, and is counted --
+
+    def get(self, path: str) -> bytes:
+        """A whole object (one GET)."""
+        self.requests.add("GET")
+        return self.fs.cat_file(path)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object (one ranged GET)."""
+        self.requests.add("GET")
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def get_ranges(self, paths: list[str], starts: list[int], ends: list[int]) -> list[Any]:
+        """Many ranges at once (one GET each; concurrent on async stores); an error per failed range."""
+        self.requests.add("GET", len(paths))
+        return list(self.fs.cat_ranges(paths, starts, ends, on_error="return"))
+
+    def size(self, path: str) -> int | None:
+        """An object's size (one HEAD)."""
+        self.requests.add("HEAD")
+        return self.fs.size(path)
+
+    def put_new(self, path: str, data: bytes) -> bool:
+        """Create an object that must not exist yet: False (and nothing written) if it does.
+
+        Create-only everywhere, so nothing is ever overwritten and two writers of the same name
+        cannot interleave: on S3 a PUT with `If-None-Match: *` (s3fs `mode="create"`), on local
+        disk a temp file hard-linked into place (`link` fails if the name exists). Names carry
+        the digest of what they hold, so "it exists" means "the same bytes are already there".
+        """
+        self.requests.add("PUT")
+        try:
+            if self.local:
+                parent = path.rsplit("/", 1)[0]
+                self.fs.makedirs(parent, exist_ok=True)
+                tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
+                try:
+                    self.fs.pipe_file(tmp, data)
+                    os.link(tmp, path)
+                finally:
+                    _unlink_quiet(tmp)
+            else:
+                self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
 
     def object_path(self, fpid: str, pack: str) -> str:
         return f"{self.root}/objects/{self._names(fpid, pack)}.arrow"
@@ -502,10 +414,16 @@ class ObjectLayout:
         if not path.startswith(self.root + "/"):
             return False
         parts = path[len(self.root) + 1:].split("/")
-        ext = {"objects": ".arrow", "index": ".json"}.get(parts[0]) if len(parts) == 3 else None
+        ext = {"objects": ".arrow", "index": ".json", "usage": ".json", "generations": ".json",
+               "partitions": ".arrow"}.get(parts[0]) if len(parts) == 3 else None
         if ext is None or not parts[2].endswith(ext):
             return False
-        if not (_FPID_NAME.fullmatch(parts[1]) and _PACK_NAME.fullmatch(parts[2][: -len(ext)])):
+        name = parts[2][: -len(ext)]
+        if parts[0] == "partitions":  # "<generation>.<pp>"
+            name, _, pp = name.partition(".")
+            if not _PARTITION.fullmatch(pp):
+                return False
+        if not (_FPID_NAME.fullmatch(parts[1]) and _PACK_NAME.fullmatch(name)):
             return False
         if self.local:
             folder = os.path.realpath(os.path.dirname(path))
@@ -518,22 +436,8 @@ class ObjectLayout:
         if not self.owns(path):
             raise IndexInvalid(f"kv store {self.root}", "path", f"refusing to delete {_shown(path, 200)}: "
                                "not a pack file inside the store")
+        self.requests.add("DELETE")
         self.fs.rm_file(path)
-
-    def write_whole(self, path: str, data: bytes) -> None:
-        """Write an object whole: a single PUT on object stores, temp file + rename on local disk."""
-        if self.local:
-            parent = path.rsplit("/", 1)[0]
-            self.fs.makedirs(parent, exist_ok=True)
-            tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-            try:
-                self.fs.pipe_file(tmp, data)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    _unlink_quiet(tmp)
-        else:
-            self.fs.pipe_file(path, data)
 
     def ls_names(self, folder: str) -> list[str]:
         """Base names in a folder (fresh listing, temp files left out); [] if it does not exist."""
@@ -541,7 +445,10 @@ class ObjectLayout:
         try:
             items = self.fs.ls(folder, detail=False)
         except FileNotFoundError:
+            self.requests.add("LIST")
             return []
+        # An object store returns at most 1,000 names per LIST request.
+        self.requests.add("LIST", 1 if self.local else max(1, math.ceil(len(items) / 1000)))
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in items]
         return [n for n in names if n and not n.startswith(".tmp-")]
 
@@ -557,6 +464,57 @@ class ObjectLayout:
     def list_objects(self) -> list[tuple[str, str]]:
         return self._list("objects", ".arrow")[0]
 
+    # -- the persistent index (kv_index.py): generations and their key partitions --
+
+    def generation_path(self, fpid: str, gen: str) -> str:
+        return f"{self.root}/generations/{self._names(fpid, gen)}.json"
+
+    def partition_path(self, fpid: str, gen: str, pp: str) -> str:
+        if not _PARTITION.fullmatch(pp):
+            raise IndexInvalid(f"kv store {self.root}", "partition", f"{_shown(pp)} is not two hex digits")
+        return f"{self.root}/partitions/{self._names(fpid, gen)}.{pp}.arrow"
+
+    def list_generations(self, fpid: str) -> list[str]:
+        """Generation names of one model (one LIST)."""
+        _checked_name(fpid, _FPID_NAME, f"kv store {self.root}", "fingerprint id", "32 hex digits")
+        return [n[:-5] for n in self.ls_names(f"{self.root}/generations/{fpid}")
+                if n.endswith(".json") and _PACK_NAME.fullmatch(n[:-5])]
+
+    def list_partitions(self, fpid: str) -> list[tuple[str, str]]:
+        """(generation, partition) of every partition file of one model (one LIST)."""
+        _checked_name(fpid, _FPID_NAME, f"kv store {self.root}", "fingerprint id", "32 hex digits")
+        out = []
+        for n in self.ls_names(f"{self.root}/partitions/{fpid}"):
+            gen, _, rest = n.partition(".")
+            if _PACK_NAME.fullmatch(gen) and rest.endswith(".arrow") and _PARTITION.fullmatch(rest[:-6]):
+                out.append((gen, rest[:-6]))
+        return out
+
+    def list_index_files(self, fpid: str, prefix: str) -> list[str]:
+        """Pack names of one model's index files whose names start with `prefix` (leading digits of
+        their time): on S3 one prefix LIST, which costs what it returns, not the folder's size."""
+        _checked_name(fpid, _FPID_NAME, f"kv store {self.root}", "fingerprint id", "32 hex digits")
+        folder = f"{self.root}/index/{fpid}"
+        if self.local or not hasattr(self.fs, "find") or not prefix or \
+                type(self.fs).__name__ != "S3FileSystem":
+            names = self.ls_names(folder)
+        else:
+            self.fs.invalidate_cache(folder)
+            self.requests.add("LIST")
+            try:
+                names = [p.rsplit("/", 1)[-1] for p in self.fs.find(folder, prefix=prefix, maxdepth=1)]
+            except FileNotFoundError:
+                names = []
+        packs = [n[:-5] for n in names if n.endswith(".json") and n.startswith(prefix)]
+        return [p for p in packs if _PACK_NAME.fullmatch(p)]
+
+    def usage_path(self, fpid: str, name: str) -> str:
+        """A usage file: which segments a reader used, and when (see `record_usage`)."""
+        return f"{self.root}/usage/{self._names(fpid, name)}.json"
+
+    def list_usage(self) -> list[tuple[str, str]]:
+        return self._list("usage", ".json")[0]
+
     def _list(self, kind: str, ext: str) -> tuple[list[tuple[str, str]], list[str]]:
         good: list[tuple[str, str]] = []
         bad: list[str] = []
@@ -571,6 +529,94 @@ class ObjectLayout:
                 else:
                     bad.append(f"{self.root}/{kind}/{fpid}/{name}")
         return good, bad
+
+
+def coalesce_ranges(ranges: list[tuple[str, int, int]]) -> tuple[list[str], list[int], list[int], list[list[int]]]:
+    """Merge (path, start, end) ranges that touch or overlap within one object into one request.
+
+    Returns (paths, starts, ends, members): one merged range per request, and for each the
+    indexes of the input ranges it covers. A prompt's chain is written contiguously, so its
+    blocks come back in one GET."""
+    order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1]))
+    paths: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    members: list[list[int]] = []
+    for i in order:
+        path, start, end = ranges[i]
+        if paths and paths[-1] == path and start <= ends[-1]:
+            ends[-1] = max(ends[-1], end)
+            members[-1].append(i)
+        else:
+            paths.append(path)
+            starts.append(start)
+            ends.append(end)
+            members.append([i])
+    return paths, starts, ends, members
+
+
+class StoreLayoutError(RuntimeError):
+    """The store at this URL is in a layout this kvbatch does not read (an older one, or newer)."""
+
+
+LAYOUT_MARKER = "kvbatch-kv-layout"  # JSON; no .json, so it is never taken for an index file
+_LAYOUT_FORMAT = "kvbatch.kv-store"
+_LAYOUT_BODY = json.dumps({"format": _LAYOUT_FORMAT, "layout_version": LAYOUT_VERSION}).encode()
+
+
+def ensure_layout(layout: ObjectLayout, retry: RetryPolicy, counters: TierCounters | None = None,
+                  breaker: CircuitBreaker | None = None, *, create: bool = True) -> int:
+    """Check the store's layout marker (one GET); on a new, empty store write it (create-only).
+
+    A store holding packs but no marker was written by a kvbatch before layout 2 (one pack and
+    one index file per sequence per step): it is refused, with a message saying so and what to
+    do, rather than read half-right. Returns the layout version (0 for an empty store left
+    unmarked when `create` is False)."""
+    marker = f"{layout.root}/{LAYOUT_MARKER}"
+
+    def call(fn: Callable[[], T], what: str) -> T:
+        return retry.call(fn, what, counters, breaker)
+
+    for _ in range(2):  # a second pass reads the marker a concurrent writer just created
+        try:
+            raw = call(lambda: layout.get(marker), f"read {marker}")
+        except FileNotFoundError:
+            raw = None
+        if raw is not None:
+            try:
+                d = json.loads(raw)
+                version = d["layout_version"] if isinstance(d, dict) and d.get("format") == _LAYOUT_FORMAT else None
+            except ValueError:
+                version = None
+            if version != LAYOUT_VERSION:
+                raise StoreLayoutError(
+                    f"kv store {redact(layout.root)} is in KV store layout {version!r}; this kvbatch reads layout "
+                    f"{LAYOUT_VERSION}: use another store URL, or remove the store's contents")
+            return LAYOUT_VERSION
+        top = call(lambda: layout.ls_names(layout.root), f"list {layout.root}")
+        if {"objects", "index"} & set(top):
+            raise StoreLayoutError(
+                f"kv store {redact(layout.root)} is in the old KV store layout 1 (packs without a "
+                f"{LAYOUT_MARKER}); this kvbatch reads layout {LAYOUT_VERSION} (segments, create-only "
+                "writes): use another store URL, or delete the old store (its blocks are recomputed on demand)")
+        if not create:
+            return 0
+        if call(lambda: layout.put_new(marker, _LAYOUT_BODY), f"write {marker}"):
+            return LAYOUT_VERSION
+    raise StoreLayoutError(f"kv store {redact(layout.root)}: its layout marker vanished while being read")
+
+
+# Tiers with writes still pending are flushed at exit, so a process that forgets flush() loses nothing.
+_OPEN_TIERS: weakref.WeakSet[ObjectStoreTier] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_open_tiers() -> None:
+    for tier in list(_OPEN_TIERS):
+        try:
+            tier.flush()
+        except Exception as exc:  # noqa: BLE001 - exit must not raise; the blocks are recomputed on demand
+            log.warning("kv %s tier: pending blocks lost at exit: %s", tier.name, redact_text(str(exc)))
 
 
 class ObjectStoreTier(Tier):
@@ -596,6 +642,7 @@ class ObjectStoreTier(Tier):
         max_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         index_refresh_s: float = 5.0,
+        flush_after_s: float = 30.0,
         name: str = "object",
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 20.0,
@@ -617,6 +664,7 @@ class ObjectStoreTier(Tier):
         if self.layout.local:
             fs.makedirs(root, exist_ok=True)
         self.pack_bytes = pack_bytes
+        self.flush_after_s = flush_after_s
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self.retry = retry or RetryPolicy()
@@ -630,7 +678,33 @@ class ObjectStoreTier(Tier):
         self._invalid: set[tuple[str, str]] = set()  # index files that failed validation (hostile or corrupt)
         self._invalid_names = 0  # entries of the index folder not named as the store names them
         self._last_refresh = -float("inf")
-        self.refresh()
+        # The write buffer (see put_many): blocks accepted but not yet in a segment, in the order
+        # they came (a prompt's chain arrives in order, so it lands contiguous in its segment).
+        self._pending: dict[str, tuple[str, torch.Tensor]] = {}  # key -> (fingerprint, tensor)
+        self._pending_bytes = 0
+        self._pending_since: float | None = None  # monotonic time of the oldest pending block
+        self._flush_lock = threading.Lock()  # one segment write at a time, in order
+        self._timer: threading.Timer | None = None
+        self._used: set[tuple[str, str]] = set()  # segments read since the last usage file
+        # Nothing is listed here: a reader loads the index partitions its keys need when it first
+        # asks for them (kv_index.py), and decode, given each block's location by prefill's
+        # manifests (add_locations), needs none at all.
+        self._index = IndexReader(self.layout, self._call, name, index_refresh_s)
+        self.check_layout()
+        _OPEN_TIERS.add(self)
+
+    def check_layout(self) -> None:
+        """Refuse a store in another layout (StoreLayoutError); mark a new store with ours.
+
+        A store that cannot be reached is not refused here: its calls fail and are counted like
+        any other, and the breaker bounds what that costs."""
+        try:
+            ensure_layout(self.layout, self.retry, self.counters, self.breaker)
+        except StoreLayoutError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an unreachable store is counted and bounded by the breaker
+            log.info("kv %s tier: cannot check the layout of %s now: %s", self.name, store_endpoint(self.url),
+                     redact_text(str(exc)))
 
     def _call(self, fn: Callable[[], T], what: str) -> T:
         """Every call to the store: retried, counted, and refused while the breaker is open."""
@@ -652,7 +726,7 @@ class ObjectStoreTier(Tier):
                     "at %s: %s", self.name, store_endpoint(self.url), redact_text(str(exc)))
             return
         with self._lock:
-            known = set(self._manifests)
+            known = {k for k, m in self._manifests.items() if not m.partial}  # stubs: read the whole file
         new: dict[tuple[str, str], PackManifest] = {}
         with self._lock:
             dead = set(self._dead)
@@ -661,7 +735,7 @@ class ObjectStoreTier(Tier):
         for fpid, pack in sorted(listed - known - dead - invalid):
             path = self.layout.index_path(fpid, pack)
             try:
-                raw = self._call(lambda p=path: self.fs.cat_file(p), f"read {path}")
+                raw = self._call(lambda p=path: self.layout.get(p), f"read {path}")
                 new[(fpid, pack)] = PackManifest.from_json(raw, source=path, where=(fpid, pack))
             except FileNotFoundError:
                 continue  # removed by gc between list and read
@@ -701,12 +775,61 @@ class ObjectStoreTier(Tier):
             if self._manifests.pop((m.fingerprint_id, m.pack), None) is not None:
                 self._rebuild_where()
 
-    def _maybe_refresh(self, keys: list[str]) -> None:
+    def _maybe_refresh(self, keys: list[str], fingerprint: str) -> None:
+        """Ask the persistent index about keys with no known copy of this model: it reads the
+        partitions they fall in once, and the recent per-writer files at most every
+        `index_refresh_s` (kv_index.IndexReader); never the whole store."""
         with self._lock:
-            unknown = any(k not in self._where for k in keys)
-            stale = time.monotonic() - self._last_refresh >= self.index_refresh_s
-        if unknown and stale:
-            self.refresh()
+            unknown = [k for k in keys if not any(m.fingerprint == fingerprint for m, _ in self._where.get(k, ()))]
+        if not unknown:
+            return
+        try:
+            found = self._index.find(fingerprint, unknown, self._known)
+        except TierUnavailable:
+            return  # the breaker said so once
+        except Exception as exc:  # noqa: BLE001 - a lookup that cannot ask is a miss, counted by the call
+            log.log(logging.INFO if is_transient(exc) else logging.WARNING, "kv %s tier: cannot read the index "
+                    "at %s: %s", self.name, store_endpoint(self.url), redact_text(str(exc)))
+            return
+        self._merge(found)
+
+    def _known(self, pack: tuple[str, str]) -> bool:
+        with self._lock:
+            return pack in self._dead or pack in self._invalid or (
+                pack in self._manifests and not self._manifests[pack].partial)
+
+    def _merge(self, manifests: list[PackManifest]) -> None:
+        """Add what the index (or a manifest's locations) says: whole packs, or some of their entries."""
+        with self._lock:
+            for m in manifests:
+                k = (m.fingerprint_id, m.pack)
+                if k in self._dead:
+                    continue
+                have = self._manifests.get(k)
+                if have is None:
+                    self._manifests[k] = have = m
+                    fresh = dict(m.entries)
+                else:
+                    fresh = {key: e for key, e in m.entries.items() if key not in have.entries}
+                    have.entries.update(fresh)
+                    have.partial = have.partial and m.partial
+                for key, e in fresh.items():
+                    self._where.setdefault(key, []).append((have, e))
+
+    def add_locations(self, manifests: list[PackManifest]) -> None:
+        """Where blocks are, as prefill's manifests say (kv_index.parse_location): decode reads them
+        with no index request. A wrong location fails verification and is a miss, never wrong data."""
+        self._merge(manifests)
+
+    def locations(self, keys: list[str], fingerprint: str) -> list[tuple[PackManifest, BlockEntry] | None]:
+        """The newest verified-or-unread copy of each key of this model that is durable (in a
+        published segment), or None: what prefill writes into its manifests after flush()."""
+        self._maybe_refresh(keys, fingerprint)
+        out = []
+        for key in keys:
+            locs = [(m, e) for m, e in self._locations(key) if m.fingerprint == fingerprint]
+            out.append(max(locs, key=lambda me: me[0].created_s) if locs else None)
+        return out
 
     def _locations(self, key: str) -> list[tuple[PackManifest, BlockEntry]]:
         with self._lock:
@@ -721,16 +844,33 @@ class ObjectStoreTier(Tier):
         if self.breaker.blocked():  # unreachable: nothing here can be loaded, so plan no loads
             self.breaker.skip()
             return [False] * len(keys)
-        self._maybe_refresh(keys)
-        return [any(m.fingerprint == fingerprint for m, _ in self._locations(k)) for k in keys]
+        with self._lock:
+            pending = [self._pending.get(k, ("", None))[0] == fingerprint for k in keys]
+        if all(pending):
+            return pending
+        self._maybe_refresh([k for k, p in zip(keys, pending) if not p], fingerprint)
+        return [p or any(m.fingerprint == fingerprint for m, _ in self._locations(k)) for k, p in zip(keys, pending)]
 
     # -- reads --
 
     def get_many(self, keys: list[str], fingerprint: str) -> list[Lookup]:
+        with self._lock:
+            buffered = {k: self._pending[k][1] for k in keys if self._pending.get(k, ("", None))[0] == fingerprint}
+        if buffered:  # accepted but not yet flushed: served from the buffer, no request made
+            rest = iter(self.get_many([k for k in keys if k not in buffered], fingerprint)
+                        if len(buffered) < len(keys) else [])
+            out = []
+            for k in keys:
+                if k in buffered:
+                    self.counters.hits += 1
+                    out.append(Lookup(buffered[k].clone()))
+                else:
+                    out.append(next(rest))
+            return out
         if self.breaker.blocked():
             self.breaker.skip()
             return [self._miss(key, TIER_UNAVAILABLE) for key in keys]
-        self._maybe_refresh(keys)
+        self._maybe_refresh(keys, fingerprint)
         plans: list[list[tuple[PackManifest, BlockEntry]]] = []
         foreign: list[str] = []  # fingerprint of a copy stored by another model, if that is all there is
         for key in keys:
@@ -754,25 +894,46 @@ class ObjectStoreTier(Tier):
                     self._mark_bad(m, key)
             if tensor is not None:
                 self.counters.hits += 1
+                with self._lock:
+                    self._used.add((m.fingerprint_id, m.pack))
                 results.append(Lookup(tensor))
             else:
                 results.append(self._miss(key, reason, detail))
         return results
 
+    def _miss(self, key: str, reason: str, detail: str = "") -> Lookup:
+        if reason == IO_ERROR and self.breaker.blocked():
+            # The fetch that gave up opened the breaker, which says so in one line: a line per
+            # block would bury it (decode, handed its blocks' locations, fetches before any lookup).
+            self.counters.misses[reason] += 1
+            return Lookup(None, reason)
+        return super()._miss(key, reason, detail)
+
     def _fetch_ranges(self, spans: list[tuple[PackManifest, BlockEntry]]) -> list[bytes | Exception]:
-        """Fetch byte ranges; each result is the bytes or the exception left after retries."""
+        """Fetch byte ranges; each result is the bytes or the exception left after retries.
+
+        Neighbouring ranges of one object (a prompt's chain, written contiguously) are coalesced
+        into one request, and each block's bytes are cut out of it afterwards."""
         if not spans:
             return []
-        paths = [self.layout.object_path(m.fingerprint_id, m.pack) for m, _ in spans]
-        starts = [e.offset for _, e in spans]
-        ends = [e.offset + e.length for _, e in spans]
+        paths, starts, ends, members = coalesce_ranges(
+            [(self.layout.object_path(m.fingerprint_id, m.pack), e.offset, e.offset + e.length) for m, e in spans])
+        merged = self._fetch_merged(paths, starts, ends)
+        out: list[bytes | Exception] = [b""] * len(spans)
+        for r, start, idxs in zip(merged, starts, members):
+            for i in idxs:
+                entry = spans[i][1]
+                out[i] = r if isinstance(r, Exception) else bytes(r[entry.offset - start: entry.offset - start + entry.length])
+        return out
+
+    def _fetch_merged(self, paths: list[str], starts: list[int], ends: list[int]) -> list[bytes | Exception]:
         if not self.breaker.allow():
-            return [TierUnavailable(f"the kv {self.name} tier is unavailable")] * len(spans)
+            return [TierUnavailable(f"the kv {self.name} tier is unavailable")] * len(paths)
         t0 = time.perf_counter()
         try:
-            out: list[Any] = list(self.fs.cat_ranges(paths, starts, ends, on_error="return"))
+            out: list[Any] = self.layout.get_ranges(paths, starts, ends)
         except Exception as exc:  # the whole batch failed; retry range by range below
-            out = [exc] * len(spans)
+            out = [exc] * len(paths)
         failed = [r for r in out if isinstance(r, Exception) and is_transient(r)]
         if failed:
             # A closed breaker hears the outcome from the single-range retries below; a failed
@@ -795,7 +956,7 @@ class ObjectStoreTier(Tier):
 
     def _fetch_one(self, path: str, start: int, end: int) -> bytes | Exception:
         try:
-            return self._call(lambda: self.fs.cat_file(path, start=start, end=end), f"read {path}[{start}:{end}]")
+            return self._call(lambda: self.layout.get_range(path, start, end), f"read {path}[{start}:{end}]")
         except Exception as exc:
             return exc
 
@@ -822,7 +983,7 @@ class ObjectStoreTier(Tier):
             return IO_ERROR, f"{path}: gave up after retries: {redact_text(repr(exc))}"
         # A range past the end is refused by some stores: find out whether the object shrank.
         try:
-            size = self._call(lambda: self.fs.size(path), f"size {path}")
+            size = self._call(lambda: self.layout.size(path), f"size {path}")
         except FileNotFoundError:
             self._drop_pack(m)
             return OBJECT_DELETED, f"{path} is gone"
@@ -835,25 +996,120 @@ class ObjectStoreTier(Tier):
     # -- writes --
 
     def put_many(self, blocks: list[tuple[str, torch.Tensor]], fingerprint: str) -> int:
+        """Accept the blocks the store lacks into the write buffer; return how many were accepted.
+
+        The buffer gathers blocks across calls (sequences, engine steps) and writes them as big
+        segments: a segment goes out as soon as `pack_bytes` are pending, and the rest on `flush()`
+        (the end of a prefill shard), when the oldest pending block is `flush_after_s` old, and at
+        exit. Object stores charge per request and are slow at small objects: one PUT per segment
+        of tens of MB, instead of one per sequence per step. A write that fails is counted
+        (`write_errors`, `blocks_failed`) and logged, never raised; those blocks are recomputed
+        by whoever needs them."""
         for key, _ in blocks:
             check_key(key)
         present = self.contains([k for k, _ in blocks], fingerprint)
-        todo: dict[str, torch.Tensor] = {}
-        for (key, tensor), have in zip(blocks, present):
-            if not have and key not in todo:
-                todo[key] = tensor
+        accepted = 0
+        with self._lock:
+            for (key, tensor), have in zip(blocks, present):
+                if have or key in self._pending:
+                    continue
+                self._pending[key] = (fingerprint, tensor.detach().to("cpu"))
+                self._pending_bytes += _nbytes(tensor)
+                accepted += 1
+            if self._pending and self._pending_since is None:
+                self._pending_since = time.monotonic()
+            full = self._pending_bytes >= self.pack_bytes
+            overdue = self._pending_since is not None and time.monotonic() - self._pending_since >= self.flush_after_s
+        if full or overdue:
+            self.flush(full_only=not overdue)
+        elif accepted:
+            self._arm_timer()
+        return accepted
+
+    def pending(self) -> tuple[int, int]:
+        """(blocks, bytes) accepted but not yet written."""
+        with self._lock:
+            return len(self._pending), self._pending_bytes
+
+    def _arm_timer(self) -> None:
+        """Flush after `flush_after_s` even if no more writes come (a daemon timer, one at a time)."""
+        with self._lock:
+            if self._timer is not None or not self._pending or not math.isfinite(self.flush_after_s):
+                return
+            self._timer = threading.Timer(self.flush_after_s, self._timed_flush)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _timed_flush(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.flush()
+
+    def flush(self, *, full_only: bool = False) -> int:
+        """Write pending blocks as segments of about `pack_bytes`; return how many were written.
+
+        `full_only` writes only segments that reach `pack_bytes` and keeps the rest pending."""
         written = 0
-        group: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for key, tensor in todo.items():
-            group.append((key, tensor))
-            size += _nbytes(tensor)
-            if size >= self.pack_bytes:
-                written += self._write_pack(group, fingerprint)
-                group, size = [], 0
-        if group:
-            written += self._write_pack(group, fingerprint)
+        with self._flush_lock:
+            while True:
+                with self._lock:
+                    group: list[tuple[str, str, torch.Tensor]] = []
+                    size = 0
+                    for key, (fp, tensor) in self._pending.items():
+                        if group and (fp != group[0][1] or size >= self.pack_bytes):
+                            break
+                        group.append((key, fp, tensor))
+                        size += _nbytes(tensor)
+                    if not group or (full_only and size < self.pack_bytes):
+                        break
+                # Still pending while it is written: readers of this process are served from the
+                # buffer until the segment is published.
+                written += self._write_pack([(k, t) for k, _, t in group], group[0][1])
+                with self._lock:
+                    for key, _, tensor in group:
+                        if self._pending.pop(key, None) is not None:
+                            self._pending_bytes -= _nbytes(tensor)
+                    if not self._pending:
+                        self._pending_since = None
+                    elif not full_only:
+                        self._pending_since = time.monotonic()
+        if not full_only:
+            with self._lock:
+                timer, self._timer = self._timer, None
+            if timer is not None:
+                timer.cancel()
+            self.record_usage()
+        else:
+            self._arm_timer()
         return written
+
+    def record_usage(self, now: float | None = None) -> int:
+        """Write which segments this reader used since the last call (one create-only usage file per
+        model), so that `kv gc --unused-days` keeps them; returns how many segments it named.
+
+        One small file per reader per flush (a decode's end), never a write per read; gc folds
+        them into one. A failure is logged: the segments then look unused for that one use."""
+        with self._lock:
+            used, self._used = self._used, set()
+        if not used:
+            return 0
+        now = time.time() if now is None else now
+        by_fpid: dict[str, list[str]] = {}
+        for fpid, pack in sorted(used):
+            by_fpid.setdefault(fpid, []).append(pack)
+        for fpid, packs in by_fpid.items():
+            path = self.layout.usage_path(fpid, f"{int(now * 1000):013d}-{uuid.uuid4().hex}")
+            body = UsageFile({p: now for p in packs}).to_json()
+            try:
+                self._call(lambda p=path, b=body: self.layout.put_new(p, b), f"write {path}")
+            except Exception as exc:  # noqa: BLE001 - usage is advisory; the read itself succeeded
+                log.warning("kv %s tier: cannot record the use of %d segments: %s", self.name, len(packs),
+                            redact_text(str(exc)))
+        return len(used)
+
+    def close(self) -> None:
+        """Flush what is pending; the tier stays usable."""
+        self.flush()
 
     def _write_pack(self, group: list[tuple[str, torch.Tensor]], fingerprint: str) -> int:
         data, entries = pack_blocks(fingerprint, group)
@@ -863,8 +1119,10 @@ class ObjectStoreTier(Tier):
         manifest = PackManifest(pack, fingerprint, fpid, len(data), created_s, entries)
         obj, idx = self.layout.object_path(fpid, pack), self.layout.index_path(fpid, pack)
         try:
-            self._call(lambda: self.layout.write_whole(obj, data), f"write {obj}")
-            self._call(lambda: self.layout.write_whole(idx, manifest.to_json()), f"write {idx}")
+            # Create-only, object first: the index file publishes it. A name that exists holds the
+            # same bytes (the name carries their digest), so "already there" is success.
+            self._call(lambda: self.layout.put_new(obj, data), f"write {obj}")
+            self._call(lambda: self.layout.put_new(idx, manifest.to_json()), f"write {idx}")
         except Exception as exc:
             self.counters.write_errors += 1
             self.counters.blocks_failed += len(entries)
@@ -885,14 +1143,67 @@ class ObjectStoreTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            invalid = len(self._invalid) + self._invalid_names
-        return {**super().stats(), "invalid_index_files": invalid}
+            invalid = len(self._invalid) + self._invalid_names + self._index.invalid_files
+            pending_blocks, pending_bytes = len(self._pending), self._pending_bytes
+        return {**super().stats(), "invalid_index_files": invalid, "object_requests": self.layout.requests.snapshot(),
+                "blocks_pending": pending_blocks, "kv_bytes_pending": pending_bytes}
 
     def gc(self, now: float | None = None) -> dict[str, Any]:
         """Apply this tier's TTL and size policy to the whole store, then refresh the index."""
         out = gc_objects(self.layout, self.ttl_s, self.max_bytes, now=now, retry=self.retry)
         self.refresh()
         return out
+
+
+@dataclass
+class UsageFile:
+    """When segments were last used: `{pack name: seconds}`. Written by readers, folded by gc."""
+
+    last_used: dict[str, float]
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": "kvbatch.kv-usage", "version": LAYOUT_VERSION,
+                           "packs": self.last_used}, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str) -> UsageFile:
+        try:
+            d = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise IndexInvalid(source, "$", "not JSON") from None
+        if not isinstance(d, dict) or d.get("format") != "kvbatch.kv-usage" or d.get("version") != LAYOUT_VERSION:
+            raise IndexInvalid(source, "format", "not a kvbatch usage file of this layout")
+        packs = d.get("packs")
+        if not isinstance(packs, dict):
+            raise IndexInvalid(source, "packs", f"must be an object, got {_shown(packs)}")
+        out: dict[str, float] = {}
+        for pack, t in packs.items():
+            _checked_name(pack, _PACK_NAME, source, "packs", "a pack name (<created ms>-<32 hex>)")
+            if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 <= t <= 1e15:
+                raise IndexInvalid(source, f"packs.{pack}", f"must be a time in seconds, got {_shown(t)}")
+            out[pack] = float(t)
+        return cls(out)
+
+
+def read_usage(layout: ObjectLayout, retry: RetryPolicy) -> tuple[dict[tuple[str, str], float], list[str], int]:
+    """(last use per (fpid, pack), the usage files read, how many were invalid) over every usage file."""
+    last: dict[tuple[str, str], float] = {}
+    read: list[str] = []
+    invalid = 0
+    for fpid, name in retry.call(layout.list_usage, "list usage"):
+        path = layout.usage_path(fpid, name)
+        try:
+            usage = UsageFile.from_json(retry.call(lambda p=path: layout.get(p), f"read {path}"), path)
+        except FileNotFoundError:
+            continue  # folded by another gc meanwhile: its content is in the folded file
+        except IndexInvalid as exc:
+            invalid += 1
+            log.warning("kv gc: invalid usage file skipped: %s", exc)
+            continue
+        read.append(path)
+        for pack, t in usage.last_used.items():
+            last[(fpid, pack)] = max(last.get((fpid, pack), 0.0), t)
+    return last, read, invalid
 
 
 @dataclass
@@ -913,7 +1224,7 @@ def scan_index(layout: ObjectLayout, retry: RetryPolicy, what: str) -> IndexScan
     for fpid, pack in listed:
         path = layout.index_path(fpid, pack)
         try:
-            raw = retry.call(lambda p=path: layout.fs.cat_file(p), f"read {path}")
+            raw = retry.call(lambda p=path: layout.get(p), f"read {path}")
             scan.manifests.append(PackManifest.from_json(raw, source=path, where=(fpid, pack)))
         except FileNotFoundError:
             continue  # removed between list and read
@@ -934,6 +1245,7 @@ def gc_objects(
     now: float | None = None,
     orphan_grace_s: float = 3600.0,
     retry: RetryPolicy | None = None,
+    unused_s: float | None = None,
 ) -> dict[str, Any]:
     """Delete packs older than `ttl_s`, then the oldest packs until at most `max_bytes` remain.
 
@@ -969,7 +1281,16 @@ def gc_objects(
         for p in (layout.index_path(m.fingerprint_id, m.pack), layout.object_path(m.fingerprint_id, m.pack)):
             remove(p)
 
+    # Retention by last use: a segment's last use is the latest of its write and every recorded
+    # read; one used within `unused_s` is kept whatever its age.
+    last_used, usage_read, usage_invalid = read_usage(layout, retry) if unused_s is not None else ({}, [], 0)
+
+    def last(m: PackManifest) -> float:
+        return max(m.created_s, last_used.get((m.fingerprint_id, m.pack), 0.0))
+
     expired = [m for m in manifests if ttl_s is not None and now - m.created_s > ttl_s]
+    unused = [m for m in manifests if unused_s is not None and m not in expired and now - last(m) > unused_s]
+    expired += unused
     kept = sorted((m for m in manifests if m not in expired), key=lambda m: m.created_s)
     oversize: list[PackManifest] = []
     total = sum(m.object_bytes for m in kept)
@@ -988,6 +1309,21 @@ def gc_objects(
     for m in dangling:
         delete(m)
         total -= m.object_bytes
+    # Fold the usage files read into one per model (created first, then the old ones deleted: a gc
+    # that dies in between leaves both, and the last use is the max either way).
+    folded = 0
+    if usage_read:
+        kept_names = {(m.fingerprint_id, m.pack) for m in kept if m not in dangling}
+        by_fpid: dict[str, dict[str, float]] = {}
+        for (fpid, pack), t in last_used.items():
+            if (fpid, pack) in kept_names:
+                by_fpid.setdefault(fpid, {})[pack] = t
+        for fpid, packs in by_fpid.items():
+            path = layout.usage_path(fpid, f"{int(now * 1000):013d}-{uuid.uuid4().hex}")
+            body = UsageFile(packs).to_json()
+            retry.call(lambda p=path, b=body: layout.put_new(p, b), f"write {path}")
+        for path in usage_read:
+            folded += remove(path)
     orphans = 0
     for fpid, pack in objects:
         created = _pack_created_s(pack)
@@ -995,7 +1331,10 @@ def gc_objects(
             continue
         orphans += remove(layout.object_path(fpid, pack))
     return {
-        "packs_expired": len(expired),
+        "packs_expired": len(expired) - len(unused),
+        "packs_unused": len(unused),
+        "usage_files_folded": folded,
+        "invalid_usage_files": usage_invalid,
         "packs_evicted_for_size": len(oversize),
         "blocks_deleted": sum(len(m.entries) for m in expired + oversize),
         "kv_bytes_deleted": sum(m.object_bytes for m in expired + oversize),

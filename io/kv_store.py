@@ -2,7 +2,8 @@
 
 Who calls what, and when:
 - prefill calls `contains(keys)` to skip blocks some earlier run already stored, then
-  `put_many(blocks)` with the new ones (written through to every tier, packed on the durable one);
+  `put_many(blocks)` with the new ones (written through to every tier; the durable one buffers
+  them into big segments), and `flush()` at the end of its shard (stats() flushes too);
 - decode (the engine's KV connector) calls `lookup(keys)` (`contains` with the reason of each
   "no") to plan what to load, then `get_many(keys)`, and recomputes every block that is a miss;
 - the CLI (`kvbatch kv stats`, `kvbatch kv gc`) calls `kv_stats(url)` and `kv_gc(url, ...)`.
@@ -17,34 +18,41 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Self
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvbatch.io.kv_compaction import compact_index
+from kvbatch.io.kv_index import entry_location, parse_location
 from kvbatch.io.kv_object_tier import (
     CircuitBreaker,
     ObjectLayout,
     ObjectStoreTier,
     RetryPolicy,
+    StoreLayoutError,
+    ensure_layout,
     gc_objects,
     object_stats,
     open_store,
 )
+from kvbatch.io.kv_requests import REQUEST_KINDS
 from kvbatch.io.kv_tiers import IO_ERROR, MISSING, TIER_UNAVAILABLE, DiskTier, Lookup, MemoryTier, Tier, check_key
 from kvbatch.io.urls import redact
 
 __all__ = [
+    "CircuitBreaker",
+    "DiskTier",
     "KVStore",
     "KVStoreConfig",
+    "MemoryTier",
+    "ObjectStoreTier",
+    "RetryPolicy",
+    "StoreLayoutError",
+    "Tier",
+    "kv_compact",
     "kv_gc",
     "kv_stats",
-    "MemoryTier",
-    "DiskTier",
-    "ObjectStoreTier",
-    "Tier",
-    "RetryPolicy",
-    "CircuitBreaker",
 ]
 
 
@@ -64,7 +72,10 @@ class KVStoreConfig(BaseModel):
     ttl_s: float | None = Field(default=None, gt=0)
     max_bytes: int | None = Field(default=None, ge=0)
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    # Segments: the durable tier buffers blocks and writes one object once `pack_bytes` are
+    # pending, at flush() (the end of a prefill shard), or `flush_after_s` after the oldest one.
     pack_bytes: int = Field(default=64 * 2**20, gt=0)
+    flush_after_s: float = Field(default=30.0, gt=0)
     index_refresh_s: float = Field(default=5.0, ge=0)
     retry_attempts: int = Field(default=4, ge=1)
     retry_budget_s: float = Field(default=10.0, gt=0)
@@ -96,10 +107,12 @@ class KVStore:
         self._misses = Counter()
         self._hits = 0
         self._puts_skipped = 0
-        self._puts_failed = 0
+        # Writes fail when a segment is flushed, maybe long after put_many returned: counted from
+        # the durable tier's own count, since this store was made.
+        self._failed_base = tiers[-1].counters.blocks_failed
 
     @classmethod
-    def from_config(cls, cfg: KVStoreConfig, fingerprint: str) -> "KVStore":
+    def from_config(cls, cfg: KVStoreConfig, fingerprint: str) -> KVStore:
         tiers: list[Tier] = []
         if cfg.memory_bytes > 0:
             tiers.append(MemoryTier(cfg.memory_bytes))
@@ -114,6 +127,7 @@ class KVStore:
                 max_bytes=cfg.max_bytes,
                 retry=RetryPolicy(attempts=cfg.retry_attempts, budget_s=cfg.retry_budget_s),
                 index_refresh_s=cfg.index_refresh_s,
+                flush_after_s=cfg.flush_after_s,
                 connect_timeout_s=cfg.connect_timeout_s,
                 read_timeout_s=cfg.read_timeout_s,
                 breaker_failures=cfg.breaker_failures,
@@ -137,9 +151,15 @@ class KVStore:
         listed). Those two are counted as misses, here and in that tier's stats, as
         :meth:`get_many` counts its own: an outage that only ever meets lookups (decode plans no
         load of a block it cannot find) must still show where a user looks for misses."""
+        return self.locate(keys)[0]
+
+    def locate(self, keys: list[str]) -> tuple[list[str], list[str]]:
+        """(reasons, tiers): :meth:`lookup`'s reasons, and the name of the fastest tier holding each
+        key ("" where none does), for retain-or-recompute to price each block by its tier."""
         for k in keys:
             check_key(k)
         reasons = [MISSING] * len(keys)
+        where = [""] * len(keys)
         for tier in self.tiers:
             todo = [i for i, r in enumerate(reasons) if r]
             if not todo:
@@ -152,12 +172,13 @@ class KVStore:
                 IO_ERROR if tier.counters.failures > failed else MISSING
             for i, hit in zip(todo, hits):
                 reasons[i] = "" if hit else why
+                where[i] = tier.name if hit else ""
             if why != MISSING:
                 tier.counters.misses[why] += sum(not hit for hit in hits)
         for r in reasons:
             if r not in ("", MISSING):
                 self._misses[r] += 1
-        return reasons
+        return reasons, where
 
     def get_many(self, keys: list[str]) -> list[tuple[torch.Tensor | None, str]]:
         """(tensor, tier name) per key, or (None, miss reason). Hits fill the faster tiers.
@@ -200,33 +221,81 @@ class KVStore:
         return out
 
     def put_many(self, blocks: list[tuple[str, torch.Tensor]]) -> int:
-        """Store blocks in every tier; return how many the durable tier newly stored.
+        """Store blocks in every tier; return how many the durable tier newly accepted.
 
         Keys the durable tier already holds are skipped there (they are content-addressed: same
-        key, same content); storage faults are logged and counted, never raised.
+        key, same content). The durable tier may hold accepted blocks in its write buffer until
+        `flush()`; storage faults are logged and counted (`puts_failed`), never raised.
         """
         for k, t in blocks:
             check_key(k)
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"KV block {k} payload must be a torch.Tensor, got {type(t).__name__}")
-        failed_before = self.durable.counters.blocks_failed
         written = self.durable.put_many(blocks, self.fingerprint)
-        failed = self.durable.counters.blocks_failed - failed_before
-        self._puts_failed += failed
-        self._puts_skipped += len({k for k, _ in blocks}) - written - failed
+        self._puts_skipped += len({k for k, _ in blocks}) - written
         for tier in self.tiers[:-1]:
             tier.put_many(blocks, self.fingerprint)
         return written
 
+    def locations(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        """Where the durable tier holds each key (segment, offset, length, checksums, dtype, shape),
+        or None: prefill puts these in its manifests, after flush(), so decode needs no index."""
+        fn = getattr(self.durable, "locations", None)
+        if fn is None:
+            return [None] * len(keys)
+        return [None if loc is None else entry_location(*loc) for loc in fn(keys, self.fingerprint)]
+
+    def add_locations(self, locations: list[dict[str, Any]], source: str = "manifest") -> None:
+        """Tell the durable tier where blocks are (as :meth:`locations` gave them); IndexInvalid
+        names the field of the first bad one, and none is added then."""
+        fn = getattr(self.durable, "add_locations", None)
+        if fn is not None:
+            fn([parse_location(d, source, f"block_locations.{i}", self.fingerprint) for i, d in enumerate(locations)])
+
+    def flush(self) -> int:
+        """Write what the durable tier holds in its buffer; return how many blocks it wrote."""
+        flush = getattr(self.durable, "flush", None)
+        return flush() if flush is not None else 0
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request_counts(self) -> dict[str, int]:
+        """Object-store requests made so far, by kind (GET, PUT, LIST, HEAD, DELETE), all tiers."""
+        out = dict.fromkeys(REQUEST_KINDS, 0)
+        for tier in self.tiers:
+            layout = getattr(tier, "layout", None)
+            if layout is not None:
+                for k, v in layout.requests.snapshot().items():
+                    out[k] += v
+        return out
+
+    def blocks_not_stored(self) -> int:
+        """Blocks accepted by put_many that the durable tier then failed to write (see puts_failed)."""
+        return self.durable.counters.blocks_failed - self._failed_base
+
+    def bytes_written_by_tier(self) -> dict[str, int]:
+        return {t.name: t.counters.bytes_written for t in self.tiers}
+
     def stats(self) -> dict[str, Any]:
-        """Hits and misses (by reason) overall and per tier, blocks/bytes held, bytes moved, read bandwidth."""
+        """Hits and misses (by reason) overall and per tier, blocks/bytes held, bytes moved, read bandwidth.
+
+        Flushes the write buffer first, so the counts say what is durable."""
+        self.flush()
         return {
             "fingerprint": self.fingerprint,
             "hits": self._hits,
             "misses": sum(self._misses.values()),
             "misses_by_reason": dict(self._misses),
             "puts_skipped": self._puts_skipped,
-            "puts_failed": self._puts_failed,  # blocks the durable tier could not store (faults)
+            "puts_failed": self.blocks_not_stored(),  # blocks the durable tier could not store (faults)
+            "object_requests": self.request_counts(),
             "tiers": {t.name: t.stats() for t in self.tiers},
         }
 
@@ -245,9 +314,28 @@ def _layout(url: str, storage_options: dict[str, Any] | None) -> ObjectLayout:
 
 
 def kv_stats(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What the durable store at `url` holds: packs, blocks and bytes, per fingerprint."""
-    out = object_stats(_layout(url, storage_options))
+    """What the durable store at `url` holds: packs, blocks and bytes, per fingerprint.
+
+    Raises StoreLayoutError for a store in another layout."""
+    layout = _layout(url, storage_options)
+    ensure_layout(layout, RetryPolicy(), create=False)
+    out = object_stats(layout)
     out["url"] = redact(url)
+    return out
+
+
+def kv_compact(url: str, storage_options: dict[str, Any] | None = None, *, grace_s: float = 3600.0,
+               now: float | None = None) -> dict[str, Any]:
+    """Fold the store's per-writer index files into a new partitioned generation
+    (kv_index.compact_index); safe to kill, and to run twice at once."""
+    if grace_s < 0:
+        raise ValueError(f"kv_compact grace_s must be >= 0, got {grace_s}")
+    t0 = time.monotonic()
+    layout = _layout(url, storage_options)
+    ensure_layout(layout, RetryPolicy(), create=False)
+    out = compact_index(layout, RetryPolicy(), now=now, grace_s=grace_s)
+    out["url"] = redact(url)
+    out["compact_s"] = time.monotonic() - t0
     return out
 
 
@@ -257,14 +345,22 @@ def kv_gc(
     max_bytes: int | None,
     storage_options: dict[str, Any] | None = None,
     now: float | None = None,
+    unused_s: float | None = None,
 ) -> dict[str, Any]:
-    """Delete packs older than `ttl_s` seconds, then the oldest until at most `max_bytes` remain."""
+    """Delete packs older than `ttl_s` seconds, those not used (read or written) for `unused_s`
+    seconds, then the oldest until at most `max_bytes` remain."""
     if ttl_s is not None and ttl_s <= 0:
         raise ValueError(f"kv_gc ttl_s must be positive, got {ttl_s}")
+    if unused_s is not None and unused_s <= 0:
+        raise ValueError(f"kv_gc unused_s must be positive, got {unused_s}")
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"kv_gc max_bytes must be >= 0, got {max_bytes}")
     t0 = time.monotonic()
-    out = gc_objects(_layout(url, storage_options), ttl_s, max_bytes, now=now)
+    layout = _layout(url, storage_options)
+    ensure_layout(layout, RetryPolicy(), create=False)
+    out = gc_objects(layout, ttl_s, max_bytes, now=now, unused_s=unused_s)
+    # The index is compacted after the deletes, so its newest generation names no deleted segment.
+    out["compaction"] = compact_index(layout, RetryPolicy(), now=now)
     out["url"] = redact(url)
     out["gc_s"] = time.monotonic() - t0
     return out

@@ -30,6 +30,7 @@ from kvbatch.ops.batch_report import BatchReport
 from kvbatch.ops.jobs import Rejected, tokenize_requests
 from kvbatch.ops.manifests import (
     MANIFEST_VERSION,
+    attach_locations,
     manifest_jobs,
     manifest_line,
     read_manifests,
@@ -99,6 +100,9 @@ def run_prefill(
     rows = read_requests(input_url, storage_options=storage_options) if isinstance(input_url, str) else input_url
     jobs = tokenize_requests(llm, iter(rows))
     broken: list[InputStreamError] = []
+    # The lines wait here until the blocks are flushed: each then says where its blocks are
+    # (block_locations), and none can be committed before the blocks it names are durable.
+    lines: list[dict[str, Any]] = []
     out = manifests_url if isinstance(manifests_url, JsonlWriter) else \
         JsonlWriter(manifests_url, storage_options=storage_options)
     with out:
@@ -109,7 +113,7 @@ def run_prefill(
                     report.requests += 1
                     if isinstance(job, Rejected):
                         report.rejected += 1
-                        out.write(_rejected_manifest(job.index, job.row))
+                        lines.append(_rejected_manifest(job.index, job.row))
                     else:
                         report.prompt_tokens += len(job.prompt_token_ids)
                         manifest = manifest_line(llm, job, model_name)
@@ -119,22 +123,25 @@ def run_prefill(
                                                     prompt_token_ids=job.prompt_token_ids, prefill_only=True)
                         else:
                             report.prompt_tokens_already_stored += len(keys) * bs
-                        # Manifests are written in input order; decode waits for the blocks it needs
-                        # only through the store, so order of completion does not matter here.
-                        out.write(manifest)
+                        lines.append(manifest)  # in input order, whatever the order of completion
                     if on_progress:
                         on_progress(report.requests)
             except InputStreamError as exc:
                 # Stop reading; the requests already handed to the engine still run. The last
                 # manifest line says where the input broke, so the file cannot pass for complete.
                 broken.append(exc)
-                out.write(_rejected_manifest(report.requests, RejectedRow(exc.lines_read + 1, None, WHOLE_LINE,
+                lines.append(_rejected_manifest(report.requests, RejectedRow(exc.lines_read + 1, None, WHOLE_LINE,
                     f"input ends here, unreadable: {redact_text(exc.reason, exc.url)}")))
                 report.requests += 1
                 report.rejected += 1
 
         for _ in llm.stream(engine_requests()):
             pass
+        # The end of the shard: the store's buffered blocks become segments before the manifests
+        # that point at them are written and committed.
+        llm.connector.flush()
+        for line in attach_locations(llm, lines):
+            out.write(line)
     report.wall_s = time.perf_counter() - started
     report.prompt_tokens_computed = llm.stats["computed_prompt_tokens"] - computed_before
     report.connector = llm.connector.stats.to_json()

@@ -6,9 +6,17 @@ The line names the model, KV layout and block keys the prompt's KV was stored un
 refuses manifests made for another model (:class:`ManifestMismatch`) instead of loading wrong KV.
 
 Manifest line (JSONL), one per input row, in input order:
-``{"index", "custom_id", "line_no", "model", "fingerprint", "kv_root", "block_size", "dtype",
-"prompt_token_ids", "block_keys", "sampling", "request_model"}`` or, for a rejected row,
-``{"index", "custom_id", "line_no", "rejected": {"field", "reason"}}``.
+``{"v", "index", "custom_id", "line_no", "model", "fingerprint", "kv_root", "block_size", "dtype",
+"prompt_token_ids", "block_keys", "block_locations", "sampling", "request_model"}`` or, for a
+rejected row, ``{"v", "index", "custom_id", "line_no", "rejected": {"field", "reason"}}``.
+
+``block_locations`` (version 2) gives, for each of ``block_keys``, where the durable store holds
+it: ``{"segment": "<fingerprint id>/<segment>", "segment_bytes", "key", "offset", "length",
+"checksum", "range_checksum", "dtype", "shape"}``, or null for a block that could not be stored.
+Prefill writes the lines after its blocks are flushed, so every location names a published
+segment; decode hands them to the store (:meth:`KVStore.add_locations`) and reads the blocks with
+no index request at all, so its start-up does not grow with the store. A version 1 line (no
+locations) still reads: its blocks are found through the store's index.
 
 Reading is an edge: a manifest may sit on a shared store for hours, so decode trusts none of
 it. Rules, each a decision a user will ask about:
@@ -52,10 +60,11 @@ from kvbatch.io.batch_requests import (
     describe_validation_error,
     json_type,
 )
+from kvbatch.io.kv_object_tier import IndexInvalid
 from kvbatch.io.kv_tiers import check_key
 from kvbatch.ops.jobs import Job, Rejected
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: block_locations; lines of version 1 still read
 _INT32_MAX = 2**31 - 1  # token ids, counts: what a tensor index holds
 _IDENTITY = ("fingerprint", "kv_root", "block_size", "dtype")
 
@@ -127,7 +136,7 @@ class _Head(BaseModel):
     """What every line has, the rejected form included."""
 
     model_config = _STRICT
-    v: Literal[1] | None = None
+    v: Literal[1, 2] | None = None
     index: _Count
     custom_id: _Id | None
     line_no: int = Field(ge=1, le=INT64_MAX)
@@ -142,6 +151,7 @@ class _Job(_Head):
     dtype: Text
     prompt_token_ids: list[int] = Field(min_length=1)
     block_keys: list[Text]
+    block_locations: list[dict[str, Any] | None] | None = None  # checked in _check_locations
     sampling: _Sampling
     request_model: Text | None = None
 
@@ -241,6 +251,8 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
         problem = ("prompt_token_ids", f"prompt is {len(ids)} tokens; the context window is {llm.max_model_len}")
     if problem is None:
         problem = _check_block_keys(llm, j.block_keys, ids)
+    if problem is None and j.block_locations is not None:
+        problem = _use_locations(llm, j.block_keys, j.block_locations, item.line)
     if problem is not None:
         return _bad(position, item.line, m, *problem)
     sp = j.sampling.model_dump()
@@ -270,6 +282,42 @@ def _check_block_keys(llm: LLM, keys: list[str], ids: list[int]) -> tuple[str, s
     # was altered after prefill wrote it.
     if keys != llm.prompt_block_keys(ids):
         return "block_keys", "do not match prompt_token_ids: the line was altered after prefill wrote it"
+    return None
+
+
+def attach_locations(llm: LLM, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lines with ``block_locations`` filled in from the store (one lookup for all their keys).
+
+    Call it after the store's flush(): only blocks in a published segment have a location."""
+    store = llm.connector.store if llm.connector is not None else None
+    locate = getattr(store, "locations", None)
+    if locate is None:
+        return lines
+    keys = list(dict.fromkeys(k for line in lines for k in line.get("block_keys", ())))
+    where = dict(zip(keys, locate(keys))) if keys else {}
+    return [dict(line, block_locations=[where[k] for k in line["block_keys"]]) if "block_keys" in line else line
+            for line in lines]
+
+
+def _use_locations(llm: LLM, keys: list[str], locations: list[dict[str, Any] | None],
+                   line: int) -> tuple[str, str] | None:
+    """Check a line's block locations and hand them to the store; a problem names the field."""
+    if len(locations) != len(keys):
+        return "block_locations", f"{len(locations)} locations for {len(keys)} block keys"
+    given = [(i, d) for i, d in enumerate(locations) if d is not None]
+    for i, d in given:
+        if d.get("key") != keys[i]:
+            return f"block_locations.{i}.key", "is not the block key at the same position"
+    add = getattr(llm.connector.store, "add_locations", None) if llm.connector is not None else None
+    if add is None or not given:
+        return None
+    try:
+        add([d for _, d in given], f"manifest line {line}")
+    except IndexInvalid as exc:
+        # The store names the position among the given ones: map it back to the line's own.
+        pos, _, rest = exc.field.removeprefix("block_locations.").partition(".")
+        i = given[int(pos)][0] if pos.isdigit() and int(pos) < len(given) else pos
+        return f"block_locations.{i}{'.' + rest if rest else ''}", exc.reason
     return None
 
 

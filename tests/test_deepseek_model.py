@@ -288,6 +288,7 @@ def test_kv_store_roundtrip_of_compressed_blocks(tiny, tmp_path, variant):
     url = (tmp_path / "kv").as_uri()
     prefill = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=_store(ckpt, url))
     prefill.generate(requests(prefill_only=True))
+    prefill.connector.flush()  # the segment is written at the end of a prefill job (or by size, or time)
     written = prefill.connector.stats.blocks_written
     assert written > 0
 
@@ -329,6 +330,7 @@ def test_mla_blocks_cannot_be_read_as_llama_blocks(tiny, tmp_path):
     prompt = _prompts(8, [13])["r0"]
     mla = LLM(mla_ckpt, engine_config=EngineConfig(block_size=4, num_blocks=64), kv_store=_store(mla_ckpt, url))
     mla.generate([GenerationRequest("a", _greedy(1), prompt_token_ids=prompt, prefill_only=True)])
+    mla.connector.flush()
     keys = mla.prompt_block_keys(prompt)
     assert all(_store(mla_ckpt, url).contains(keys))
     assert not any(_store(llama_ckpt, url).contains(keys))

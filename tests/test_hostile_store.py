@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from kvbatch.cli.main import main
-from kvbatch.io.kv_block_format import digest, pack_blocks
-from kvbatch.io.kv_object_tier import IndexInvalid, ObjectStoreTier, PackManifest, fingerprint_id
+from kvbatch.io.kv_block_format import LAYOUT_VERSION, digest, pack_blocks
+from kvbatch.io.kv_object_tier import (
+    LAYOUT_MARKER,
+    IndexInvalid,
+    ObjectStoreTier,
+    PackManifest,
+    fingerprint_id,
+)
 from kvbatch.io.kv_tiers import DiskTier, check_key
 
 FP = "tiny-fingerprint"
@@ -37,6 +43,8 @@ def _write_pack(root: Path, blocks, created_s: float) -> PackManifest:
     pack = f"{int(created_s * 1000):013d}-{digest(data)}"
     m = PackManifest(pack, FP, FPID, len(data), created_s, entries)
     (root / "objects" / FPID).mkdir(parents=True, exist_ok=True)
+    if not (root / LAYOUT_MARKER).exists():  # a store of this layout, as ObjectStoreTier marks one
+        (root / LAYOUT_MARKER).write_text(json.dumps({"format": "kvbatch.kv-store", "layout_version": LAYOUT_VERSION}))
     (root / "index" / FPID).mkdir(parents=True, exist_ok=True)
     (root / "objects" / FPID / f"{pack}.arrow").write_bytes(data)
     (root / "index" / FPID / f"{pack}.json").write_bytes(m.to_json())
@@ -45,7 +53,7 @@ def _write_pack(root: Path, blocks, created_s: float) -> PackManifest:
 
 def _index(pack: object, **over: object) -> bytes:
     """An index file that is well-formed except for what `over` changes (its object is missing)."""
-    d = {"format": "kvbatch.kvpack-index", "version": 1, "pack": pack, "fingerprint": FP, "fingerprint_id": FPID,
+    d = {"format": "kvbatch.kvpack-index", "version": LAYOUT_VERSION, "pack": pack, "fingerprint": FP, "fingerprint_id": FPID,
          "object_bytes": 4096, "created_s": 1.0,
          "blocks": [{"key": _key(1), "offset": 8, "length": 512, "checksum": "0" * 32, "range_checksum": "0" * 32,
                      "dtype": "float32", "shape": [2, 4, 8]}]}
@@ -141,10 +149,13 @@ def test_gc_of_a_hostile_store_deletes_nothing_outside_it(tmp_path, capsys):
     assert stats["invalid_index_files"] == len(hostile)
     assert stats["packs"] == 1  # the fresh real pack, nothing else counted
 
+    # gc compacted the index: the hostile files were counted and left out of the generation, so
+    # a reader, which reads only the generation and the files written since, never meets them.
+    assert out["compaction"]["invalid_index_files"] == len(hostile)
     tier = ObjectStoreTier(str(root))
-    assert tier.stats()["invalid_index_files"] == len(hostile)
     got = tier.get_many([k for k, _ in _blocks(2, 2)], FP)
     assert all(lk.tensor is not None for lk in got)  # the fresh pack still serves
+    assert tier.stats()["invalid_index_files"] == 0
 
 
 def test_gc_refuses_a_pack_folder_that_leads_out_of_the_store(tmp_path, capsys):
@@ -154,6 +165,7 @@ def test_gc_refuses_a_pack_folder_that_leads_out_of_the_store(tmp_path, capsys):
     outside = tmp_path / "outside"
     m = _write_pack(outside, _blocks(1, 3), time.time() - 5 * HOUR)  # outside/index/<fpid>/..., objects/...
     (root / "index").mkdir(parents=True)
+    (root / LAYOUT_MARKER).write_bytes((outside / LAYOUT_MARKER).read_bytes())
     os.symlink(outside / "index" / FPID, root / "index" / FPID)
     os.symlink(outside / "objects", root / "objects")
     before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
@@ -189,9 +201,9 @@ def test_a_read_through_an_index_with_ranges_outside_its_object_is_a_counted_mis
     (root / "index" / FPID / f"{real.pack}.json").unlink()  # only the lying index files tell where the block is
     lying_pack(0, len(data), len(data) + 100)  # past the size the index itself gives: refused on load
     tier = ObjectStoreTier(str(root))
-    assert tier.stats()["invalid_index_files"] == 1
     (miss,) = tier.get_many([key], FP)
     assert miss.tensor is None and miss.reason == "missing"
+    assert tier.stats()["invalid_index_files"] == 1  # read when the key was looked for
 
     lying_pack(1, 10**12, len(data) + 100)  # claims a far bigger object: passes the index check, not the read
     tier = ObjectStoreTier(str(root))

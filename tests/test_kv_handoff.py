@@ -93,6 +93,20 @@ def test_decode_from_store_equals_in_process_generate(tiny_chat, requests_file, 
     assert outputs == reference
     assert pre.prompt_tokens_computed > 0 and pre.connector["blocks_written"] > 0
     assert pre.rejected == 1
+    # One shard, one segment: its object and its index file are the prefill's only PUTs (issue 14),
+    # and every request kind is reported, for the cost metrics to price.
+    assert len(list((tmp_path / "kv" / "objects").rglob("*.arrow"))) == 1
+    assert pre.connector["object_requests"]["PUT"] == 2
+    assert set(pre.connector["object_requests"]) == {"GET", "PUT", "LIST", "HEAD", "DELETE"}
+    # the segment's bytes: the blocks' raw bytes plus their Arrow framing
+    assert pre.connector["kv_bytes_written_by_tier"]["object"] >= pre.connector["kv_bytes_written"] > 0
+    dconn = decoder.connector.stats.to_json()
+    # At most two ranged GETs per prompt: the shared system prompt (stored once, by the first prompt
+    # that had it) and the prompt's own tail; one per block would be 26.
+    assert 0 < dconn["object_requests"]["GET"] <= 2 * 5 < dconn["blocks_loaded"], dconn
+    # Its one PUT is the usage file saying which segments it read (retention by last use).
+    assert dconn["object_requests"]["PUT"] == 1 and len(list((tmp_path / "kv" / "usage").rglob("*.json"))) == 1
+    assert dconn["kv_bytes_written_by_tier"] == {"object": 0}
     # Decode loaded the shared system prompt instead of computing it.
     assert report.loaded_prompt_tokens >= 4 * 16 * (len(SYSTEM) // 100)
     assert decoder.stats["computed_prompt_tokens"] < report.prompt_tokens - report.loaded_prompt_tokens + 16 * 6
@@ -144,12 +158,14 @@ def test_s3_roundtrip_and_faults(tiny_chat, requests_file, tmp_path, reference, 
     assert packs
     # Corrupt one pack, truncate another (or the same when there is one), delete nothing yet.
     data = fs.cat_file(packs[0])
-    fs.pipe_file(packs[0], data[:200] + bytes([data[200] ^ 0xFF]) + data[201:])
+    mid = len(data) // 2  # inside some block's data (one segment may hold them all)
+    fs.pipe_file(packs[0], data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:])
     out = tmp_path / "corrupt.jsonl"
     bad = _llm(tiny_chat, _store(tiny_chat, url, storage_options=opts))
     run_decode(bad, str(tmp_path / "manifests.jsonl"), str(out))
     assert _outputs(out) == reference
-    fs.pipe_file(packs[-1], fs.cat_file(packs[-1])[:-300])
+    last = fs.cat_file(packs[-1])
+    fs.pipe_file(packs[-1], last[: len(last) * 3 // 4])
     for p in packs[1:-1]:
         fs.rm(p)
     out = tmp_path / "faults.jsonl"
@@ -195,3 +211,54 @@ def test_cli_prefill_decode_and_kv_commands(tiny_chat, requests_file, tmp_path, 
     assert _outputs(again) == reference
     assert json.loads(again_metrics.read_text())["loaded_prompt_tokens"] == 0
     assert main(["kv", "gc", "--store", store]) == 2  # needs a policy
+
+
+def test_decode_reads_where_the_manifests_say_with_no_index_request(tiny_chat, requests_file, tmp_path, reference):
+    url = (tmp_path / "kv").as_uri()
+    manifests = tmp_path / "manifests.jsonl"
+    run_prefill(_llm(tiny_chat, _store(tiny_chat, url)), str(requests_file), str(manifests))
+    lines = [json.loads(t) for t in manifests.read_text().splitlines()]
+    jobs = [m for m in lines if "block_keys" in m]
+    assert all(m["v"] == 2 for m in lines) and any(m["block_keys"] for m in jobs)
+    segments = {p.stem for p in (tmp_path / "kv" / "objects").rglob("*.arrow")}
+    for m in jobs:  # every block's location, in a published segment, for the key at its position
+        assert [loc["key"] for loc in m["block_locations"]] == m["block_keys"]
+        assert all(loc["segment"].split("/")[1] in segments for loc in m["block_locations"])
+    decoder = _llm(tiny_chat, _store(tiny_chat, url))
+    out = tmp_path / "out.jsonl"
+    run_decode(decoder, str(manifests), str(out))
+    assert _outputs(out) == reference
+    req = decoder.connector.stats.to_json()["object_requests"]
+    # The layout marker, then ranged reads of the blocks only: no listing, no index file read.
+    assert req["LIST"] == 0 and 1 < req["GET"] <= 1 + 2 * 5, req
+
+    # Manifests of version 1 (no locations) still decode: the blocks are found through the index.
+    old = tmp_path / "v1.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in dict(m, v=1).items() if k != "block_locations"}) + "\n"
+                           for m in lines))
+    v1 = _llm(tiny_chat, _store(tiny_chat, url))
+    run_decode(v1, str(old), str(tmp_path / "v1-out.jsonl"))
+    assert _outputs(tmp_path / "v1-out.jsonl") == reference
+    assert v1.connector.stats.to_json()["object_requests"]["LIST"] > 0
+    assert v1.connector.stats.blocks_loaded == decoder.connector.stats.blocks_loaded > 0
+
+
+def test_a_tampered_block_location_is_a_rejected_row_or_a_recomputed_block(tiny_chat, requests_file, tmp_path,
+                                                                          reference):
+    url = (tmp_path / "kv").as_uri()
+    manifests = tmp_path / "manifests.jsonl"
+    run_prefill(_llm(tiny_chat, _store(tiny_chat, url)), str(requests_file), str(manifests))
+    lines = [json.loads(t) for t in manifests.read_text().splitlines()]
+    first = next(i for i, m in enumerate(lines) if m.get("block_locations"))
+    lines[first]["block_locations"][0]["key"] = lines[first]["block_keys"][-1]  # another block's key
+    shifted = next(i for i, m in enumerate(lines) if i > first and m.get("block_locations"))
+    lines[shifted]["block_locations"][0]["offset"] -= 8  # a range that fails its checksum
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    decoder = _llm(tiny_chat, _store(tiny_chat, url))
+    out = tmp_path / "out.jsonl"
+    run_decode(decoder, str(bad), str(out))
+    got = _outputs(out)
+    assert got[first][1:] == ("error", "manifest.block_locations.0.key")
+    assert [g for i, g in enumerate(got) if i != first] == [r for i, r in enumerate(reference) if i != first]
+    assert decoder.connector.stats.misses_by_reason["checksum"] >= 1

@@ -243,6 +243,7 @@ def test_plain_path_and_memory_urls(tmp_path):
     for url in (str(tmp_path / "plain"), f"memory://kv-{uuid.uuid4().hex}"):
         s = make_store(url, memory=0)
         assert s.put_many([(key(1), kv_block(1))]) == 1
+        s.flush()
         assert same_bits(make_store(url, memory=0).get_many([key(1)])[0][0], kv_block(1))
 
 
@@ -260,6 +261,7 @@ def test_concurrent_writers_end_consistent(tmp_path):
     tb = threading.Thread(target=write, args=(b, range(10, 40, 2)))
     ta.start(), tb.start()
     ta.join(30), tb.join(30)
+    a.flush(), b.flush()
     reader = make_store(url, memory=0)
     got = reader.get_many([key(i) for i in range(40)])
     assert all(same_bits(t, kv_block(i)) for i, (t, _) in enumerate(got))
@@ -286,21 +288,27 @@ def test_concurrent_writer_processes(tmp_path):
 def _write_proc(url: str, start: int) -> None:
     store = make_store(url, memory=0)
     store.put_many([(key(i), kv_block(i)) for i in range(start, start + 10)])
+    store.flush()
 
 
-def test_block_from_another_model_is_a_fingerprint_miss(tmp_path):
+def test_block_from_another_model_is_never_seen(tmp_path):
+    # A reader asks only its own model's index (index/<fingerprint id>/...): a block another model
+    # stored under the same key is simply not there for it, and no request reads that model's index.
     url = f"file://{tmp_path}/objects"
     other = make_store(url, fp="another-model")
     other.put_many([(key(1), kv_block(1))])  # same key, written by a different model
+    other.flush()
     mine = make_store(url, memory=0)
     assert mine.contains([key(1)]) == [False]
-    assert mine.get_many([key(1)]) == [(None, "fingerprint")]
+    assert mine.get_many([key(1)]) == [(None, "missing")]
+    assert mine.request_counts()["GET"] == 1  # the layout marker only
 
 
 def test_gc_ttl_and_size_on_local(tmp_path):
     url = f"file://{tmp_path}/objects"
     s = make_store(url, memory=0, ttl_s=100, pack_bytes=1)  # one block per pack
     s.put_many([(key(i), kv_block(i)) for i in range(5)])
+    s.flush()
     size = kv_stats(url)["kv_bytes"]
     out = kv_gc(url, ttl_s=None, max_bytes=size - 1)
     assert out["packs_evicted_for_size"] == 1 and out["packs_kept"] == 4
@@ -340,10 +348,11 @@ def only_object(fs, url: str) -> str:
 
 
 def test_s3_round_trip_and_stats(s3):
-    url, opts, fs = s3
+    url, opts, _ = s3
     w = s3_store(s3)
     blocks = [(key(i), kv_block(i, dt)) for i, dt in enumerate(DTYPES * 2)]
     assert w.put_many(blocks) == 6 and w.put_many(blocks) == 0
+    w.flush()
     r = KVStore.from_config(KVStoreConfig(url=url, storage_options=opts, memory_bytes=0, index_refresh_s=0), FP)
     got = r.get_many([k for k, _ in blocks])
     assert all(same_bits(t, b) and tier == "object" for (t, tier), (_, b) in zip(got, blocks))
@@ -356,8 +365,10 @@ def test_s3_faults_are_misses_with_reasons(s3):
     w = s3_store(s3)
     blocks = [(key(i), kv_block(i)) for i in range(4)]
     w.put_many(blocks)
+    w.flush()
     obj = only_object(fs, url)
-    reader = s3_store(s3)  # indexes the pack before the damage
+    reader = s3_store(s3)
+    assert all(reader.contains([key(i) for i in range(4)]))  # indexes the pack before the damage
     entries = reader.tiers[-1]._where
     e1 = entries[key(1)][0][1]
     e3 = entries[key(3)][0][1]
@@ -374,6 +385,7 @@ def test_s3_faults_are_misses_with_reasons(s3):
     # the damaged copies are no longer offered: contains says no, and a put rewrites them
     assert reader.contains([key(i) for i in range(4)]) == [True, False, True, False]
     assert reader.put_many(blocks) == 2
+    reader.flush()
     assert [r for _, r in reader.get_many([key(1), key(3)])] == ["object", "object"]
 
     # the object cut before a block starts: S3 refuses the range (416); still "truncated"
@@ -433,6 +445,7 @@ def test_s3_transient_errors_are_retried_then_given_up(s3, monkeypatch):
     w = s3_store(s3)
     blocks = [(key(i), kv_block(i)) for i in range(3)]
     w.put_many(blocks)
+    w.flush()
     reader = s3_store(s3)
     tier = reader.tiers[-1]
 
@@ -462,19 +475,26 @@ def test_s3_write_errors_are_counted_not_raised(s3, monkeypatch):
         raise PermissionError("AccessDenied")
 
     monkeypatch.setattr(tier.fs, "pipe_file", broken)
-    assert store.put_many([(key(1), kv_block(1))]) == 0
-    assert tier.stats()["write_errors"] == 1
+    assert store.put_many([(key(1), kv_block(1))]) == 1  # accepted into the write buffer
+    assert store.flush() == 0  # the segment could not be written: counted, not raised
+    assert tier.stats()["write_errors"] == 1 and store.stats()["puts_failed"] == 1
 
 
 def test_s3_gc_removes_expired_objects(s3):
     url, opts, fs = s3
     store = s3_store(s3, ttl_s=60)
     store.put_many([(key(i), kv_block(i)) for i in range(3)])
+    store.flush()
     stale_reader = s3_store(s3)
+    assert stale_reader.contains([key(0)]) == [True]  # it knows where the block is, then gc runs
     assert kv_gc(url, ttl_s=60, max_bytes=None, storage_options=opts)["packs_expired"] == 0
     out = kv_gc(url, ttl_s=60, max_bytes=None, storage_options=opts, now=time.time() + 61)
     assert out["packs_expired"] == 1 and out["blocks_deleted"] == 3
-    assert not [p for p in fs.find(url.removeprefix("s3://")) if p.endswith((".arrow", ".json"))]
+    # Nothing of the segment is left; the index's newest generation (gc compacts it) is empty (the
+    # one before it stays for the grace period, for readers that hold it).
+    assert not [p for p in fs.find(url.removeprefix("s3://")) if p.endswith((".arrow", ".json"))
+                and "/generations/" not in p and "/partitions/" not in p]
+    assert out["compaction"]["generations_written"] == 1 and out["compaction"]["blocks_indexed"] == 0
     assert [r for _, r in stale_reader.get_many([key(0)])] == ["object_deleted"]
     assert [r for _, r in s3_store(s3).get_many([key(1)])] == ["missing"]
 
@@ -484,6 +504,7 @@ def test_s3_orphan_objects_are_collected(s3):
     store = s3_store(s3)
     tier = store.tiers[-1]
     store.put_many([(key(1), kv_block(1))])
+    store.flush()
     # a writer that died between writing its object and publishing the index
     orphan = tier.layout.object_path("0" * 32, f"{int((time.time() - 7200) * 1000):013d}-{'a' * 32}")
     fs.pipe_file(orphan, b"partial")

@@ -11,9 +11,10 @@ import torch
 
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.kv_connector import TierCost
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.io.kv_store import KVStore, KVStoreConfig
+from kvbatch.io.kv_store import KVStore, KVStoreConfig, MemoryTier, ObjectStoreTier
 from kvbatch.ops.shards import kv_fingerprint
 from tests.tiny_models import VOCAB, build_tiny
 
@@ -38,6 +39,7 @@ def setup(tmp_path_factory):
     prefill.generate([GenerationRequest(r.request_id, r.sampling, prompt_token_ids=r.prompt_token_ids, prefill_only=True)
                       for r in requests])
     assert prefill.connector.stats.blocks_written == sum(n // BLOCK for n in PROMPT_LENS)
+    prefill.connector.flush()  # the end of the prefill: the segment is written for other readers
     return ckpt, store, requests, want
 
 
@@ -81,3 +83,54 @@ def test_slow_store_fast_prefill_recomputes(setup):
     assert [r.num_loaded_tokens for r in out] == [0] * len(PROMPT_LENS)
     assert s.blocks_loaded == 0 and not s.bytes_loaded_by_tier
     assert llm.stats["computed_prompt_tokens"] == sum(PROMPT_LENS)  # every prompt token computed
+
+
+# ---------------------------------------------------------------- per tier (issue 14)
+
+
+def _object_only(store: KVStore) -> KVStore:
+    return KVStore([ObjectStoreTier(store.durable.url)], store.fingerprint)
+
+
+def _decode_with(setup, store: KVStore, costs: dict[str, TierCost], prefill_tokens_per_s: float = 1e3,
+                 usd_per_device_s: float = 0.0):
+    ckpt, _, requests, want = setup
+    llm = _llm(ckpt, store)
+    llm.connector.tier_costs = costs
+    llm.connector.prefill_tokens_per_s = prefill_tokens_per_s
+    llm.connector.usd_per_device_s = usd_per_device_s
+    out = llm.generate(requests)
+    assert [r.output_token_ids for r in out] == want
+    return llm, out
+
+
+def test_blocks_on_a_fast_tier_load_and_those_on_a_slow_tier_recompute(setup):
+    ckpt, store, requests, _ = setup
+    two = KVStore([MemoryTier(1 << 24), ObjectStoreTier(store.durable.url)], store.fingerprint)
+    warm = _llm(ckpt, two)  # loads the first request's blocks once: they are promoted into memory
+    warm.connector.tier_costs, warm.connector.prefill_tokens_per_s = {"object": TierCost(bytes_per_s=1e12)}, 1.0
+    warm.generate([GenerationRequest("w", requests[0].sampling, prompt_token_ids=requests[0].prompt_token_ids,
+                                     prefill_only=True)])
+    promoted = warm.connector.stats.tokens_loaded_by_tier["object"]  # the blocks now in memory as well
+    assert promoted >= BLOCK
+    llm, out = _decode_with(setup, two, {"memory": TierCost(bytes_per_s=1e12), "object": TierCost(bytes_per_s=1.0)})
+    s = llm.connector.stats
+    # The first request loads its leading blocks from memory and recomputes any behind them that
+    # only the slow object tier holds; the others, held by the object tier only, recompute.
+    assert dict(s.decisions) == {"load": 1, "recompute": 2}
+    assert dict(s.tokens_loaded_by_tier) == {"memory": promoted}
+    assert dict(s.decisions_by_tier) == {"memory:load": promoted // BLOCK,
+                                         "object:recompute": sum(n // BLOCK for n in PROMPT_LENS) - promoted // BLOCK}
+    assert [r.num_loaded_tokens for r in out] == [promoted, 0, 0]
+
+
+@pytest.mark.parametrize(("cost", "usd_per_device_s", "decision"), [
+    (TierCost(bytes_per_s=1e12, request_s=0.0), 0.0, "load"),
+    (TierCost(bytes_per_s=1e12, request_s=10.0), 0.0, "recompute"),  # a slow first byte outweighs it
+    (TierCost(bytes_per_s=1e12, usd_per_request=1.0), 1e-3, "recompute"),  # a GET dearer than the compute
+])
+def test_a_tiers_request_cost_is_in_the_decision(setup, cost, usd_per_device_s, decision):
+    _, store, _, _ = setup
+    llm, _ = _decode_with(setup, _object_only(store), {"object": cost}, usd_per_device_s=usd_per_device_s)
+    assert dict(llm.connector.stats.decisions) == {decision: len(PROMPT_LENS)}
+    assert llm.connector.stats.to_json()["retain_or_recompute"]["bytes_per_s_by_tier"]["object"] > 0

@@ -102,7 +102,9 @@ def _fresh_s3_clients():
 
 # Small timeouts and a short breaker, set through the config: faults cost fractions of a second.
 FAST = {"connect_timeout_s": 1.0, "read_timeout_s": 0.5, "retry_attempts": 3, "retry_budget_s": 3.0,
-        "breaker_failures": 3, "breaker_cooldown_s": 60.0}
+        "breaker_failures": 3, "breaker_cooldown_s": 60.0,
+        # one block per segment, each written as it comes: these tests count requests per block
+        "pack_bytes": 1}
 
 
 def _kv(url: str, endpoint: str, fingerprint: str = "fp-test", **kw) -> KVStore:
@@ -305,14 +307,16 @@ def test_prefill_exits_2_when_the_store_took_none_or_only_some(tiny, requests_fi
     aws_env.setenv("AWS_ENDPOINT_URL", endpoint)
     common = ["prefill", "--model", str(tiny), "--store", url, "--input", str(requests_file), "--no-progress"]
 
-    # One pack's writes keep failing (4 attempts): the others are stored; say how many were not.
+    # The shard's one segment keeps failing (4 attempts): its blocks were accepted, then lost at
+    # the flush; the counts say so (none written, all failed), not what put_many accepted.
     proxy.plan("503", method="PUT", path=PACKS, times=4)
     assert main([*common, "--manifests", str(tmp_path / "m1.jsonl"), "--metrics", str(tmp_path / "p1.json")]) == 2
     (line,) = _errors(capsys.readouterr().err)
     metrics = json.loads((tmp_path / "p1.json").read_text())
     failed, written = metrics["store"]["puts_failed"], metrics["blocks_written"]
-    assert failed > 0 and written > 0
-    assert f"stored only {written} of the {written + failed} blocks" in line and f"({failed} failed" in line
+    assert failed > 0 and written == 0 and metrics["kv_bytes_written"] == 0
+    assert f"stored none of the {failed} blocks" in line and f"({failed} failed" in line
+    assert metrics["object_requests"]["PUT"] >= 4  # the failed attempts are requests too
 
     proxy.clear()
     proxy.refuse()

@@ -8,6 +8,9 @@ Who calls what, and when (the scheduler never touches tensors, the runner never 
   into their blocks; it returns how many leading blocks arrived intact. A miss (missing,
   truncated, checksum, io_error...) makes the sequence recompute from that block on.
 - LLM, after the step: ``save(blocks, kv_cache)`` writes newly completed prompt blocks through.
+- Whoever ends a stage (a prefill shard): ``flush()`` makes what the store buffered durable;
+  ``stats.to_json()`` flushes too, so the counts it gives (bytes written, object-store requests
+  by kind) say what really reached the store.
 
 The store is anything with ``contains``/``lookup``/``get_many``/``put_many``/``stats``
 (``kvbatch.io``'s ``KVStore``): the engine does not import storage code.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +42,8 @@ class BlockStore(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    # Optional (KVStore has them): flush(), request_counts() -> {kind: n}, bytes_written_by_tier().
+
 
 @dataclass
 class ConnectorStats:
@@ -52,29 +58,58 @@ class ConnectorStats:
     timed_bytes_by_tier: Counter = field(default_factory=Counter)
     misses_by_reason: Counter = field(default_factory=Counter)
     decisions: Counter = field(default_factory=Counter)  # "load" / "recompute" per request
+    decisions_by_tier: Counter = field(default_factory=Counter)  # "<tier>:load" / "<tier>:recompute" per block
+    tier_bytes_per_s: dict[str, float] = field(default_factory=dict)  # the bandwidths the decisions used
     est_load_s: float = 0.0
     est_recompute_s: float = 0.0
     bytes_written: int = 0
     write_s: float = 0.0
+    # What the store itself counted since the connector was made (object-store requests by kind,
+    # bytes written per tier), read when the stats are reported; {} for a store without counters.
+    store_counts: Callable[[], dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
+        store = self.store_counts() if self.store_counts is not None else {}
+        # Blocks the store accepted but could not write when it flushed them are not written.
+        failed = min(int(store.get("blocks_failed", 0)), self.blocks_written)
         return {
+            "object_requests": store.get("object_requests", dict.fromkeys(REQUEST_KINDS, 0)),
+            "kv_bytes_written_by_tier": store.get("kv_bytes_written_by_tier", {}),
             "blocks_loaded": self.blocks_loaded,
-            "blocks_written": self.blocks_written,
+            "blocks_written": self.blocks_written - failed,
             "blocks_skipped_existing": self.blocks_skipped_existing,
             "prompt_tokens_served_by_tier": dict(self.tokens_loaded_by_tier),
             "kv_bytes_read_by_tier": dict(self.bytes_loaded_by_tier),
             "load_bandwidth_bytes_per_s_by_tier": {
                 t: round(self.timed_bytes_by_tier[t] / s, 1) for t, s in self.load_s_by_tier.items() if s > 0},
-            "kv_bytes_written": self.bytes_written,
+            "kv_bytes_written": self.bytes_written * (self.blocks_written - failed) // max(self.blocks_written, 1),
             "write_s": round(self.write_s, 4),
             "misses_by_reason": dict(self.misses_by_reason),
             "retain_or_recompute": {
                 "decisions": dict(self.decisions),
+                "blocks_by_tier": dict(self.decisions_by_tier),
+                "bytes_per_s_by_tier": {t: round(v, 1) for t, v in self.tier_bytes_per_s.items()},
                 "est_load_s": round(self.est_load_s, 6),
                 "est_recompute_s": round(self.est_recompute_s, 6),
             },
         }
+
+
+REQUEST_KINDS = ("GET", "PUT", "LIST", "HEAD", "DELETE")  # as kvbatch.io.kv_requests counts them
+@dataclass
+class TierCost:
+    """What loading from one tier costs: its bandwidth (None: the connector's overall figure until
+    a load from this tier is measured), the latency of one request, and its price in dollars."""
+
+    bytes_per_s: float | None = None
+    request_s: float = 0.0
+    usd_per_request: float = 0.0
+
+
+def default_tier_costs() -> dict[str, TierCost]:
+    """Memory and disk: no request to speak of. An object store: a first byte takes ~20 ms, and a
+    GET is billed (S3 standard: $0.0004 per 1,000)."""
+    return {"memory": TierCost(), "disk": TierCost(), "object": TierCost(request_s=0.02, usd_per_request=4e-7)}
 
 
 MISSING = "missing"  # the store's reason for a key no tier holds (kvbatch.io.kv_tiers says the same)
@@ -85,20 +120,58 @@ class KVConnector:
     kv_heads, head_dim]`` for the Llama family, ``[layers, 1, block_size, 1, latent + rope]`` for
     MLA) by key. A stored block whose shape or dtype is not the cache's is a miss ("shape").
 
-    Retain-or-recompute: fetching n blocks is estimated at ``n * block_bytes / load_bandwidth``,
-    recomputing them at ``n * block_size / prefill_tokens_per_s``; both rates start from the
-    given guesses and follow measurements (exponential moving averages) as the run goes.
+    Retain-or-recompute, per tier: fetching the leading k stored blocks is estimated, tier by
+    tier, at ``blocks * block_bytes / that tier's bandwidth`` plus one request's latency per tier
+    read (and, with ``usd_per_device_s``, the request's price as the device-seconds it would buy);
+    recomputing them at ``k * block_size / prefill_tokens_per_s``. The k that saves most is
+    loaded (none if loading never beats recomputing), so the blocks of a fast tier load while
+    those behind them on a slow tier are recomputed. Each tier's bandwidth and the prefill rate
+    start from guesses and follow measurements (exponential moving averages) as the run goes.
     """
 
     def __init__(self, store: BlockStore, block_size: int, block_bytes: int, *, write: bool = True,
-                 load_bytes_per_s: float = 200e6, prefill_tokens_per_s: float = 500.0) -> None:
+                 load_bytes_per_s: float = 200e6, prefill_tokens_per_s: float = 500.0,
+                 tier_costs: dict[str, TierCost] | None = None, usd_per_device_s: float = 0.0) -> None:
         self.store = store
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.write = write
         self.load_bytes_per_s = load_bytes_per_s
         self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.tier_costs = tier_costs if tier_costs is not None else default_tier_costs()
+        self.usd_per_device_s = usd_per_device_s
         self.stats = ConnectorStats()
+        self._requests_base = self._requests()
+        self._written_base = self._written()
+        self._failed_base = self._failed()
+        self.stats.store_counts = self._store_counts
+
+    def _requests(self) -> dict[str, int]:
+        fn = getattr(self.store, "request_counts", None)
+        return dict(fn()) if fn is not None else {}
+
+    def _failed(self) -> int:
+        fn = getattr(self.store, "blocks_not_stored", None)
+        return int(fn()) if fn is not None else 0
+
+    def _written(self) -> dict[str, int]:
+        fn = getattr(self.store, "bytes_written_by_tier", None)
+        return dict(fn()) if fn is not None else {}
+
+    def _store_counts(self) -> dict[str, Any]:
+        self.flush()
+        req, written = self._requests(), self._written()
+        return {
+            "object_requests": {k: req.get(k, 0) - self._requests_base.get(k, 0) for k in REQUEST_KINDS},
+            "kv_bytes_written_by_tier": {t: n - self._written_base.get(t, 0) for t, n in written.items()},
+            "blocks_failed": self._failed() - self._failed_base,
+        }
+
+    def flush(self) -> None:
+        """Make the blocks the store buffered durable (the end of a prefill shard)."""
+        fn = getattr(self.store, "flush", None)
+        if fn is not None:
+            fn()
 
     # -- scheduler side --------------------------------------------------------------------------
     def match(self, seq: Sequence, num_local_blocks: int, keys: list[str]) -> list[str]:
@@ -107,28 +180,59 @@ class KVConnector:
         todo = keys[num_local_blocks:]
         if not todo:
             return []
-        reasons = self.store.lookup(todo)
+        locate = getattr(self.store, "locate", None)
+        reasons, tiers = locate(todo) if locate is not None else (self.store.lookup(todo), None)
         # Blocks the store could not look up (a tier's breaker open, a failed index listing) are
         # misses like a failed load's: else an outage leaves misses_by_reason empty while every
         # block is recomputed. A block simply not stored is no miss here, as before.
         for reason in reasons:
             if reason and reason != MISSING:
                 self.stats.misses_by_reason[reason] += 1
-        present = [not reason for reason in reasons]
         n = 0
-        while n < len(present) and present[n]:
+        while n < len(reasons) and not reasons[n]:
             n += 1
         if n == 0:
             return []
-        est_load = n * self.block_bytes / self.load_bytes_per_s
-        est_recompute = n * self.block_size / self.prefill_tokens_per_s
+        k, est_load, est_recompute = self._best_prefix(tiers[:n] if tiers is not None else ["store"] * n)
         self.stats.est_load_s += est_load
         self.stats.est_recompute_s += est_recompute
-        if est_load > est_recompute:
+        for i, tier in enumerate(tiers[:n] if tiers is not None else ["store"] * n):
+            self.stats.decisions_by_tier[f"{tier}:{'load' if i < k else 'recompute'}"] += 1
+        if k == 0:
             self.stats.decisions["recompute"] += 1
             return []
         self.stats.decisions["load"] += 1
-        return todo[:n]
+        return todo[:k]
+
+    def tier_bytes_per_s(self, tier: str) -> float:
+        cost = self.tier_costs.get(tier)
+        bw = cost.bytes_per_s if cost is not None and cost.bytes_per_s is not None else self.load_bytes_per_s
+        self.stats.tier_bytes_per_s[tier] = bw
+        return bw
+
+    def _best_prefix(self, tiers: list[str]) -> tuple[int, float, float]:
+        """(k, est. load seconds, est. recompute seconds) for the leading k blocks that save most.
+
+        Each maximal run of blocks on one tier costs one request (a chain's run is one ranged
+        read); k = 0 when no prefix loads faster than it recomputes. The estimates returned are
+        for all the blocks when k = 0, else for the k chosen."""
+        per_block_recompute = self.block_size / self.prefill_tokens_per_s
+        best_k, best_saving = 0, 0.0
+        load = recompute = 0.0
+        best_load, best_recompute = 0.0, 0.0
+        for i, tier in enumerate(tiers):
+            cost = self.tier_costs.get(tier, TierCost())
+            load += self.block_bytes / self.tier_bytes_per_s(tier)
+            if i == 0 or tiers[i - 1] != tier:  # a new run: one more request
+                load += cost.request_s
+                if self.usd_per_device_s > 0:
+                    load += cost.usd_per_request / self.usd_per_device_s
+            recompute += per_block_recompute
+            if recompute - load > best_saving:
+                best_k, best_saving, best_load, best_recompute = i + 1, recompute - load, load, recompute
+        if best_k == 0:
+            return 0, load, recompute
+        return best_k, best_load, best_recompute
 
     # -- worker side ---------------------------------------------------------------------------------
     def load(self, keys: list[str], block_ids: list[int], kv_cache: torch.Tensor) -> int:
@@ -157,6 +261,10 @@ class KVConnector:
             tier = tiers.pop() if len(tiers) == 1 else "mixed"
             self.stats.load_s_by_tier[tier] += elapsed
             self.stats.timed_bytes_by_tier[tier] += nbytes_total
+            if tier != "mixed" and elapsed > 0:  # this tier's own bandwidth, measured
+                cost = self.tier_costs.setdefault(tier, TierCost())
+                before = cost.bytes_per_s if cost.bytes_per_s is not None else self.load_bytes_per_s
+                cost.bytes_per_s = 0.7 * before + 0.3 * (nbytes_total / elapsed)
         if nbytes_total and elapsed > 0:
             self.load_bytes_per_s = 0.7 * self.load_bytes_per_s + 0.3 * (nbytes_total / elapsed)
         return n

@@ -1,0 +1,294 @@
+"""The KV store at scale, on S3 (moto's server on loopback), layout 2 against the layout of before.
+
+    python benchmarks/bench_kv_scale.py            # stores of 10^4 and 10^5 blocks (tens of minutes on 2 cores)
+    python benchmarks/bench_kv_scale.py --quick    # stores of 10^3 and 10^4 blocks, a smoke run (~2 minutes)
+    python benchmarks/bench_kv_scale.py --sizes 10000 100000 1000000 --json out.json
+
+Synthetic blocks (1 KiB each, float16 [2, 2, 16, 1, 8]: the KV of 16 tokens of a one-layer,
+one-head model); every prompt is a chain of `--blocks-per-prompt` blocks whose first
+`--shared-blocks` are a system prompt shared by its group of `--group` prompts. Both layouts are
+measured in the same run with the same code: "before" is layout 2's writer made to write one
+pack and one index file per sequence (what `connector.save` did before issue 14: one
+`put_many` per sequence per step, each written at once); "segments" buffers across sequences and
+writes a segment per `--segment-mb`.
+
+Measured, per layout:
+1. prefill of 1,000 prompts: objects written and requests by kind (PUT/GET/LIST/HEAD), per
+   1,000 prompts, and stored bytes per token;
+2. decode start-up for a fixed shard of 1,000 prompts in stores of each `--sizes` blocks: the
+   requests and seconds from opening the store to knowing where every block of the shard is.
+   "before": a reader lists the index and reads every index file. "segments": decode is handed
+   each block's location by the prefill manifests (`startup_*`: no index request at all), and a
+   cross-run lookup of the same keys goes through the partitioned index (`lookup_*`: the newest
+   generation, the partitions the keys fall in, the index files written since), after a
+   compaction (`kv compact`) run as the nightly gc would, more than its grace after the writes;
+3. range-read throughput: the shard's blocks fetched, MB/s (one ranged GET per chain run with
+   segments; one per block before);
+4. two nights (segments only): night 1 (written as if ten days ago) stores `--shard` prompts;
+   night 2's prompts share night 1's system prompts with tails of their own: the share of night
+   2's system-prompt tokens the store serves, and whether `kv gc --unused-days 3` after night 2
+   keeps every block night 2 used (and removes night 1's one-off tails).
+
+Prints the CPU (lscpu) next to the figures; the machine may be shared with other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch
+
+from kvbatch.io import kv_object_tier
+from kvbatch.io.kv_compaction import compact_index
+from kvbatch.io.kv_object_tier import ObjectStoreTier, RetryPolicy
+from kvbatch.io.kv_store import KVStore
+
+FP = "bench-kv-scale|float16|bs16"
+SHAPE = (2, 2, 16, 1, 8)
+TOKENS_PER_BLOCK = 16
+PAYLOAD = torch.zeros(SHAPE, dtype=torch.float16)  # content does not change what is measured
+
+
+def block_key(prompt: int, i: int, group: int, shared: int, salt: str) -> str:
+    owner = f"g{prompt // group}" if i < shared else f"p{prompt}"
+    return hashlib.sha256(f"{salt}/{owner}/{i}".encode()).hexdigest()
+
+
+def prompt_keys(prompt: int, args: argparse.Namespace, salt: str) -> list[str]:
+    return [block_key(prompt, i, args.group, args.shared_blocks, salt) for i in range(args.blocks_per_prompt)]
+
+
+def open_store(url: str, opts: dict[str, Any], args: argparse.Namespace) -> KVStore:
+    tier = ObjectStoreTier(url, opts, pack_bytes=int(args.segment_mb * 2**20), index_refresh_s=3600.0,
+                           retry=RetryPolicy(attempts=2, budget_s=5.0), flush_after_s=3600.0)
+    return KVStore([tier], FP)
+
+
+def prefill(store: KVStore, prompts: range, args: argparse.Namespace, salt: str, layout: str) -> dict[str, Any]:
+    """Store every prompt's chain, one put_many per prompt, as the engine saves them."""
+    before = store.request_counts()
+    objects_before = store.durable.counters.bytes_written
+    packs_before = len(store.durable._manifests)
+    t0 = time.perf_counter()
+    for p in prompts:
+        store.put_many([(k, PAYLOAD) for k in prompt_keys(p, args, salt)])
+        if layout == "before":
+            store.flush()  # one pack + one index file per sequence, as before issue 14
+    store.flush()
+    wall = time.perf_counter() - t0
+    req = store.durable.layout.requests.since(before)
+    packs = len(store.durable._manifests) - packs_before
+    nbytes = store.durable.counters.bytes_written - objects_before
+    stored_blocks = store.durable.counters.blocks_written
+    return {"prompts": len(prompts), "objects": 2 * packs, "requests": req, "wall_s": round(wall, 3),
+            "bytes_per_token": round(nbytes / max(stored_blocks, 1) / TOKENS_PER_BLOCK, 1)}
+
+
+def startup_and_read(url: str, opts: dict[str, Any], args: argparse.Namespace, salt: str,
+                     layout: str, locations: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A fresh decode worker for the shard of the first 1,000 prompts: open, look up, fetch.
+
+    With `locations` (what prefill's manifests carry) it is handed where each block is; the
+    cross-run lookup through the index is then measured apart, by another fresh reader."""
+    shard = [k for p in range(args.shard) for k in prompt_keys(p, args, salt)]
+    out: dict[str, Any] = {}
+    if locations is not None:
+        t0 = time.perf_counter()
+        looker = open_store(url, opts, args)
+        assert all(looker.contains(shard))
+        out.update(lookup_requests=dict(looker.request_counts()), lookup_s=round(time.perf_counter() - t0, 3))
+    t0 = time.perf_counter()
+    store = open_store(url, opts, args)
+    if locations is not None:
+        store.add_locations(locations)
+    assert all(store.contains(shard))
+    startup_s = time.perf_counter() - t0
+    startup = dict(store.request_counts())
+    before = store.request_counts()
+    t1 = time.perf_counter()
+    nbytes = 0
+    with reads_as(layout):
+        for p in range(args.shard):  # one get_many per prompt, as the engine loads a sequence
+            for t, _ in store.get_many(prompt_keys(p, args, salt)):
+                assert t is not None
+                nbytes += t.numel() * t.element_size()
+    read_s = time.perf_counter() - t1
+    return {**out, "startup_requests": startup, "startup_s": round(startup_s, 3),
+            "read_gets": store.durable.layout.requests.since(before)["GET"],
+            "read_mb_per_s": round(nbytes / read_s / 1e6, 2)}
+
+
+@contextlib.contextmanager
+def reads_as(layout: str):
+    """Before issue 14 a reader asked one range per block (concurrently); now neighbours coalesce."""
+    if layout != "before":
+        yield
+        return
+    real = kv_object_tier.coalesce_ranges
+
+    def one_per_block(ranges):
+        return [p for p, _, _ in ranges], [s for _, s, _ in ranges], [e for _, _, e in ranges], \
+            [[i] for i in range(len(ranges))]
+
+    kv_object_tier.coalesce_ranges = one_per_block
+    try:
+        yield
+    finally:
+        kv_object_tier.coalesce_ranges = real
+
+
+def throughput(url: str, opts: dict[str, Any], args: argparse.Namespace, layout: str) -> dict[str, Any]:
+    """Range reads of full-size blocks (256 KiB: about SmolLM2's bf16 block) in chains of 8."""
+    big = torch.zeros((30, 2, 16, 3, 45), dtype=torch.float16)  # 259,200 bytes
+    store = open_store(url, opts, args)
+    chains = [[hashlib.sha256(f"{url}/{c}/{i}".encode()).hexdigest() for i in range(8)] for c in range(args.chains)]
+    for keys in chains:
+        store.put_many([(k, big) for k in keys])
+        if layout == "before":
+            store.flush()
+    store.flush()
+    reader = open_store(url, opts, args)
+    before = reader.request_counts()
+    t0 = time.perf_counter()
+    with reads_as(layout):
+        got = [t for keys in chains for t, _ in reader.get_many(keys)]
+    wall = time.perf_counter() - t0
+    assert all(t is not None for t in got)
+    nbytes = sum(t.numel() * t.element_size() for t in got)
+    return {"chains": len(chains), "block_bytes": big.numel() * 2, "gets": reader.durable.layout.requests.since(before)["GET"],
+            "mb_per_s": round(nbytes / wall / 1e6, 1)}
+
+
+def two_nights(url: str, opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from kvbatch.io.kv_store import kv_gc
+
+    real_time = time.time
+    time.time = lambda: real_time() - 10 * 86400  # night 1 was ten days ago
+    try:
+        night1 = open_store(url, opts, args)
+        prefill(night1, range(args.shard), args, "night1", "segments")
+    finally:
+        time.time = real_time
+    night2 = open_store(url, opts, args)
+    shared = [k for p in range(args.shard) for k in prompt_keys(p, args, "night1")[: args.shared_blocks]]
+    tails = [hashlib.sha256(f"night2/{p}".encode()).hexdigest() for p in range(args.shard)]
+    served = sum(night2.contains(shared))
+    got = night2.get_many(shared)  # decode loads them: their segments are recorded as used
+    night2.put_many([(k, PAYLOAD) for k in tails])  # night 2's own tails
+    night2.stats()  # the end of night 2: flush, usage recorded
+    gc = kv_gc(url, None, None, storage_options=opts, unused_s=3 * 86400)
+    after = open_store(url, opts, args)
+    kept = sum(after.contains(list(dict.fromkeys(shared)) + tails))
+    return {"night2_shared_tokens_served_share": round(served / len(shared), 4),
+            "loaded": sum(t is not None for t, _ in got), "gc": {k: gc[k] for k in ("packs_unused", "packs_kept")},
+            "night2_blocks_kept_share": round(kept / (len(set(shared)) + len(tails)), 4)}
+
+
+def cpu_line() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "lscpu unavailable"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    keep = [f for f in flags if f.startswith(("avx512f", "avx2", "amx"))]
+    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs, flags {' '.join(keep)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="stores of 10^3 and 10^4 blocks")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="store sizes in blocks")
+    ap.add_argument("--before-max", type=int, default=None,
+                    help="largest store built in the old layout (it costs two PUTs per prompt)")
+    ap.add_argument("--shard", type=int, default=1000, help="prompts in the decode shard")
+    ap.add_argument("--blocks-per-prompt", type=int, default=4)
+    ap.add_argument("--shared-blocks", type=int, default=2)
+    ap.add_argument("--group", type=int, default=10, help="prompts sharing a system prompt")
+    ap.add_argument("--segment-mb", type=float, default=32.0)
+    ap.add_argument("--chains", type=int, default=64, help="chains of 8 full-size blocks for the MB/s figure")
+    ap.add_argument("--two-nights-only", action="store_true", help="only the two-nights figure")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    sizes = args.sizes or ([1_000, 10_000] if args.quick else [10_000, 100_000])
+    before_max = args.before_max if args.before_max is not None else (10_000 if args.quick else 20_000)
+    if args.quick:
+        args.shard, args.chains = min(args.shard, 250), min(args.chains, 16)
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    opts = {"key": "bench", "secret": "bench", "endpoint_url": f"http://{host}:{port}"}
+    fs = s3fs.S3FileSystem(**opts)
+    print(f"# CPU: {cpu_line()} (the machine may be shared)", file=sys.stderr)
+    results: dict[str, Any] = {"cpu": cpu_line(), "command": " ".join(["python", *sys.argv]), "runs": []}
+    try:
+        bucket = f"bench-{uuid.uuid4().hex[:10]}"
+        fs.mkdir(bucket)
+        results["two_nights"] = two_nights(f"s3://{bucket}/kv", opts, args)
+        print(json.dumps({"two_nights": results["two_nights"]}), flush=True)
+        for layout in () if args.two_nights_only else ("before", "segments"):
+            for size in sizes:
+                if layout == "before" and size > before_max:
+                    continue
+                bucket = f"bench-{uuid.uuid4().hex[:10]}"
+                fs.mkdir(bucket)
+                url = f"s3://{bucket}/kv"
+                store = open_store(url, opts, args)
+                # Unique blocks per prompt: its own, plus its share of the group's system prompt.
+                unique = args.blocks_per_prompt - args.shared_blocks + args.shared_blocks / args.group
+                n_prompts = max(int(size / unique), args.shard)
+                salt = uuid.uuid4().hex
+                # Per 1,000 prompts prefilled (the first thousand), then the rest of the store.
+                first = prefill(store, range(min(1000, n_prompts)), args, salt, layout)
+                if n_prompts > 1000:
+                    prefill(store, range(1000, n_prompts), args, salt, layout)
+                locations = None
+                if layout == "segments":
+                    # Prefill's manifests carry the shard's block locations; the nightly gc compacts
+                    # the index (here as if it ran two hours after the writes).
+                    shard = [k for p in range(args.shard) for k in prompt_keys(p, args, salt)]
+                    locations = store.locations(shard)
+                    t0 = time.perf_counter()
+                    compacted = compact_index(store.durable.layout, now=time.time() + 2 * 3600)
+                    compact_s = time.perf_counter() - t0
+                run = {"layout": layout, "store_blocks": store.durable.counters.blocks_written,
+                       "prefill_per_1000_prompts": first,
+                       **startup_and_read(url, opts, args, salt, layout, locations)}
+                if locations is not None:
+                    run["compact"] = {"s": round(compact_s, 2), "segments": compacted["segments_indexed"],
+                                      "partitions_written": compacted["partitions_written"]}
+                results["runs"].append(run)
+                print(json.dumps(run), flush=True)
+            bucket = f"bench-{uuid.uuid4().hex[:10]}"
+            fs.mkdir(bucket)
+            results.setdefault("range_reads", {})[layout] = throughput(f"s3://{bucket}/kv", opts, args, layout)
+            print(json.dumps({layout: results["range_reads"][layout]}), flush=True)
+    finally:
+        server.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
