@@ -147,13 +147,17 @@ def prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     plan: reference.PrefillPlan | None = None,
+    max_query_len: int = 0,
 ) -> torch.Tensor:
-    """See :func:`reference.prefill_attention` (``plan`` serves the reference only)."""
+    """See :func:`reference.prefill_attention` (``plan`` serves the reference only).
+    ``max_query_len`` > 0: the longest chunk, known on the host, sizes the Triton kernel's grid
+    (no device-to-host read of ``cu_query_lens``)."""
     impl = _impl(q)
     if impl is reference:
         return reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
                                            plan)
-    return impl.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale)
+    return impl.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
+                                  max_query_len=max_query_len or None)
 
 
 def plan_decode(x: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -182,6 +186,17 @@ def fused_moe(
 ) -> torch.Tensor:
     """See :func:`reference.fused_moe`."""
     return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+def store_mla_kv(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """See :func:`reference_mla.store_mla_kv`; on Triton it is the paged ``store_kv`` kernel with
+    the latent row as a single-head key (and the same row as its value: one cache, written once
+    per token by each of the two stores, identical bytes)."""
+    if backend(kv_cache) == "triton":
+        rows = latent.reshape(latent.shape[0], 1, latent.shape[-1])
+        _triton_kernels().store_kv(rows, rows, kv_cache, kv_cache, slot_mapping)
+        return
+    reference_mla.store_mla_kv(latent, kv_cache, slot_mapping)
 
 
 def mla_decode_attention(

@@ -135,7 +135,8 @@ class DeepseekV3Model(LlamaModel):
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, device: torch.device | str = "cpu",
+                 expert_ids: dict[int, list[int]] | None = None) -> None:
         if config.mla is None:
             raise UnsupportedModelError(f"{config.model_type}: not an MLA model")
         if batch_invariant:  # the MLA part is invariant; routed experts are not (as in LlamaModel)
@@ -143,15 +144,21 @@ class DeepseekV3Model(LlamaModel):
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
-        self.linear: LinearFormat = choose_linear_format(dtype)  # see LlamaModel.__init__
+        self.device = device = torch.device(device)
+        self.linear: LinearFormat = choose_linear_format(dtype, device)  # see LlamaModel.__init__
         c, m = config, config.mla
         self.mla: MLAConfig = m
         Hq, dn, dr, dv, C = c.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
 
         def take(name: str) -> torch.Tensor:
+            # Cast on the host: the rope permutations below index with host tensors; ``dev``
+            # and ``layout`` (which moves to the device) place each finished weight.
             if name not in tensors:
                 raise KeyError(f"checkpoint lacks tensor {name!r}")
             return tensors[name].to(dtype).contiguous()
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device).contiguous()
 
         layout = self.linear.prepare
 
@@ -171,7 +178,7 @@ class DeepseekV3Model(LlamaModel):
                 return w
             return torch.cat([w[:C], w[C:].index_select(0, perm)])
 
-        self.embed = take("model.embed_tokens.weight")
+        self.embed = dev(take("model.embed_tokens.weight"))
         self.layers: list[MLALayerWeights] = []  # type: ignore[assignment]
         self.moe_layers: dict[int, MoELayerWeights] = {}
         for i in range(c.num_layers):
@@ -180,37 +187,38 @@ class DeepseekV3Model(LlamaModel):
             kv_a = kv_a_rows(take(a + "kv_a_proj_with_mqa.weight"))
             if m.q_lora_rank is not None:
                 a_proj = torch.cat([take(a + "q_a_proj.weight"), kv_a])
-                q_a_norm, q_b = take(a + "q_a_layernorm.weight"), layout(q_rows(take(a + "q_b_proj.weight")))
+                q_a_norm, q_b = dev(take(a + "q_a_layernorm.weight")), layout(q_rows(take(a + "q_b_proj.weight")))
             else:
                 a_proj = torch.cat([q_rows(take(a + "q_proj.weight")), kv_a])
                 q_a_norm, q_b = None, None
             kv_b = take(a + "kv_b_proj.weight").view(Hq, dn + dv, C)
             lw = MLALayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
+                input_norm=dev(take(p + "input_layernorm.weight")),
                 a_proj=layout(a_proj),
                 q_a_norm=q_a_norm,
                 q_b=q_b,
-                kv_a_norm=take(a + "kv_a_layernorm.weight"),
-                w_uk=kv_b[:, :dn].contiguous(),
-                w_uv=kv_b[:, dn:].transpose(1, 2).contiguous(),
+                kv_a_norm=dev(take(a + "kv_a_layernorm.weight")),
+                w_uk=dev(kv_b[:, :dn]),
+                w_uv=dev(kv_b[:, dn:].transpose(1, 2)),
                 o_proj=layout(take(a + "o_proj.weight")),
-                post_norm=take(p + "post_attention_layernorm.weight"),
+                post_norm=dev(take(p + "post_attention_layernorm.weight")),
                 gate_up=None,
                 down=None,
             )
             if c.moe is not None and c.moe.is_moe_layer(i):
                 lw.is_moe = True
-                self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype)
+                self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype, device,
+                                                    None if expert_ids is None else expert_ids.get(i, []))
             else:
                 lw.gate_up = layout(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
                 lw.down = layout(take(p + "mlp.down_proj.weight"))
             self.layers.append(lw)
         self.expert_compute: ExpertCompute = LocalExperts(self.moe_layers)
         self.routing_observers: list[RoutingObserver] = []
-        self.norm = take("model.norm.weight")
+        self.norm = dev(take("model.norm.weight"))
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = layout(take("model.embed_tokens.weight" if tied else "lm_head.weight"))
-        self.cos_sin = mla_cos_sin_table(dr, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.cos_sin = mla_cos_sin_table(dr, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
         self.scale = m.softmax_scale
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -251,7 +259,7 @@ class DeepseekV3Model(LlamaModel):
             q_pe, k_pe = K.apply_rotary(q[..., dn:].contiguous(), a[:, q_width + C:].reshape(T, 1, dr).contiguous(),
                                         batch.positions, self.cos_sin)
             cache = kv_cache[li, 0]  # [num_blocks, block_size, 1, C + dr]
-            M.store_mla_kv(torch.cat([c_kv, k_pe.view(T, dr)], dim=-1), cache, batch.slot_mapping)
+            K.store_mla_kv(torch.cat([c_kv, k_pe.view(T, dr)], dim=-1), cache, batch.slot_mapping)
             q_latent = self._per_head(q[..., :dn], lw.w_uk)  # [T, Hq, C]
             if self.batch_invariant:
                 # MQA with one key "head" [c ; k_pe] whose value is the whole row; the extra dr

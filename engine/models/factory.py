@@ -11,13 +11,29 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.deepseek import DeepseekV3Model
+from kvbatch.engine.models.kernel_choice import choose_kernels, dense_shapes
+from kvbatch.engine.models.linear import use_linear_format
 from kvbatch.engine.models.llama import LlamaModel
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                batch_invariant: bool = False) -> LlamaModel:
+                batch_invariant: bool = False, device: torch.device | str = "cpu",
+                expert_ids: dict[int, list[int]] | None = None, linear: str = "auto",
+                weights: str = "full") -> LlamaModel:
     """The model for ``config.model_type``: DeepSeek-V3 (multi-head latent attention) or the
-    Llama family (Llama, Mistral, Qwen2 and the Mixtral / Qwen MoE variants)."""
-    if config.model_type == "deepseek_v3":
-        return DeepseekV3Model(config, tensors, dtype, batch_invariant)
-    return LlamaModel(config, tensors, dtype, batch_invariant)
+    Llama family (Llama, Mistral, Qwen2 and the Mixtral / Qwen MoE variants), its weights on
+    ``device``. ``expert_ids``: the experts a partial checkpoint holds, per layer
+    (:attr:`~kvbatch.engine.models.weights.Checkpoint.expert_ids`).
+
+    The dense projections' kernel is measured on this CPU (cached on disk) unless ``linear``
+    forces one (:func:`~kvbatch.engine.models.kernel_choice.choose_kernels`); ``weights="int8"``
+    quantizes them to weight-only int8. The choice is kept as ``model.kernel_choice``."""
+    choice = choose_kernels(dtype, dense_shapes(tensors), num_layers=config.num_layers, linear=linear,
+                            weights=weights, batch_invariant=batch_invariant, device=device)
+    with use_linear_format(choice.fmt):
+        if config.model_type == "deepseek_v3":
+            model: LlamaModel = DeepseekV3Model(config, tensors, dtype, batch_invariant, device, expert_ids)
+        else:
+            model = LlamaModel(config, tensors, dtype, batch_invariant, device, expert_ids)
+    model.kernel_choice = choice  # type: ignore[attr-defined]
+    return model

@@ -12,19 +12,44 @@ The packed weights are opaque oneDNN tensors: they can be multiplied by and noth
 everything that needs to read weights (the embedding, MoE experts, MLA's absorbed heads) keeps
 plain tensors. Where oneDNN is missing, or ``KVBATCH_LINEAR=blas``, weights stay plain and the
 multiply is BLAS in the layout measured fastest for it.
+
+On a CUDA device neither CPU layout is used: weights stay ``[out, in]`` on the device and
+``F.linear`` runs cuBLAS (``CUBLAS``); ``KVBATCH_LINEAR`` applies to the CPU only.
+
+Which CPU layout wins depends on the machine (on an Intel Xeon with AMX, BLAS beat oneDNN at one
+row), so :func:`kvbatch.engine.models.factory.build_model` measures the candidates per row-count
+bucket at load time (:mod:`kvbatch.engine.models.kernel_choice`) and hands the result in through
+:func:`use_linear_format`. When the buckets disagree, ``prepare`` keeps one layout per kernel
+chosen (a :class:`MixedWeight`: more memory, the fastest multiply at every row count). ``INT8``
+holds weight-only int8 weights (:mod:`kvbatch.engine.models.quant`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvbatch.engine.models.quant import int8_linear, quantize_int8
+
 ONEDNN = "onednn"
 BLAS = "blas"
+CUBLAS = "cublas"  # CUDA: plain [out, in] weights, F.linear (cuBLAS GEMMs)
+MIXED = "mixed"  # per row-count bucket, one of the CPU kernels above (see ``bucket_kinds``)
+INT8 = "int8"  # weight-only int8, per-output-channel scales; ``bucket_kinds`` name its routes
+CPU_KINDS = (ONEDNN, BLAS)
+# Row-count buckets the kernels are measured and chosen for: upper bounds (inclusive), the last
+# one open. 1: plain decode; 2-8: small batches, speculative verification; 9-64: batched decode;
+# 65+: prefill chunks.
+BUCKET_BOUNDS = (1, 8, 64)
+_CPU = torch.device("cpu")
 # oneDNN chooses the packed layout for an expected row count; 16 measured as fast as 1 at one
 # row and faster at 8-128 rows.
 _PACK_ROWS_HINT = 16
@@ -53,10 +78,35 @@ class LinearFormat:
 
     kind: str
     dtype: torch.dtype
+    device: torch.device = _CPU
+    # MIXED / INT8: the kernel (or int8 route) per row-count bucket of BUCKET_BOUNDS (one more
+    # entry than bounds); empty for a single kernel.
+    bucket_kinds: tuple[str, ...] = field(default=())
 
-    def prepare(self, w: torch.Tensor) -> torch.Tensor:
-        """``w`` [out, in] in ``self.dtype`` -> the tensor ``__call__`` takes."""
-        w = w.to(self.dtype).contiguous()
+    def __post_init__(self) -> None:
+        if self.kind in (MIXED, INT8) and len(self.bucket_kinds) != len(BUCKET_BOUNDS) + 1:
+            raise ValueError(f"a {self.kind} linear format needs {len(BUCKET_BOUNDS) + 1} bucket kinds, "
+                             f"got {self.bucket_kinds!r}")
+        if self.kind == MIXED and not set(self.bucket_kinds) <= set(CPU_KINDS):
+            raise ValueError(f"mixed bucket kinds must be among {CPU_KINDS}, got {self.bucket_kinds!r}")
+
+    def kind_for(self, rows: int) -> str:
+        """The kernel a multiply of ``rows`` rows runs."""
+        if not self.bucket_kinds:
+            return self.kind
+        return self.bucket_kinds[bucket_index(rows)]
+
+    def prepare(self, w: torch.Tensor) -> Any:
+        """``w`` [out, in] in ``self.dtype`` -> what ``__call__`` takes (on ``self.device``): a tensor,
+        a :class:`MixedWeight`, or an int8 weight (:class:`~kvbatch.engine.models.quant.Int8Weight`)."""
+        if self.kind == INT8:
+            return quantize_int8(w.to(device=self.device))
+        w = w.to(device=self.device, dtype=self.dtype).contiguous()
+        if self.kind == MIXED:
+            kinds = tuple(dict.fromkeys(self.bucket_kinds))
+            return MixedWeight({k: LinearFormat(k, self.dtype, self.device).prepare(w) for k in kinds})
+        if self.kind == CUBLAS:
+            return w
         if self.kind == ONEDNN:
             return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
         return w.t().contiguous() if self.dtype == torch.float32 else w
@@ -73,10 +123,15 @@ class LinearFormat:
                 return self._multiply(x, w, b)[:rows]
         return self._multiply(x, w, b)
 
-    def _multiply(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def _multiply(self, x: torch.Tensor, w: Any, b: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == MIXED:
+            kind = self.kind_for(x.shape[0])
+            return _SINGLE[kind, self.dtype]._multiply(x, w.layouts[kind], b)
+        if self.kind == INT8:
+            return int8_linear(x, w, b, self.kind_for(x.shape[0]))
         if self.kind == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        if self.dtype != torch.float32:
+        if self.kind == CUBLAS or self.dtype != torch.float32:
             return F.linear(x, w, b)
         return torch.addmm(b, x, w) if b is not None else x @ w
 
@@ -84,9 +139,38 @@ class LinearFormat:
         """The row count to multiply ``rows`` rows as so each row's result equals its result in
         any larger batch. Measured: oneDNN fp32 gives every row the same bits from 2 rows up
         (one row takes a matrix-vector kernel), oneDNN bf16 from 1; MKL from 4, 8 and 12 up."""
+        if self.kind in (MIXED, INT8):  # each bucket's kernel rounds differently
+            raise ValueError(f"a {self.kind} linear format is not batch-invariant; use one kernel")
         if self.kind == ONEDNN:
             return 2 if rows == 1 and self.dtype == torch.float32 else rows
         return blas_invariant_rows(rows)
+
+
+@dataclass(frozen=True)
+class MixedWeight:
+    """One projection held in each layout a :data:`MIXED` format's buckets use."""
+
+    layouts: dict[str, torch.Tensor]
+
+
+class _SingleFormats(dict):
+    """``(kind, dtype)`` -> a single-kernel :class:`LinearFormat`, made once (the mixed multiply
+    delegates to these on every call)."""
+
+    def __missing__(self, key: tuple[str, torch.dtype]) -> LinearFormat:
+        self[key] = LinearFormat(*key)
+        return self[key]
+
+
+_SINGLE = _SingleFormats()
+
+
+def bucket_index(rows: int) -> int:
+    """Which of the row-count buckets (``BUCKET_BOUNDS``) ``rows`` falls in."""
+    for i, bound in enumerate(BUCKET_BOUNDS):
+        if rows <= bound:
+            return i
+    return len(BUCKET_BOUNDS)
 
 
 def blas_invariant_rows(rows: int) -> int:
@@ -95,12 +179,46 @@ def blas_invariant_rows(rows: int) -> int:
     return rows + (4 - rows % 4) if 0 < rows < 12 and rows % 4 else rows
 
 
-def choose_linear_format(dtype: torch.dtype) -> LinearFormat:
-    """oneDNN packed weights where this build has them (fp32, bf16), else BLAS; the
-    ``KVBATCH_LINEAR`` variable (``onednn`` or ``blas``) overrides the choice."""
+# The format build_model measured (or was told to use) for the model being built right now; a
+# context variable so the model classes keep their signature and concurrent loads stay apart.
+_PLANNED: ContextVar[LinearFormat | None] = ContextVar("kvbatch_linear_format", default=None)
+
+
+@contextlib.contextmanager
+def use_linear_format(fmt: LinearFormat | None) -> Iterator[None]:
+    """While inside, :func:`choose_linear_format` returns ``fmt`` (for its dtype and device)."""
+    token = _PLANNED.set(fmt)
+    try:
+        yield
+    finally:
+        _PLANNED.reset(token)
+
+
+def linear_override() -> str:
+    """The ``KVBATCH_LINEAR`` variable, lower-cased ('' when unset); raises ``ValueError`` for a
+    value that names no kernel."""
     wanted = os.environ.get("KVBATCH_LINEAR", "").strip().lower()
-    if wanted not in ("", ONEDNN, BLAS):
-        raise ValueError(f"KVBATCH_LINEAR must be {ONEDNN!r} or {BLAS!r}, not {wanted!r}")
+    if wanted not in ("", ONEDNN, BLAS, CUBLAS):
+        raise ValueError(f"KVBATCH_LINEAR must be {ONEDNN!r} or {BLAS!r}, not {wanted!r} "
+                         f"({CUBLAS!r} runs the CUDA layout on the CPU, for tests)")
+    return wanted
+
+
+def choose_linear_format(dtype: torch.dtype, device: torch.device | str = "cpu") -> LinearFormat:
+    """On CUDA: cuBLAS over plain weights. On the CPU: the format :func:`use_linear_format`
+    installed (build_model's measurement) when it matches ``dtype``, else oneDNN packed weights
+    where this build has them (fp32, bf16), else BLAS; the ``KVBATCH_LINEAR`` variable
+    (``onednn``, ``blas``, or ``cublas``: the CUDA layout, plain weights and ``F.linear``)
+    overrides the static CPU choice."""
+    device = torch.device(device)
+    planned = _PLANNED.get()
+    if planned is not None and planned.dtype == dtype and planned.device == device:
+        return planned
+    if device.type == "cuda":
+        return LinearFormat(CUBLAS, dtype, device)
+    wanted = linear_override()
+    if wanted == CUBLAS:  # the CUDA layout on the CPU: how tests run the GPU code path without a GPU
+        return LinearFormat(CUBLAS, dtype, device)
     packable = dtype in (torch.float32, torch.bfloat16) and onednn_available(dtype)
     if wanted == ONEDNN and not packable:
         raise ValueError(f"KVBATCH_LINEAR=onednn, but this torch build cannot pack {dtype} weights with oneDNN")

@@ -73,6 +73,9 @@ class ForwardBatch:
     prefill_cu_query_lens: torch.Tensor  # [S + 1] int32
     prefill_context_lens: torch.Tensor  # [S] int32
     logits_rows: torch.Tensor  # [N] int64: rows whose next-token logits are wanted
+    # The longest prefill chunk, known on the host: sizes the prefill kernel's grid without a
+    # device-to-host read of cu_query_lens (0: no prefill rows).
+    max_query_len: int = 0
     # The same step as one list of sequences (decode ones first), for the batch-invariant path.
     decode_workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # reusable gather buffers
     block_tables: torch.Tensor | None = None  # [num_decode + S, max_blocks] int32
@@ -89,10 +92,12 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, device: torch.device | str = "cpu",
+                 expert_ids: dict[int, list[int]] | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
+        self.device = device = torch.device(device)
         c = config
         if batch_invariant:
             refuse_batch_invariant_moe(c)
@@ -100,9 +105,9 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise KeyError(f"checkpoint lacks tensor {name!r}")
-            return tensors[name].to(dtype).contiguous()
+            return tensors[name].to(device=device, dtype=dtype).contiguous()
 
-        self.linear: LinearFormat = choose_linear_format(dtype)
+        self.linear: LinearFormat = choose_linear_format(dtype, device)
 
         def take_t(*names: str) -> torch.Tensor:
             return self.linear.prepare(torch.cat([take(n) for n in names]))
@@ -129,7 +134,8 @@ class LlamaModel:
                 lw.q_norm, lw.k_norm = take(p + "self_attn.q_norm.weight"), take(p + "self_attn.k_norm.weight")
             if c.moe is not None and c.moe.is_moe_layer(i):
                 lw.is_moe = True
-                self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype)
+                self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype, device,
+                                                    None if expert_ids is None else expert_ids.get(i, []))
             else:
                 lw.gate_up = take_t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
                 lw.down = take_t(p + "mlp.down_proj.weight")
@@ -139,7 +145,7 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = take_t("model.embed_tokens.weight" if tied else "lm_head.weight")
-        self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
         self.scale = c.head_dim ** -0.5
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -201,7 +207,7 @@ class LlamaModel:
                                                          batch.decode_workspace, decode_plan)
                 attn[nd:] = K.prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_block_tables,
                                                  batch.prefill_cu_query_lens, batch.prefill_context_lens,
-                                                 self.scale, plan)
+                                                 self.scale, plan, batch.max_query_len)
             h = self._linear(attn.view(T, q_size), lw.o_proj)
             x, residual = K.rms_norm(h, lw.post_norm, c.rms_norm_eps, residual)
             if lw.is_moe:

@@ -52,10 +52,25 @@ class MoELayerWeights:
     shared_gate_up: torch.Tensor | None = None  # [2 Is, H]
     shared_down: torch.Tensor | None = None  # [H, Is]
     shared_gate: torch.Tensor | None = None  # [1, H], Qwen2-MoE
+    # The logical experts whose weights w_gate_up / w_down hold, row by row, when the checkpoint
+    # was loaded for one expert-parallel rank only (None: every expert, row e is expert e).
+    expert_ids: list[int] | None = None
 
     @property
     def num_experts(self) -> int:
         return self.router.shape[0]
+
+    def rows_of(self, experts: list[int]) -> list[int]:
+        """Rows of the expert tensors holding ``experts`` (logical ids); raises ``ValueError``
+        naming the first expert this partial load does not hold."""
+        if self.expert_ids is None:
+            return list(experts)
+        where = {e: i for i, e in enumerate(self.expert_ids)}
+        missing = [e for e in experts if e not in where]
+        if missing:
+            raise ValueError(f"expert {missing[0]} is not among the {len(self.expert_ids)} experts loaded on "
+                             f"this rank ({self.expert_ids})")
+        return [where[e] for e in experts]
 
 
 class ExpertCompute(Protocol):
@@ -84,6 +99,9 @@ class LocalExperts:
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         layer = self.layers[layer_idx]
+        if layer.expert_ids is not None:
+            raise RuntimeError(f"layer {layer_idx} holds only experts {layer.expert_ids} (loaded for one "
+                               "expert-parallel rank): install expert parallelism before running it")
         return K.fused_moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights)
 
 
@@ -158,7 +176,8 @@ def moe_forward(
 
 
 def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoEConfig,
-                   dtype: torch.dtype) -> MoELayerWeights:
+                   dtype: torch.dtype, device: torch.device | str = "cpu",
+                   expert_ids: list[int] | None = None) -> MoELayerWeights:
     """A layer's MoE weights from HF-named ``tensors`` under ``prefix`` (e.g. ``"model.layers.3.mlp."``).
 
     Reads the names transformers 5 uses in memory (``gate.weight``,
@@ -166,20 +185,23 @@ def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoECon
     ``shared_expert(s).{gate,up,down}_proj.weight``, ``shared_expert_gate.weight``), which is
     what :func:`kvbatch.engine.models.weights.load_checkpoint` produces from either the fused or the
     hub's per-expert layout. Experts are cast to ``dtype``; the router and its bias stay fp32.
+    Everything is moved to ``device``. ``expert_ids``: the checkpoint was loaded with only these
+    logical experts of this layer (in this order, rows of the expert tensors); None: all of them.
     """
 
     def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         if prefix + name not in tensors:
             raise KeyError(f"checkpoint lacks tensor {prefix + name!r}")
-        return tensors[prefix + name].to(as_dtype).contiguous()
+        return tensors[prefix + name].to(device=device, dtype=as_dtype).contiguous()
 
     E, I = cfg.num_experts, cfg.moe_intermediate_size
+    held = E if expert_ids is None else len(expert_ids)
     layer = MoELayerWeights(router=take("gate.weight", torch.float32), w_gate_up=take("experts.gate_up_proj"),
-                            w_down=take("experts.down_proj"))
+                            w_down=take("experts.down_proj"), expert_ids=expert_ids)
     H = layer.router.shape[1]
     for name, got, want in (("gate.weight", layer.router.shape, (E, H)),
-                            ("experts.gate_up_proj", layer.w_gate_up.shape, (E, 2 * I, H)),
-                            ("experts.down_proj", layer.w_down.shape, (E, H, I))):
+                            ("experts.gate_up_proj", layer.w_gate_up.shape, (held, 2 * I, H)),
+                            ("experts.down_proj", layer.w_down.shape, (held, H, I))):
         if tuple(got) != want:
             raise ValueError(f"{prefix}{name} has shape {tuple(got)}, the config says {want}")
     if cfg.has_correction_bias:

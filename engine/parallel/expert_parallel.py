@@ -125,9 +125,12 @@ class ExpertParallelCompute:
         # layer -> (w_gate_up [S/W, 2I, H], w_down [S/W, H, I]) of this rank's slots, slot order.
         self.local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for li in self.layer_ids:
-            experts = placement.experts_on_rank(li, self.rank, self.world).to(self.device)
             lw = moe_layers[li]
-            self.local[li] = (lw.w_gate_up.index_select(0, experts), lw.w_down.index_select(0, experts))
+            # Rows of this layer's expert tensors: expert ids, or (a checkpoint loaded for this
+            # rank only) where each of its experts sits in the partial tensors.
+            rows = torch.tensor(lw.rows_of(placement.experts_on_rank(li, self.rank, self.world).tolist()),
+                                dtype=torch.long, device=self.device)
+            self.local[li] = (lw.w_gate_up.index_select(0, rows), lw.w_down.index_select(0, rows))
         self.stats = ExchangeStats()
         self.step_offset = 0  # replica_choice offset; advanced per step so remainders rotate
 
@@ -342,6 +345,26 @@ def _combine(y_pairs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     ys = y_pairs.index_select(0, order).float()
     out.index_add_(0, torch.div(order, k, rounding_mode="floor"), ys * weights[:, None])
     return out.to(dtype)
+
+
+def rank_expert_ids(config: dict[str, Any], rank: int, world: int, redundant: int = 0) -> dict[int, list[int]] | None:
+    """The logical experts rank ``rank`` of ``world`` holds under the initial placement (identity,
+    or round-robin over ``E + redundant`` slots), per MoE layer of an HF ``config``; None for a
+    dense model. What :func:`~kvbatch.engine.models.weights.load_checkpoint` takes as
+    ``experts`` so a rank reads only its own experts."""
+    from kvbatch.engine.models.config import MoEConfig
+
+    moe = MoEConfig.from_hf(config)
+    if moe is None:
+        return None
+    layers = int(config["num_hidden_layers"])
+    slots = moe.num_experts + redundant
+    if slots % world:
+        raise ValueError(f"{moe.num_experts} experts + {redundant} redundant = {slots} slots do not split over "
+                         f"{world} workers: choose --redundant-experts so the sum is a multiple of {world}")
+    placement = identity_placement(layers, moe.num_experts, world, slots)
+    return {li: sorted(set(placement.experts_on_rank(li, rank, world).tolist()))
+            for li in range(layers) if moe.is_moe_layer(li)}
 
 
 def install(model: Any, placement: Placement | None = None,

@@ -18,7 +18,7 @@ from kvbatch.engine.models.factory import build_model
 from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_checkpoint
 from kvbatch.engine.runtime.block_hash import chain_keys, root_key
 from kvbatch.engine.runtime.block_manager import BlockManager
-from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.engine_config import EngineConfig, default_dtype_name, resolve_device
 from kvbatch.engine.runtime.kv_connector import BlockStore, KVConnector
 from kvbatch.engine.runtime.model_runner import ModelRunner
 from kvbatch.engine.runtime.sampler import sample, top_logprobs
@@ -33,6 +33,15 @@ from kvbatch.engine.text.tokenizer import ChatTokenizer
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
+
+
+def configure_matmul(device: torch.device, precision: str) -> None:
+    """fp32 matmul precision, set explicitly: ``highest`` keeps IEEE fp32 (no TF32) on CUDA GEMMs
+    and convolutions alike; ``high`` allows TF32."""
+    torch.set_float32_matmul_precision(precision)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = precision != "highest"
+        torch.backends.cudnn.allow_tf32 = precision != "highest"
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -81,7 +90,7 @@ class LLM:
         self,
         model: str | Checkpoint,
         *,
-        dtype: str | torch.dtype = "fp32",
+        dtype: str | torch.dtype | None = None,
         engine_config: EngineConfig | None = None,
         kv_store: BlockStore | None = None,
         kv_store_write: bool = True,
@@ -91,11 +100,20 @@ class LLM:
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.dtype = parse_dtype(dtype)
+        self.engine_config = ec = engine_config or EngineConfig()
+        # The device first: an unavailable one is refused before any weight is read.
+        self.device = resolve_device(ec.device)
+        if self.device.type == "cuda" and ec.batch_invariant:
+            raise ValueError("batch-invariant (deterministic) mode is implemented for the CPU only "
+                             "(its fixed-order attention and GEMM padding are CPU kernels); use device cpu")
+        self.dtype = parse_dtype(dtype if dtype is not None else default_dtype_name(self.device))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        configure_matmul(self.device, ec.matmul_precision)
         self.checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model)
         self.model_config = ModelConfig.from_hf(self.checkpoint.config)
-        self.engine_config = ec = engine_config or EngineConfig()
-        self.model = build_model(self.model_config, self.checkpoint.tensors, self.dtype, ec.batch_invariant)
+        self.model = build_model(self.model_config, self.checkpoint.tensors, self.dtype, ec.batch_invariant,
+                                 self.device, self.checkpoint.expert_ids, ec.linear, ec.weights)
         self.tokenizer: ChatTokenizer | None = None
         self._tokenizer_error = ""
         try:
@@ -107,9 +125,18 @@ class LLM:
         # No more blocks than max_num_seqs full-length sequences can use: a tiny model must not
         # allocate (and zero) a whole kv_cache_bytes budget it can never fill.
         useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
-        num_blocks = ec.num_blocks or max(1, min(ec.kv_cache_bytes // per_block, useful))
+        if ec.num_blocks:
+            num_blocks = ec.num_blocks
+        elif self.device.type == "cuda":
+            from kvbatch.engine.runtime.cuda_graphs import blocks_after_warmup
+
+            num_blocks = min(useful, blocks_after_warmup(self.model, ec, per_block, self.dtype, self.max_model_len))
+        else:
+            num_blocks = max(1, min(ec.kv_cache_bytes // per_block, useful))
         self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype)
         dtype_name = str(self.dtype).removeprefix("torch.")
+        if ec.weights != "full":  # int8 weights give other K/V: their blocks must never mix
+            dtype_name += f"+{ec.weights}-weights"
         self.kv_root_key = root_key(self.checkpoint.fingerprint, dtype_name, ec.block_size)
         self.block_manager = BlockManager(num_blocks, ec.block_size, self.kv_root_key, ec.enable_prefix_caching)
         self.block_bytes = per_block
@@ -132,6 +159,10 @@ class LLM:
             self.spec = SpecController(speculative)
             draft = self._draft_engine(speculative.draft_model, seed) if speculative.method == "draft" else None
             self.drafter = build_drafter(speculative, self, draft)
+        if self.device.type == "cuda" and not ec.enforce_eager and self.spec is None:
+            from kvbatch.engine.runtime.cuda_graphs import CudaGraphRunner
+
+            self.runner.graphs = CudaGraphRunner.capture(self.runner, ec.max_num_seqs, self.max_model_len)
 
     def _draft_engine(self, model: str, seed: int) -> "LLM":
         """The draft model of draft-model speculation: an engine of its own with this one's
@@ -139,7 +170,11 @@ class LLM:
         ec = self.engine_config
         return LLM(model, dtype=self.dtype, seed=seed, engine_config=EngineConfig(
             block_size=ec.block_size, max_num_seqs=ec.max_num_seqs, kv_cache_bytes=ec.kv_cache_bytes,
-            max_model_len=self.max_model_len, batch_invariant=ec.batch_invariant))
+            max_model_len=self.max_model_len, batch_invariant=ec.batch_invariant, device=str(self.device),
+            # On CUDA the target's cache already holds its share of memory: the draft gets as many
+            # blocks as the target (the same sequences), not a share of what is left.
+            num_blocks=len(self.block_manager.blocks) if self.device.type == "cuda" else None,
+            enforce_eager=True, matmul_precision=ec.matmul_precision, linear=ec.linear, weights=ec.weights))
 
     # -- requests --------------------------------------------------------------------------
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
@@ -212,8 +247,8 @@ class LLM:
                 full_prompt_blocks = seq.num_prompt_tokens // self.engine_config.block_size
                 first = len(seq.block_hashes) - len(new_blocks)
                 loaded = {k for k, _ in seq.pending_loads}
-                self.connector.save([(k, b) for i, (k, b) in enumerate(new_blocks, start=first)
-                                     if i < full_prompt_blocks and k not in loaded], self.runner.kv_cache)
+                self._save_blocks([(k, b) for i, (k, b) in enumerate(new_blocks, start=first)
+                                   if i < full_prompt_blocks and k not in loaded])
                 seq.pending_loads = []
         self.stats["computed_prompt_tokens"] += prompt_tokens
         if self.connector is not None:
@@ -234,13 +269,28 @@ class LLM:
             else:
                 plain.append(i)
         if plain:
-            rows = logits.index_select(0, torch.tensor([offsets[i] for i in plain], dtype=torch.long))
+            wanted = [offsets[i] for i in plain]
+            # Usually every row is a plain sample: no gather (and no index upload) needed then.
+            rows = logits if wanted == list(range(logits.shape[0])) else logits.index_select(
+                0, torch.tensor(wanted, dtype=torch.long, device=logits.device))
             entries = [sampled[i] for i in plain]
             tokens = sample(rows, [s.seq.sampling for s in entries], [s.seq.generator for s in entries])
             for row, (s, tok) in enumerate(zip(entries, tokens)):
                 self._emit(s.seq, [tok], rows[row:row + 1], now, finished)
         self.stats["step_s"] += time.perf_counter() - t0
         return finished
+
+    def _save_blocks(self, blocks: list[tuple[str, int]]) -> None:
+        """Write blocks through to the KV store. The store serializes host tensors: on CUDA the
+        blocks are first copied out of the device cache in one gather (saved bytes are the same
+        whatever the device)."""
+        assert self.connector is not None
+        if not blocks or self.device.type != "cuda":
+            self.connector.save(blocks, self.runner.kv_cache)
+            return
+        ids = torch.tensor([b for _, b in blocks], device=self.device)
+        host = self.runner.kv_cache.index_select(2, ids).cpu()
+        self.connector.save([(k, j) for j, (k, _) in enumerate(blocks)], host)
 
     def _draft(self, step: list) -> None:
         """Fill the reserved draft slots; a step entry shrinks to the drafts it actually got."""
@@ -261,7 +311,10 @@ class LLM:
         the rest back: counters, cache slots and the draft model's own cache."""
         seq = s.seq
         drafts = seq.spec_token_ids
-        verdict = verify(rows, drafts, seq.spec_draft_probs, seq.sampling, seq.generator)
+        # The verifier draws from the request's host generator and reads single probabilities:
+        # on CUDA its rows come to the host first (one copy per verified request).
+        draft_probs = seq.spec_draft_probs.cpu() if seq.spec_draft_probs is not None else None
+        verdict = verify(rows.cpu(), drafts, draft_probs, seq.sampling, seq.generator)
         before = seq.num_tokens
         seq.spec_token_ids, seq.spec_draft_probs = [], None
         seq.spec_draft_tokens += len(drafts)

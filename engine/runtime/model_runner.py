@@ -2,10 +2,16 @@
 
 The runner owns the KV cache tensor and never sees the block manager: everything it needs
 (block tables, computed-token counters) is on the scheduled sequences.
+
+The cache and every step tensor live on the model's device. A step's integer arrays (ids,
+positions, slot mapping, block tables, context lengths, logits rows) are packed on the host into
+one buffer (pinned, reused, on CUDA) and moved with one non-blocking copy (:class:`StepUploader`);
+the device never waits on the host and the host never reads the device here.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -13,6 +19,48 @@ import torch
 
 from kvbatch.engine.models.llama import ForwardBatch, LlamaModel
 from kvbatch.engine.runtime.scheduler import ScheduledSeq
+
+
+class StepUploader:
+    """A step's integer arrays to the device in one copy.
+
+    On CUDA the arrays are written into a pinned host buffer kept across steps (two of them, so
+    packing step n + 1 overlaps the copy of step n; an event says when a buffer is free again),
+    then copied with ``non_blocking=True``. On the CPU the packed tensor is the result itself."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._events: list[object | None] = [None, None]
+        self._turn = 0
+        self.copies = 0  # host-to-device copies made (one per upload on CUDA)
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        i = self._turn
+        self._turn ^= 1
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()  # the previous copy out of this buffer has finished
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1 << 14), dtype=torch.int64, pin_memory=True)
+            self._buffers[i] = buf
+        self._events[i] = torch.cuda.Event()
+        return buf
+
+    def upload(self, arrays: list[list[int]]) -> list[torch.Tensor]:
+        """int64 tensors on the device, one per array, views of one packed tensor."""
+        sizes = [len(a) for a in arrays]
+        n = sum(sizes)
+        if self.device.type != "cuda":
+            return list(torch.tensor(list(itertools.chain.from_iterable(arrays)), dtype=torch.int64).split(sizes))
+        i = self._turn
+        buf = self._buffer(n)
+        buf.numpy()[:n] = list(itertools.chain.from_iterable(arrays))
+        on_device = buf[:n].to(self.device, non_blocking=True)
+        self._events[i].record()  # type: ignore[union-attr]
+        self.copies += 1
+        return list(on_device.split(sizes))
 
 
 @dataclass
@@ -29,18 +77,23 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
         self.model = model
         self.block_size = block_size
+        self.device = torch.device(getattr(model, "device", "cpu"))
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.uploader = StepUploader(self.device)
         # [layers, K/V, blocks, ...] as the model lays it out (Llama: [L, 2, blocks, block_size,
         # kv_heads, head_dim]; MLA: [L, 1, blocks, block_size, 1, latent + rope]): one block of
-        # every layer is the unit the KV store saves and loads. Allocated (and touched) once.
-        self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype)
+        # every layer is the unit the KV store saves and loads. Allocated (and touched) once, on
+        # the model's device.
+        self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype, device=self.device)
+        self.graphs = None  # a CudaGraphRunner once captured (LLM does it on CUDA, unless eager)
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V gather buffers for decode attention, kept across steps and grown on demand
-        (reused memory is written several times faster than fresh allocations on a CPU)."""
+        """K and V gather buffers for the reference decode attention, kept across steps and grown
+        on demand (reused memory is written several times faster than fresh allocations on a CPU)."""
         if self._ws is None or self._ws[0].shape[0] < num_blocks:
             shape = (max(num_blocks, 64), *self.kv_cache.shape[3:])
-            self._ws = (torch.zeros(shape, dtype=self.kv_cache.dtype), torch.zeros(shape, dtype=self.kv_cache.dtype))
+            kw = {"dtype": self.kv_cache.dtype, "device": self.device}
+            self._ws = (torch.zeros(shape, **kw), torch.zeros(shape, **kw))
         return self._ws
 
     @staticmethod
@@ -87,30 +140,40 @@ class ModelRunner:
             if len(it.tokens) > 1:
                 cu.append(cu[-1] + len(it.tokens))
 
-        def tables(rows: list[int]) -> torch.Tensor:
+        def table(rows: list[int]) -> tuple[list[int], int]:
+            """Rows' block tables, zero-padded to the widest, flattened; and that width."""
             width = max((len(items[i].block_table) for i in rows), default=0)
-            return torch.tensor([items[i].block_table + [0] * (width - len(items[i].block_table)) for i in rows],
-                                dtype=torch.int32).view(len(rows), width)
+            flat = [b for i in rows for b in items[i].block_table + [0] * (width - len(items[i].block_table))]
+            return flat, width
 
+        decode_table, decode_width = table(decode)
+        prefill_table, prefill_width = table(prefill)
+        arrays = [ids, positions, slots, logits_rows, decode_table, [items[i].start + 1 for i in decode],
+                  prefill_table, cu, [items[i].start + len(items[i].tokens) for i in prefill]]
+        invariant = self.model.batch_invariant
+        if invariant:
+            all_table, all_width = table(order)
+            arrays += [all_table, [r for r, i in enumerate(order) for _ in items[i].tokens]]
+        up = self.uploader.upload(arrays)
+        i32 = torch.int32
         batch = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            positions=up[1],
+            slot_mapping=up[2],
             num_decode=len(decode),
-            decode_block_tables=tables(decode),
-            decode_context_lens=torch.tensor([items[i].start + 1 for i in decode], dtype=torch.int32),
-            prefill_block_tables=tables(prefill),
-            prefill_cu_query_lens=torch.tensor(cu, dtype=torch.int32),
-            prefill_context_lens=torch.tensor([items[i].start + len(items[i].tokens) for i in prefill],
-                                              dtype=torch.int32),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+            decode_block_tables=up[4].to(i32).view(len(decode), decode_width),
+            decode_context_lens=up[5].to(i32),
+            prefill_block_tables=up[6].to(i32).view(len(prefill), prefill_width),
+            prefill_cu_query_lens=up[7].to(i32),
+            prefill_context_lens=up[8].to(i32),
+            logits_rows=up[3],
+            max_query_len=max((len(items[i].tokens) for i in prefill), default=0),
         )
         if decode:
             batch.decode_workspace = self._workspace(batch.decode_block_tables.numel())
-        if self.model.batch_invariant:
-            batch.block_tables = tables(order)
-            batch.seq_index = torch.tensor([r for r, i in enumerate(order) for _ in items[i].tokens],
-                                           dtype=torch.int64)
-        return torch.tensor(ids, dtype=torch.int64), batch, order
+        if invariant:
+            batch.block_tables = up[9].to(i32).view(len(order), all_width)
+            batch.seq_index = up[10]
+        return up[0], batch, order
 
     @torch.inference_mode()
     def run(self, items: list[WorkItem], num_layers: int | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -121,7 +184,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step; returns logits [N, V] (fp32) and the entries they belong to."""
+        """Run one step; returns logits [N, V] (fp32, on the device) and the entries they belong
+        to. A decode-only step replays a captured CUDA graph when one fits its batch."""
+        if self.graphs is not None:
+            replayed = self.graphs.try_execute(self, step)
+            if replayed is not None:
+                return replayed
         ids, batch, sampled = self.prepare(step)
         logits = self.model.forward(ids, batch, self.kv_cache)
         return logits, sampled

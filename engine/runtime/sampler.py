@@ -3,6 +3,11 @@
 Every non-greedy request owns a ``torch.Generator`` and draws exactly one batch of uniform
 noise per sampled token, so its tokens depend only on its own seed and logits, never on what
 else shares the batch.
+
+On CUDA the same code runs on the device: the filters and the race run where the logits are,
+the noise is drawn on the host from the request's (CPU) generator, so a seeded request draws
+the same stream on either device, and the chosen ids of the whole batch come back to the host in
+one copy (``sample``'s single device-to-host sync).
 """
 
 from __future__ import annotations
@@ -33,14 +38,22 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+def race(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The sampled id of one row ``logits`` [V] as a 0-d tensor on the logits' device (no sync).
+
+    Exponential race (Gumbel-max in another form): argmax(probs / E), E ~ Exp(1), picks i with
+    probability probs[i]; one draw of noise per token keeps the generator's stream aligned. The
+    noise comes from ``generator`` on its own device (the host for per-request generators)."""
+    probs = filter_logits(logits, p).softmax(-1)
+    gen_device = generator.device if generator is not None else probs.device
+    noise = torch.empty(probs.shape, dtype=probs.dtype, device=gen_device).exponential_(generator=generator)
+    return torch.argmax(probs / noise.to(probs.device, non_blocking=True))
+
+
 def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     if p.greedy:
         return int(torch.argmax(logits))
-    probs = filter_logits(logits, p).softmax(-1)
-    # Exponential race (Gumbel-max in another form): argmax(probs / E), E ~ Exp(1), picks i with
-    # probability probs[i]; one draw of noise per token keeps the generator's stream aligned.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+    return int(race(logits, p, generator))
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict:
@@ -56,14 +69,19 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict:
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """One token per row of ``logits`` [N, V]."""
+    """One token per row of ``logits`` [N, V], computed on the logits' device; the ids reach the
+    host in one copy at the end (the only sync)."""
+    n = len(params)
+    if n == 0:
+        return []
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    out = [0] * len(params)
-    if greedy:
-        idx = torch.tensor(greedy)
-        for i, t in zip(greedy, torch.argmax(logits.index_select(0, idx), dim=-1).tolist()):
-            out[i] = t
+    if len(greedy) == n:
+        out = torch.argmax(logits, dim=-1)
+    elif greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        out.index_copy_(0, idx, torch.argmax(logits.index_select(0, idx), dim=-1))
     for i, p in enumerate(params):
         if not p.greedy:
-            out[i] = sample_row(logits[i], p, generators[i])
-    return out
+            out[i] = race(logits[i], p, generators[i])
+    return out.tolist()

@@ -1,0 +1,216 @@
+"""CUDA-only parts of the runner: the KV cache sized from device memory after a warm-up pass, and
+decode steps replayed from CUDA graphs captured per batch-size bucket.
+
+Kept apart from :mod:`kvbatch.engine.runtime.model_runner` so the eager path stays readable and
+everything here is guarded: a model or kernel that cannot be captured (the reference kernels,
+expert parallelism, batch-invariant mode) runs eagerly, with one warning, never wrongly.
+
+Graphs. After the cache exists, one graph per bucket (1, 2, 4, 8, ... up to ``max_num_seqs``) is
+captured over static input tensors sized for the largest bucket, in one shared memory pool
+(largest first, so the smaller ones reuse its memory). The decode kernels' grids depend only on
+the batch and the block-table width, which is fixed at ``ceil(max_model_len / block_size)``, never
+on sequence lengths, so one capture serves every step of that batch size. A step of ``n`` decode
+rows copies its inputs into the first ``n`` static rows, pads the rest (slot -1: nothing is
+written; context 1 over block 0: read and discarded) and replays the smallest bucket >= ``n``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbatch.engine.models.llama import ForwardBatch
+from kvbatch.engine.runtime.engine_config import EngineConfig, kv_blocks_from_memory
+from kvbatch.kernels import dispatch as K
+
+PAD_SLOT = -1  # store_kv skips negative slots: a padded row writes nothing
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
+    out = [1 << i for i in range(max(1, max_num_seqs).bit_length()) if 1 << i <= max_num_seqs]
+    if out[-1] != max_num_seqs:
+        out.append(max_num_seqs)
+    return out
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding ``n`` rows, or None when ``n`` exceeds them all."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def warmup_tokens(ec: EngineConfig, max_model_len: int) -> int:
+    """Tokens of the warm-up pass: a full step budget, within the context window."""
+    return max(1, min(ec.max_num_batched_tokens, max_model_len - 1))
+
+
+def warmup_pass(model: Any, tokens: int, block_size: int, num_logits: int, dtype: torch.dtype) -> int:
+    """One prefill of ``tokens`` tokens through ``model`` over a scratch cache of its own (the
+    largest activation footprint a step can have); returns the scratch cache's bytes."""
+    from kvbatch.engine.runtime.model_runner import ModelRunner, WorkItem
+
+    blocks = math.ceil(tokens / block_size)
+    runner = ModelRunner(model, blocks, block_size, dtype)
+    item = WorkItem([0] * tokens, 0, list(range(blocks)), num_logits=max(1, min(tokens, num_logits)))
+    runner.run([item])
+    nbytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    del runner
+    return nbytes
+
+
+def blocks_after_warmup(model: Any, ec: EngineConfig, bytes_per_block: int, dtype: torch.dtype,
+                        max_model_len: int) -> int:
+    """KV blocks for the device cache: ``gpu_memory_utilization`` of the device's memory, less
+    what is held now (weights, other processes) and the warm-up pass's activation peak."""
+    dev = model.device
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    scratch = warmup_pass(model, warmup_tokens(ec, max_model_len), ec.block_size, ec.max_num_seqs, dtype)
+    torch.cuda.synchronize(dev)
+    peak = max(0, torch.cuda.max_memory_allocated(dev) - before - scratch)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    return kv_blocks_from_memory(total, total - free, peak, ec.gpu_memory_utilization, bytes_per_block)
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step's rows padded to a bucket, as host lists (what the static tensors get)."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[int]  # [bucket, width] flattened
+    context_lens: list[int]
+
+
+def pad_decode_inputs(tokens: list[int], starts: list[int], block_tables: list[list[int]], bucket: int,
+                      width: int, block_size: int) -> DecodeInputs:
+    """Rows ``i < n``: token ``tokens[i]`` at position ``starts[i]`` of a sequence with block table
+    ``block_tables[i]``; rows ``n .. bucket - 1``: padding that writes nothing and reads block 0."""
+    n = len(tokens)
+    pad = bucket - n
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(block_tables, starts)]
+    tables = [b for t in block_tables for b in t + [0] * (width - len(t))]
+    return DecodeInputs(ids=tokens + [0] * pad, positions=starts + [0] * pad, slots=slots + [PAD_SLOT] * pad,
+                        tables=tables + [0] * (pad * width), context_lens=[p + 1 for p in starts] + [1] * pad)
+
+
+def graphs_unsupported(runner: Any) -> str | None:
+    """Why ``runner``'s model cannot be captured, or None when it can."""
+    from kvbatch.engine.models.moe import LocalExperts
+
+    model = runner.model
+    if runner.device.type != "cuda":
+        return "not on CUDA"
+    if model.batch_invariant:
+        return "batch-invariant mode"
+    if model.moe_layers and not isinstance(model.expert_compute, LocalExperts):
+        return "expert parallelism (collectives and host-side counts every layer)"
+    if K.backend(runner.kv_cache) != "triton":
+        return "the reference kernels (they plan on the host)"
+    return None
+
+
+class CudaGraphRunner:
+    """Decode-only steps replayed from graphs captured per batch bucket (module docstring)."""
+
+    def __init__(self, runner: Any, buckets: list[int], width: int) -> None:
+        dev = runner.device
+        B = buckets[-1]
+        self.buckets = buckets
+        self.width = width
+        self.ids = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.slots = torch.full((B,), PAD_SLOT, dtype=torch.int64, device=dev)
+        self.tables = torch.zeros((B, width), dtype=torch.int32, device=dev)
+        self.context_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(B, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+        self.last_bucket = 0
+
+    def _batch(self, b: int) -> ForwardBatch:
+        dev = self.ids.device
+        return ForwardBatch(positions=self.positions[:b], slot_mapping=self.slots[:b], num_decode=b,
+                            decode_block_tables=self.tables[:b], decode_context_lens=self.context_lens[:b],
+                            prefill_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=dev),
+                            prefill_cu_query_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+                            prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+                            logits_rows=self.rows[:b])
+
+    @classmethod
+    @torch.inference_mode()
+    def capture(cls, runner: Any, max_num_seqs: int, max_model_len: int) -> CudaGraphRunner | None:
+        """Capture every bucket's graph, or return None (with a warning saying why) where the
+        model cannot be captured; the runner then stays eager."""
+        why = graphs_unsupported(runner)
+        if why is not None:
+            warnings.warn(f"CUDA graphs off: {why}; decode runs eagerly", stacklevel=2)
+            return None
+        width = math.ceil(max_model_len / runner.block_size)
+        self = cls(runner, batch_buckets(max_num_seqs), width)
+        model, cache = runner.model, runner.kv_cache
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its pool
+                batch = self._batch(b)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                    for _ in range(2):
+                        model.forward(self.ids[:b], batch, cache)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = model.forward(self.ids[:b], batch, cache)
+                self.graphs[b] = (graph, out)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager, said once
+            warnings.warn(f"CUDA graphs off: capture failed ({type(exc).__name__}: {exc}); decode runs eagerly",
+                          stacklevel=2)
+            return None
+        torch.cuda.synchronize(runner.device)
+        return self
+
+    def try_execute(self, runner: Any, step: list[Any]) -> tuple[torch.Tensor, list[Any]] | None:
+        """Replay the graph for a decode-only ``step`` (every entry one new token, sampled, no
+        drafts) whose tables fit; None otherwise (the caller runs it eagerly)."""
+        if not step or any(s.num_new_tokens != 1 or s.num_spec or not s.samples for s in step):
+            return None
+        b = bucket_for(len(step), self.buckets)
+        tables = [s.seq.block_table for s in step]
+        if b is None or max(len(t) for t in tables) > self.width:
+            return None
+        starts = [s.seq.num_computed_tokens for s in step]
+        inputs = pad_decode_inputs([s.seq.token_ids[p] for s, p in zip(step, starts)], starts, tables, b,
+                                   self.width, runner.block_size)
+        ids, positions, slots, flat_tables, ctx = runner.uploader.upload(
+            [inputs.ids, inputs.positions, inputs.slots, inputs.tables, inputs.context_lens])
+        self.ids[:b].copy_(ids)
+        self.positions[:b].copy_(positions)
+        self.slots[:b].copy_(slots)
+        self.tables[:b].copy_(flat_tables.view(b, self.width))
+        self.context_lens[:b].copy_(ctx)
+        graph, out = self.graphs[b]
+        graph.replay()
+        self.replays += 1
+        self.last_bucket = b
+        return out[:len(step)].clone(), list(step)
+
+    @torch.inference_mode()
+    def replay_and_eager(self, runner: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last replayed bucket run again both ways over the same static inputs: (graph
+        replay, eager forward). Equal bit for bit when capture is sound. Both rewrite the same
+        K/V into the same slots, so the cache is left as it was."""
+        b = self.last_bucket
+        graph, out = self.graphs[b]
+        graph.replay()
+        replayed = out.clone()
+        eager = runner.model.forward(self.ids[:b], self._batch(b), runner.kv_cache)
+        return replayed, eager

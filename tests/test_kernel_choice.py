@@ -1,0 +1,210 @@
+"""The CPU projection kernel is chosen by measurement: the choice follows the timings, is cached
+on disk under a key of everything it depends on, yields to a forced choice, and whichever kernel
+runs, the model computes the same numbers."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+import torch
+
+from kvbatch.engine.models import factory
+from kvbatch.engine.models import kernel_choice as kc
+from kvbatch.engine.models.linear import (
+    BLAS,
+    BUCKET_BOUNDS,
+    MIXED,
+    ONEDNN,
+    LinearFormat,
+    bucket_index,
+    onednn_available,
+)
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from tests.logit_capture import assert_logits_match, capture_logits
+from tests.tiny_models import VOCAB, build_tiny
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
+SHAPES = [(96, 64), (64, 160), (320, 64)]
+
+
+def fake_timer(ms: dict[str, list[float]], calls: list | None = None):
+    """A timer that reports ``ms[kind][bucket]`` (and still runs the kernel once: the measurement
+    must really exercise it)."""
+
+    def timer(kind: str, rows: int, run) -> float:
+        run()
+        if calls is not None:
+            calls.append((kind, rows))
+        return ms[kind][kc.BUCKET_ROWS.index(rows)] / 1e3
+
+    return timer
+
+
+def refusing_timer(kind, rows, run):
+    raise AssertionError("measured although the choice was cached or forced")
+
+
+def test_buckets_cover_every_row_count():
+    assert [bucket_index(r) for r in (1, 2, 8, 9, 64, 65, 2048)] == [0, 1, 1, 2, 2, 3, 3]
+    assert len(kc.BUCKET_ROWS) == len(BUCKET_BOUNDS) + 1
+    assert all(bucket_index(r) == i for i, r in enumerate(kc.BUCKET_ROWS))
+
+
+@needs_onednn
+def test_choice_follows_the_measurement(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
+    # BLAS wins one row, oneDNN wins everything above by far more than the switch margin.
+    timer = fake_timer({ONEDNN: [3.0, 3.0, 5.0, 9.0], BLAS: [2.0, 6.0, 9.0, 20.0]})
+    choice = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer)
+    assert choice.source == "measured"
+    assert choice.fmt == LinearFormat(MIXED, torch.float32, bucket_kinds=(BLAS, ONEDNN, ONEDNN, ONEDNN))
+    # Swap the figures: oneDNN everywhere, a single layout (another cache dir: a fresh measurement).
+    timer = fake_timer({ONEDNN: [1.0, 3.0, 5.0, 9.0], BLAS: [2.0, 6.0, 9.0, 20.0]})
+    choice = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path / "b", timer=timer)
+    assert choice.fmt == LinearFormat(ONEDNN, torch.float32)
+
+
+def test_a_small_gain_keeps_one_layout():
+    # BLAS is 5% faster at 8 rows: not worth a second copy of every weight.
+    assert kc.pick({ONEDNN: [1.0, 1.0, 1.0, 1.0], BLAS: [2.0, 0.95, 0.5, 2.0]}) == (ONEDNN, ONEDNN, BLAS, ONEDNN)
+
+
+@needs_onednn
+def test_the_cache_is_reused_and_invalidated_when_the_key_changes(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
+    calls: list = []
+    timer = fake_timer({ONEDNN: [3.0, 1.0, 1.0, 1.0], BLAS: [1.0, 6.0, 9.0, 20.0]}, calls)
+    first = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer)
+    assert first.source == "measured"
+    # BLAS lost 8 rows 6x: its 64- and 256-row buckets are not timed (a slow kernel costs load time)
+    assert calls == [(ONEDNN, 1), (BLAS, 1), (ONEDNN, 8), (BLAS, 8), (ONEDNN, 64), (ONEDNN, 256)]
+    files = list(tmp_path.glob("kernels-*.json"))
+    assert [str(f) for f in files] == [first.cache_path]
+    stored = json.loads(files[0].read_text())
+    assert stored["kinds"] == [BLAS, ONEDNN, ONEDNN, ONEDNN]
+    assert stored["key"]["torch"] == torch.__version__ and stored["key"]["shapes"] == [list(s) for s in SHAPES]
+    again = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=refusing_timer)
+    assert again.source == "cache" and again.fmt == first.fmt
+    # Another CPU (or flags), other shapes, another torch: each is a new key, measured afresh.
+    monkeypatch.setattr(kc, "cpu_identity", lambda: ("Some Other CPU", ["avx512f"]))
+    other = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer)
+    assert other.source == "measured" and len(calls) == 12
+    monkeypatch.undo()
+    monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
+    assert kc.choose_kernels(torch.float32, SHAPES[:2], num_layers=2, cache_dir=tmp_path, timer=timer).source == "measured"
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer).source == "measured"
+    assert len(list(tmp_path.glob("kernels-*.json"))) == 4
+
+
+@needs_onednn
+def test_a_corrupt_or_foreign_cache_file_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
+    timer = fake_timer({ONEDNN: [1.0] * 4, BLAS: [2.0] * 4})
+    path = kc.cache_file(kc.cache_key(torch.float32, "full", SHAPES, 2, [ONEDNN, BLAS]), tmp_path)
+    path.write_text("{not json")
+    assert kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer).source == "measured"
+    data = json.loads(path.read_text())
+    data["kinds"] = ["fastest", "kernel", "ever", "!"]  # not a candidate: never trusted
+    path.write_text(json.dumps(data))
+    choice = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer)
+    assert choice.source == "measured" and choice.fmt.kind == ONEDNN
+
+
+def test_a_forced_choice_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBATCH_LINEAR", "onednn" if onednn_available() else "blas")
+    forced = kc.choose_kernels(torch.float32, SHAPES, linear="blas", cache_dir=tmp_path, timer=refusing_timer)
+    assert (forced.source, forced.fmt) == ("forced", LinearFormat(BLAS, torch.float32))
+    monkeypatch.setenv("KVBATCH_LINEAR", "blas")  # the environment override of `auto`
+    env = kc.choose_kernels(torch.float32, SHAPES, cache_dir=tmp_path, timer=refusing_timer)
+    assert (env.source, env.fmt.kind) == ("env", BLAS)
+    monkeypatch.delenv("KVBATCH_LINEAR")
+    inv = kc.choose_kernels(torch.float32, SHAPES, batch_invariant=True, cache_dir=tmp_path, timer=refusing_timer)
+    assert inv.source == "static" and inv.fmt.kind in (ONEDNN, BLAS)  # one kernel, known padding rule
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_choices_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="linear must be one of auto, onednn, blas, not 'mkl'"):
+        kc.choose_kernels(torch.float32, SHAPES, linear="mkl", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="weights must be one of full, int8, not 'int4'"):
+        kc.choose_kernels(torch.float32, SHAPES, weights="int4", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="int8 weights choose their int8 route"):
+        kc.choose_kernels(torch.float32, SHAPES, weights="int8", linear="blas", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="cannot pack torch.float16"):
+        kc.choose_kernels(torch.float16, SHAPES, linear="onednn", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="linear must be auto, onednn or blas"):
+        EngineConfig(linear="fast")
+    with pytest.raises(ValueError, match="weights must be full or int8"):
+        EngineConfig(weights="q4")
+
+
+def test_dense_shapes_fuse_as_the_model_does(tmp_path):
+    ref = build_tiny("qwen2", tmp_path)
+    from kvbatch.engine.models.weights import load_checkpoint
+
+    cfg = ref.config
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
+    assert kc.dense_shapes(load_checkpoint(str(tmp_path)).tensors) == sorted({(qkv, H), (H, H), (2 * I, H), (H, I)})
+
+
+@needs_onednn
+def test_mixed_layouts_give_each_bucket_its_kernels_numbers():
+    kinds = (BLAS, ONEDNN, BLAS, ONEDNN)
+    mixed = LinearFormat(MIXED, torch.float32, bucket_kinds=kinds)
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(160, 96, generator=g), torch.randn(160, generator=g)
+    held = mixed.prepare(w)
+    x = torch.randn(80, 96, generator=g)
+    for rows in (1, 5, 8, 9, 64, 65, 80):
+        single = LinearFormat(kinds[bucket_index(rows)], torch.float32)
+        assert torch.equal(mixed(x[:rows], held, b), single(x[:rows], single.prepare(w), b)), rows
+        torch.testing.assert_close(mixed(x[:rows], held, b), torch.nn.functional.linear(x[:rows], w, b),
+                                   atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="not batch-invariant"):
+        mixed(x[:3], held, b, batch_invariant=True)
+    with pytest.raises(ValueError, match="needs 4 bucket kinds"):
+        LinearFormat(MIXED, torch.float32, bucket_kinds=(BLAS,))
+
+
+@pytest.mark.parametrize("plan", ["mixed", "single"])
+def test_the_engine_runs_the_measured_choice_and_matches_transformers(tmp_path, monkeypatch, plan):
+    if plan == "mixed" and not onednn_available():
+        pytest.skip("a mixed plan needs two kernels")
+    monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
+    monkeypatch.setenv("KVBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    # mixed: oneDNN at 1 row and from 9 rows (prefill), BLAS at 2-8 rows (decoding both requests)
+    ms = ({ONEDNN: [1.0, 9.0, 1.0, 1.0], BLAS: [2.0, 1.0, 9.0, 20.0]} if plan == "mixed"
+          else {ONEDNN: [9.0] * 4, BLAS: [1.0] * 4})
+    monkeypatch.setattr(factory, "choose_kernels", partial(kc.choose_kernels, timer=fake_timer(ms)))
+    ref = build_tiny("qwen2", tmp_path / "model")
+    llm = LLM(str(tmp_path / "model"), engine_config=EngineConfig(block_size=4, num_blocks=64))
+    model = llm.runner.model
+    assert model.kernel_choice.source == "measured"
+    assert model.linear.kind == (MIXED if plan == "mixed" else BLAS)
+    seen = capture_logits(llm)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (11, 5)]
+    out = llm.generate([GenerationRequest(f"r{i}", SamplingParams(max_tokens=6 - 3 * i, temperature=0, ignore_eos=True),
+                                          prompt_token_ids=p) for i, p in enumerate(prompts)])
+    # prefill (16 rows in one step), 2-row decode steps, then r0 alone at 1 row: every bucket's kernel
+    for i, p in enumerate(prompts):
+        assert_logits_match(ref, seen, f"r{i}", p, out[i].output_token_ids, plan)
+
+
+def test_the_cli_options_reach_the_engine_config():
+    from kvbatch.cli.main import _device_config, build_parser
+
+    args = build_parser().parse_args(["generate", "--input", "in.jsonl", "--output", "out.parquet",
+                                      "--linear", "blas", "--weights", "int8"])
+    cfg = EngineConfig(**_device_config(args))
+    assert (cfg.linear, cfg.weights) == ("blas", "int8")
+    default = EngineConfig(**_device_config(build_parser().parse_args(
+        ["generate", "--input", "in.jsonl", "--output", "out.parquet"])))
+    assert (default.linear, default.weights) == ("auto", "full")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--input", "a", "--output", "b", "--weights", "int4"])
