@@ -1,0 +1,291 @@
+"""A batch's life, driven by the server: ``validating`` -> ``in_progress`` (a pipeline run over
+its file) -> ``finalizing`` -> ``completed``; or ``failed`` (the file does not validate, or the
+run failed), ``cancelling`` -> ``cancelled``.
+
+The server is the only writer of batch records; the run writes only its work folder
+(:mod:`kvbatch.pipelines.batch_api`). :meth:`BatchService.advance` moves a batch on from what it
+finds there, so the same step serves a running server and one that restarted: a batch whose run
+is gone (the machine or the server died with it) gets a new run, which resumes after the last
+committed part, and a batch whose run finished while no server was up is finalized.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from kvbatch.io.batch_requests import ChatRequest, InputStreamError, RejectedRow, read_requests
+from kvbatch.pipelines.batch_api import list_parts, read_done, read_part_lines, request_cancel
+from kvbatch.serve.errors import ApiError, not_found
+from kvbatch.serve.files import FileService
+from kvbatch.serve.launcher import Launcher
+from kvbatch.serve.objects import (
+    TERMINAL,
+    WINDOW_S,
+    BatchErrorItem,
+    BatchErrors,
+    BatchObject,
+    CreateBatch,
+    RequestCounts,
+)
+from kvbatch.serve.settings import ServeSettings
+from kvbatch.serve.state import StateStore
+
+log = logging.getLogger(__name__)
+MAX_LIST_LIMIT = 100
+MAX_VALIDATION_ERRORS = 10  # reasons listed in a failed batch's ``errors``; the first lines say enough
+
+
+def _failed(code: str, message: str, param: str | None = None) -> BatchErrors:
+    return BatchErrors(data=[BatchErrorItem(code=code, message=message, param=param)])
+
+
+class BatchService:
+    def __init__(self, store: StateStore, files: FileService, launcher: Launcher, settings: ServeSettings) -> None:
+        self.store = store
+        self.files = files
+        self.launcher = launcher
+        self.settings = settings
+        self._lock = threading.RLock()
+        self._batches: dict[str, dict[str, Any]] = {r["object"]["id"]: r for r in store.records("batches")}
+
+    # -- reads
+
+    def _record(self, owner: str, batch_id: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self._batches.get(batch_id)
+        if rec is None or rec["owner"] != owner:
+            raise not_found("batch", batch_id)
+        return rec
+
+    def get(self, owner: str, batch_id: str) -> BatchObject:
+        with self._lock:
+            return BatchObject(**self._record(owner, batch_id)["object"])
+
+    def list(self, owner: str, after: str | None, limit: int) -> dict[str, Any]:
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise ApiError(400, f"limit must be between 1 and {MAX_LIST_LIMIT}, got {limit}", param="limit")
+        with self._lock:
+            recs = [r for r in self._batches.values() if r["owner"] == owner]
+        # Newest first, as OpenAI lists; created_at has whole seconds, the record's ns break ties.
+        recs.sort(key=lambda r: (r["object"]["created_at"], r.get("created_ns", 0)), reverse=True)
+        objs = [BatchObject(**r["object"]) for r in recs]
+        if after:
+            ids = [b.id for b in objs]
+            if after not in ids:
+                raise not_found("batch", after)
+            objs = objs[ids.index(after) + 1:]
+        page = objs[:limit]
+        return {"object": "list", "data": [b.model_dump() for b in page],
+                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+                "has_more": len(objs) > limit}
+
+    # -- writes
+
+    def _save(self, rec: dict[str, Any], obj: BatchObject) -> BatchObject:
+        rec["object"] = obj.model_dump()
+        self.store.put_record("batches", obj.id, rec)
+        return obj
+
+    def create(self, owner: str, body: CreateBatch) -> BatchObject:
+        f = self.files.get(owner, body.input_file_id)  # another key's file is not found
+        if f.purpose != "batch":
+            raise ApiError(400, f"file {f.id} has purpose {f.purpose!r}; a batch's input must have purpose 'batch'",
+                           param="input_file_id")
+        now = int(time.time())
+        batch_id = "batch_" + uuid.uuid4().hex[:24]
+        obj = BatchObject(id=batch_id, endpoint=body.endpoint, input_file_id=f.id,
+                          completion_window=body.completion_window, status="validating", created_at=now,
+                          expires_at=now + WINDOW_S, metadata=body.metadata, model=self.settings.model,
+                          request_counts=RequestCounts(total=self.files.lines(owner, f.id)))
+        rec: dict[str, Any] = {"owner": owner, "work_url": self.store.join("work", batch_id),
+                               "input_url": self.files.content_url(owner, f.id), "attempts": 0, "worker": None,
+                               "created_ns": time.time_ns()}
+        with self._lock:
+            self._batches[batch_id] = rec
+            return self._save(rec, obj)
+
+    def cancel(self, owner: str, batch_id: str) -> BatchObject:
+        with self._lock:
+            rec = self._record(owner, batch_id)
+            obj = BatchObject(**rec["object"])
+            if obj.status in ("cancelling", "cancelled", "finalizing"):  # finalizing: every row has run
+                return obj
+            if obj.status in TERMINAL:
+                raise ApiError(409, f"batch {batch_id} is {obj.status}; only a batch that has not ended can be "
+                                    "cancelled", code="batch_not_cancellable")
+            now = int(time.time())
+            if obj.status == "validating":  # no run yet: nothing to stop
+                return self._save(rec, obj.model_copy(update={"status": "cancelled", "cancelling_at": now,
+                                                              "cancelled_at": now}))
+            request_cancel(rec["work_url"], self.store.storage_options)
+            return self._save(rec, obj.model_copy(update={"status": "cancelling", "cancelling_at": now}))
+
+    # -- the driver
+
+    def active_ids(self) -> list[str]:
+        with self._lock:
+            return [i for i, r in self._batches.items() if r["object"]["status"] not in TERMINAL]
+
+    def advance_all(self) -> None:
+        for batch_id in self.active_ids():
+            try:
+                self.advance(batch_id)
+            except Exception:  # one batch's trouble must not stop the others; retried at the next poll
+                log.exception("batch %s: could not advance (retried at the next poll)", batch_id)
+
+    def advance(self, batch_id: str) -> None:
+        with self._lock:
+            rec = self._batches[batch_id]
+            obj = BatchObject(**rec["object"])
+            if obj.status == "validating":
+                self._validate_and_launch(rec, obj)
+            elif obj.status in ("in_progress", "cancelling", "finalizing"):
+                self._follow(rec, obj)
+
+    def _validate_and_launch(self, rec: dict[str, Any], obj: BatchObject) -> None:
+        now = int(time.time())
+        try:
+            lines = self.files.lines(rec["owner"], obj.input_file_id)
+        except ApiError:
+            errors = _failed("file_not_found", f"input file {obj.input_file_id} was deleted before the batch ran",
+                             "input_file_id")
+            self._save(rec, obj.model_copy(update={"status": "failed", "failed_at": now, "errors": errors}))
+            return
+        if lines > self.settings.max_requests:
+            errors = _failed("too_many_requests", f"the input has {lines} requests; the limit is "
+                             f"{self.settings.max_requests} per batch", "input_file_id")
+            self._save(rec, obj.model_copy(update={"status": "failed", "failed_at": now, "errors": errors}))
+            return
+        errors = self._unrunnable(rec["input_url"])
+        if errors is not None:
+            self._save(rec, obj.model_copy(update={"status": "failed", "failed_at": now, "errors": errors}))
+            return
+        self._launch(rec)
+        self._save(rec, obj.model_copy(update={"status": "in_progress", "in_progress_at": now}))
+
+    def _unrunnable(self, url: str) -> BatchErrors | None:
+        """A file with no request in it at all (not JSONL, another API's format) does not
+        validate: the batch fails with the first lines' reasons rather than run to an error file
+        of nothing but errors. Reading stops at the first valid request, which is usually line 1."""
+        rejected: list[RejectedRow] = []
+        try:
+            items = read_requests(url, storage_options=self.store.storage_options)
+            try:
+                for item in items:
+                    if isinstance(item, ChatRequest):
+                        return None
+                    rejected.append(item)
+            finally:
+                items.close()
+        except InputStreamError as exc:
+            return _failed("unreadable_file", exc.reason)
+        items = [BatchErrorItem(code="invalid_request", message=f"line {r.line_no}: {r.field}: {r.reason}",
+                                line=r.line_no, param=r.field) for r in rejected[:MAX_VALIDATION_ERRORS]]
+        return BatchErrors(data=items or [BatchErrorItem(code="empty_file", message="the input file has no lines")])
+
+    def _launch(self, rec: dict[str, Any]) -> None:
+        obj = rec["object"]
+        rec["attempts"] += 1
+        # A relaunch of a batch whose input was deleted meanwhile fails in the run, which says why.
+        rec["worker"] = self.launcher.launch(obj["id"], rec["input_url"], rec["work_url"], self.settings.chunk_rows)
+        log.info("batch %s: run %d launched", obj["id"], rec["attempts"])
+
+    def _follow(self, rec: dict[str, Any], obj: BatchObject) -> None:
+        opts = self.store.storage_options
+        done = read_done(rec["work_url"], opts)
+        if done is None and obj.status != "finalizing" and not self.launcher.alive(rec["worker"]):
+            done = read_done(rec["work_url"], opts)  # it may have finished between the two looks
+            if done is None:
+                if obj.status == "cancelling":
+                    done = {"status": "cancelled"}
+                elif rec["attempts"] < self.settings.max_attempts:
+                    log.warning("batch %s: its run is gone without finishing; starting another, which resumes "
+                                "after the last committed part", obj.id)
+                    self._launch(rec)
+                    self._save(rec, obj)
+                    return
+                else:
+                    done = {"status": "failed", "error": f"the batch's run stopped {rec['attempts']} times "
+                                                         "without finishing"}
+        if done is None and obj.status == "finalizing":
+            done = rec.get("done") or {"status": "failed", "error": "finalizing was interrupted"}
+        if done is None:
+            parts = list_parts(rec["work_url"], opts)
+            counts = RequestCounts(total=obj.request_counts.total, completed=sum(p.ok for p in parts),
+                                   failed=sum(p.failed for p in parts))
+            if counts != obj.request_counts:
+                self._save(rec, obj.model_copy(update={"request_counts": counts}))
+            return
+        self._finalize(rec, obj, done)
+
+    def _finalize(self, rec: dict[str, Any], obj: BatchObject, done: dict[str, Any]) -> None:
+        """Output and error files from the committed parts: successes in one, failures (with their
+        line, field and reason) in the other, each in input order."""
+        now = int(time.time())
+        rec["done"] = {"status": done.get("status"), "error": done.get("error")}
+        obj = self._save(rec, obj.model_copy(update={"status": "finalizing", "finalizing_at": obj.finalizing_at or now}))
+        parts = list_parts(rec["work_url"], self.store.storage_options)
+        usage = {"input_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
+
+        def lines(ok: bool) -> Iterator[bytes]:
+            for part in parts:
+                for line in read_part_lines(rec["work_url"], part, self.store.storage_options):
+                    row = json.loads(line)
+                    if (row.get("error") is None) != ok:
+                        continue
+                    if ok:
+                        u = row["response"]["body"]["usage"]
+                        usage["input_tokens"] += u["prompt_tokens"]
+                        usage["output_tokens"] += u["completion_tokens"]
+                        usage["cached_tokens"] += u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                    yield line
+
+        out = self.files.write_output(rec["owner"], f"{obj.id}_output.jsonl", lines(True))
+        err = self.files.write_output(rec["owner"], f"{obj.id}_error.jsonl", lines(False))
+        status = done.get("status")
+        update: dict[str, Any] = {
+            "output_file_id": out.id if out else None, "error_file_id": err.id if err else None,
+            "request_counts": RequestCounts(total=obj.request_counts.total, completed=sum(p.ok for p in parts),
+                                            failed=sum(p.failed for p in parts)),
+            "usage": {"input_tokens": usage["input_tokens"],
+                      "input_tokens_details": {"cached_tokens": usage["cached_tokens"]},
+                      "output_tokens": usage["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["input_tokens"] + usage["output_tokens"]},
+        }
+        if status == "completed":
+            update.update(status="completed", completed_at=now)
+        elif status == "cancelled":
+            update.update(status="cancelled", cancelled_at=now)
+        else:
+            update.update(status="failed", failed_at=now,
+                          errors=_failed("batch_failed", done.get("error") or "the batch's run failed"))
+        self._save(rec, obj.model_copy(update=update))
+        log.info("batch %s: %s", obj.id, update["status"])
+
+
+class Driver:
+    """The server's background thread: every ``poll_s`` it advances each batch that has not ended."""
+
+    def __init__(self, batches: BatchService, poll_s: float) -> None:
+        self.batches = batches
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvbatch-batches", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.batches.advance_all()
+            self._stop.wait(self.poll_s)

@@ -1,0 +1,138 @@
+"""Uploaded and produced files: content on the object store, a record beside it, per owner.
+
+An upload is streamed to the store while it is counted, so the limits (bytes and, for
+``purpose=batch``, request lines) are checked without holding the file in memory; an upload
+over a limit is a 400 that says which limit, and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any, BinaryIO
+
+from kvbatch.serve.errors import ApiError, not_found
+from kvbatch.serve.objects import FileObject
+from kvbatch.serve.settings import MB, ServeSettings
+from kvbatch.serve.state import StateStore
+
+PURPOSES = ("batch", "batch_output")
+UPLOAD_PURPOSES = ("batch",)
+COPY_BYTES = 1 << 20
+
+
+class FileService:
+    def __init__(self, store: StateStore, settings: ServeSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._files: dict[str, dict[str, Any]] = {r["object"]["id"]: r for r in store.records("files")}
+
+    # -- records
+
+    def _record(self, owner: str, file_id: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self._files.get(file_id)
+        if rec is None or rec["owner"] != owner:
+            raise not_found("file", file_id)
+        return rec
+
+    def get(self, owner: str, file_id: str) -> FileObject:
+        return FileObject(**self._record(owner, file_id)["object"])
+
+    def lines(self, owner: str, file_id: str) -> int:
+        return self._record(owner, file_id)["lines"]
+
+    def content_url(self, owner: str, file_id: str) -> str:
+        self._record(owner, file_id)
+        return self.store.join("files", f"{file_id}.jsonl")
+
+    def list(self, owner: str, purpose: str | None = None) -> list[FileObject]:
+        with self._lock:
+            recs = [r for r in self._files.values() if r["owner"] == owner]
+        recs.sort(key=lambda r: (r["object"]["created_at"], r.get("created_ns", 0)), reverse=True)  # newest first
+        return [FileObject(**r["object"]) for r in recs if not purpose or r["object"]["purpose"] == purpose]
+
+    def delete(self, owner: str, file_id: str) -> dict[str, Any]:
+        self._record(owner, file_id)
+        with self._lock:
+            self._files.pop(file_id, None)
+        self.store.delete("files", f"{file_id}.json")  # the record first: no record, no file
+        self.store.delete("files", f"{file_id}.jsonl")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def read(self, owner: str, file_id: str) -> Iterator[bytes]:
+        self._record(owner, file_id)
+        with self.store.open_blob("files", f"{file_id}.jsonl") as f:
+            while chunk := f.read(COPY_BYTES):
+                yield chunk
+
+    # -- writes
+
+    def too_large(self, declared: int | None = None) -> ApiError:
+        limit = self.settings.max_file_bytes
+        what = f"an upload of {declared} bytes" if declared is not None else "file"
+        return ApiError(400, f"{what} is larger than the limit of {limit // MB} MB ({limit} bytes)", param="file",
+                        code="file_too_large")
+
+    def upload(self, owner: str, filename: str, purpose: str, source: BinaryIO) -> FileObject:
+        """Copy ``source`` onto the store, refusing it whole if it is over a limit."""
+        if purpose not in UPLOAD_PURPOSES:
+            raise ApiError(400, f"purpose must be 'batch' (the only purpose this server takes), got {purpose[:40]!r}",
+                           param="purpose", code="invalid_purpose")
+        limit = self.settings.max_file_bytes
+        file_id = "file-" + uuid.uuid4().hex[:24]
+        sink = self.store.sink("files", f"{file_id}.jsonl")
+        size = newlines = 0
+        last = b"\n"
+        try:
+            while chunk := source.read(COPY_BYTES):
+                size += len(chunk)
+                if size > limit:
+                    raise self.too_large()
+                sink.write(chunk)
+                newlines += chunk.count(b"\n")
+                last = chunk[-1:]
+            lines = newlines + (last != b"\n")  # a last line without its newline is a request too
+            if size == 0:
+                raise ApiError(400, "file is empty", param="file", code="empty_file")
+            if lines > self.settings.max_requests:
+                raise ApiError(400, f"file has {lines} requests; the limit is {self.settings.max_requests} "
+                                    f"per batch", param="file", code="too_many_requests")
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+        return self.add(owner, file_id, filename, purpose, size, lines)
+
+    def add(self, owner: str, file_id: str, filename: str, purpose: str, size: int, lines: int) -> FileObject:
+        """Record a file whose content is already committed at ``files/<id>.jsonl``."""
+        obj = FileObject(id=file_id, bytes=size, created_at=int(time.time()), filename=filename[:255],
+                         purpose=purpose)
+        rec = {"object": obj.model_dump(), "owner": owner, "lines": lines, "created_ns": time.time_ns()}
+        self.store.put_record("files", file_id, rec)
+        with self._lock:
+            self._files[file_id] = rec
+        return obj
+
+    def write_output(self, owner: str, filename: str, lines: Iterable[bytes]) -> FileObject | None:
+        """A batch's output or error file from its lines; None when there are none (OpenAI then
+        leaves ``output_file_id`` / ``error_file_id`` null)."""
+        file_id = "file-" + uuid.uuid4().hex[:24]
+        sink = self.store.sink("files", f"{file_id}.jsonl")
+        size = n = 0
+        try:
+            for line in lines:
+                sink.write(line)
+                size += len(line)
+                n += 1
+            if n == 0:
+                sink.abort()
+                return None
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+        return self.add(owner, file_id, filename, "batch_output", size, n)
