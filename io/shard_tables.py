@@ -98,8 +98,10 @@ def exists(url: str, *, storage_options: Mapping[str, Any] | None = None) -> boo
     return bool(fs.exists(path))
 
 
-def read_shards(root: str, table: str, *, storage_options: Mapping[str, Any] | None = None) -> pa.Table:
-    """Every committed shard of ``table`` with a ``shard`` column, in shard order (empty when none)."""
+def read_shards(root: str, table: str, *, storage_options: Mapping[str, Any] | None = None,
+                columns: list[str] | None = None) -> pa.Table:
+    """Every committed shard of ``table`` with a ``shard`` column, in shard order (empty when none).
+    ``columns``: read only those (a day's results are large, its latencies are not)."""
     fs, base = fsspec.core.url_to_fs(join(root, table), **dict(storage_options or {}))
     try:
         folders = sorted(p for p in fs.ls(base, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("shard="))
@@ -111,7 +113,7 @@ def read_shards(root: str, table: str, *, storage_options: Mapping[str, Any] | N
         if not fs.exists(path):
             continue
         with fs.open(path, "rb") as f:
-            t = pq.read_table(f)
+            t = pq.read_table(f, columns=columns)
         shard = folder.rstrip("/").rsplit("=", 1)[-1]
         parts.append(t.append_column("shard", pa.array([shard] * t.num_rows, pa.string())))
     if not parts:

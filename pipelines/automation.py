@@ -9,6 +9,9 @@
   partitions definition per job, and ingest is per date while the rest is per (date, shard):
   one job cannot hold both. In the UI, "Materialize all" over a date range is the same thing
   as a backfill.)
+- ``kvbatch_rollup``: cost_rollup for one date, the sum of that day's shards; started by
+  ``rollup_after_shard`` after every successful ``kvbatch_shard`` or ``kvbatch_decode`` run, so a
+  re-run of one shard re-rolls its day.
 - ``nightly_ingest`` (02:00 in ``KVBATCH_TIMEZONE``, STOPPED until turned on) ingests the day
   that just ended from ``KVBATCH_NIGHTLY_DATASET`` (``{date}`` filled in).
 - ``new_dataset_files`` (STOPPED) ingests each new file under ``KVBATCH_INPUT_PREFIX`` into the
@@ -26,7 +29,8 @@ import re
 import dagster as dg
 
 from kvbatch.pipelines.assets import cost_metrics, decode_results, prefill_kv, prompt_shards, prompts
-from kvbatch.pipelines.partitions import TIMEZONE, date_partitions, date_shard_keys
+from kvbatch.pipelines.partitions import TIMEZONE, date_partitions, date_shard_keys, split_date_shard
+from kvbatch.pipelines.rollup import cost_rollup
 
 ingest_job = dg.define_asset_job("kvbatch_ingest", selection=[prompts, prompt_shards],
                                  description="Validate one day's dataset and tokenize it into shards.")
@@ -37,7 +41,10 @@ decode_job = dg.define_asset_job("kvbatch_decode", selection=[decode_results, co
 shard_job = dg.define_asset_job("kvbatch_shard", selection=[prefill_kv, decode_results, cost_metrics],
                                 description="Prefill, decode and meter one (date, shard).")
 
-JOBS = [ingest_job, prefill_job, decode_job, shard_job]
+rollup_job = dg.define_asset_job("kvbatch_rollup", selection=[cost_rollup],
+                                 description="Sum one day's cost_metrics shards into its cost_rollup row.")
+
+JOBS = [ingest_job, prefill_job, decode_job, shard_job, rollup_job]
 DATE_IN_PATH = re.compile(r"(?<!\d)(\d{4}-\d{2}-\d{2})(?!\d)")
 
 
@@ -46,7 +53,9 @@ def prompts_run_config(url: str) -> dict:
 
 
 @dg.schedule(job=ingest_job, cron_schedule="0 2 * * *", execution_timezone=TIMEZONE,
-             default_status=dg.DefaultScheduleStatus.STOPPED)
+             default_status=dg.DefaultScheduleStatus.STOPPED,
+             description="02:00 nightly: ingest yesterday's KVBATCH_NIGHTLY_DATASET ({date} filled in) into its "
+                         "date partition; shards_after_ingest then starts one kvbatch_shard run per shard.")
 def nightly_ingest(context: dg.ScheduleEvaluationContext):
     """Every night at 02:00: ingest the day that just ended, ``KVBATCH_NIGHTLY_DATASET`` with
     ``{date}`` set to that day, into its date partition; the shards follow (``shards_after_ingest``)."""
@@ -59,7 +68,9 @@ def nightly_ingest(context: dg.ScheduleEvaluationContext):
 
 
 @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[ingest_job], request_job=shard_job,
-                      default_status=dg.DefaultSensorStatus.RUNNING)
+                      default_status=dg.DefaultSensorStatus.RUNNING,
+                      description="After a successful kvbatch_ingest of a date: one kvbatch_shard run per "
+                                  "(date, shard) of that date.")
 def shards_after_ingest(context: dg.RunStatusSensorContext):
     """After a successful ingest of a date, one ``kvbatch_shard`` run per (date, shard)."""
     run = context.dagster_run
@@ -70,7 +81,23 @@ def shards_after_ingest(context: dg.RunStatusSensorContext):
             for key in date_shard_keys(date)]
 
 
-@dg.sensor(job=ingest_job, minimum_interval_seconds=300, default_status=dg.DefaultSensorStatus.STOPPED)
+@dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[shard_job, decode_job],
+                      request_job=rollup_job, default_status=dg.DefaultSensorStatus.RUNNING,
+                      description="After a (date, shard) is metered (kvbatch_shard or kvbatch_decode succeeded): "
+                                  "re-roll that date's cost_rollup from its committed shards.")
+def rollup_after_shard(context: dg.RunStatusSensorContext):
+    """A finished shard run re-rolls its day (one rollup request per shard run: its run key)."""
+    run = context.dagster_run
+    key = run.tags.get("dagster/partition")
+    if not key:
+        return dg.SkipReason(f"shard run {run.run_id} has no (date, shard) partition")
+    date, _ = split_date_shard(key)
+    return dg.RunRequest(run_key=f"rollup-{run.run_id}", partition_key=date, tags={"kvbatch/shard_run": run.run_id})
+
+
+@dg.sensor(job=ingest_job, minimum_interval_seconds=300, default_status=dg.DefaultSensorStatus.STOPPED,
+           description="Ingest each new .jsonl/.jsonl.gz/.parquet file under KVBATCH_INPUT_PREFIX into the date "
+                       "partition its path names (else the day it was last modified); off by default.")
 def new_dataset_files(context: dg.SensorEvaluationContext):
     """Ingest each new (or changed) ``.jsonl``/``.jsonl.gz``/``.parquet`` file under
     ``KVBATCH_INPUT_PREFIX`` into its date partition. The cursor holds the files seen; the run
@@ -97,7 +124,7 @@ def date_of_file(path: str, info: dict) -> str | None:
     else:
         modified = info.get("LastModified") or info.get("mtime") or info.get("created")
         if isinstance(modified, (int, float)):
-            modified = dt.datetime.fromtimestamp(modified, tz=dt.timezone.utc)
+            modified = dt.datetime.fromtimestamp(modified, tz=dt.UTC)
         if not isinstance(modified, dt.datetime):
             return None
         date = modified.strftime("%Y-%m-%d")
@@ -131,3 +158,40 @@ def new_file_requests(prefix: str, cursor: str | None, storage_options: dict | N
                                       run_config=prompts_run_config(url)))
     return dg.SensorResult(run_requests=requests, cursor=json.dumps(seen, sort_keys=True),
                            skip_reason=f"no date partition for {skipped[:5]}" if skipped and not requests else None)
+
+
+def wait_for_run(run_id: str, instance: dg.DagsterInstance | None = None, poll_s: float = 2.0,
+                 timeout_s: float | None = None) -> dg.DagsterRun:
+    """Block until a launched run has finished; the run as it ended. ``dagster job launch``
+    returns once the run has started, so ``make demo`` waits with this between its runs.
+    ``timeout_s``: give up (TimeoutError naming the run and its status) after that long."""
+    import time
+
+    instance = instance or dg.DagsterInstance.get()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        run = instance.get_run_by_id(run_id)
+        if run is not None and run.is_finished:
+            return run
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"run {run_id} not finished after {timeout_s} s "
+                               f"(status: {run.status.value if run else 'not in the instance'})")
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvbatch.pipelines.automation RUN_ID``: wait for the run, print how it ended,
+    exit 0 only when it succeeded (``$DAGSTER_HOME`` names the instance)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m kvbatch.pipelines.automation RUN_ID", file=sys.stderr)
+        return 2
+    run = wait_for_run(args[0])
+    print(f"run {run.run_id}: {run.job_name} {run.tags.get('dagster/partition', '')} {run.status.value}")
+    return 0 if run.status == dg.DagsterRunStatus.SUCCESS else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
