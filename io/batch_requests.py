@@ -457,6 +457,7 @@ def read_requests(
     default_max_tokens: int = 256,
     storage_options: Mapping[str, Any] | None = None,
     strict: bool = False,
+    check_duplicates: bool = True,
 ) -> Iterator[ChatRequest | RejectedRow]:
     """Stream a request file, yielding one item per line (blank lines too), in input order.
 
@@ -466,7 +467,8 @@ def read_requests(
     here, before any model is loaded, with :class:`InputStreamError`; a stream that breaks
     later raises it after every line before the break has been yielded. Memory stays bounded
     by the longest line plus the set of ``custom_id`` values seen (needed to reject
-    duplicates). Line numbers are 1-based, so they match what an editor shows. Unknown fields
+    duplicates; ``check_duplicates=False`` leaves that to the caller, as ingest does with a
+    spill to disk, and then memory is the longest line). Line numbers are 1-based, so they match what an editor shows. Unknown fields
     are logged once per name (``strict``: rejected, see the module docstring).
     """
     try:
@@ -475,11 +477,12 @@ def read_requests(
         raise InputStreamError(url, 0, _stream_reason(exc)) from exc
     lines = _raw_lines(f, url)
     first = next(lines, None)  # reads the header of a compressed file: not gzip fails now
-    return _parse_lines(url, first, lines, default_max_tokens, strict)
+    return _parse_lines(url, first, lines, default_max_tokens, strict, check_duplicates)
 
 
 def _parse_lines(
-    url: str, first: bytes | None, lines: Iterator[bytes], default_max_tokens: int, strict: bool
+    url: str, first: bytes | None, lines: Iterator[bytes], default_max_tokens: int, strict: bool,
+    check_duplicates: bool = True,
 ) -> Iterator[ChatRequest | RejectedRow]:
     seen: dict[str, int] = {}
     warned: set[str] = set()
@@ -489,7 +492,7 @@ def _parse_lines(
         for line_no, raw in enumerate(itertools.chain((first,), lines), start=1):
             item = parse_request_line(raw, line_no, default_max_tokens=default_max_tokens, strict=strict)
             cid = item.custom_id
-            if cid is not None:
+            if cid is not None and check_duplicates:
                 first_line = seen.setdefault(cid, line_no)
                 if first_line != line_no:
                     item = RejectedRow(line_no, cid, "custom_id", f"duplicate of line {first_line}")

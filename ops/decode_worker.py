@@ -6,14 +6,18 @@
 
 The spec: ``{"model", "dtype", "engine": {EngineConfig fields}, "seed", "threads", "kv_store":
 {KVStoreConfig fields}, "kv_fingerprint", "manifests_url", "results_url", "stats_url",
-"storage_options"}``.
+"storage_options"}`` and optionally ``"parts_url"`` (the staging folder of the part files),
+``"checkpoint_rows"``, ``"rows"``, ``"eplb_interval"``, ``"eplb_window"``, ``"redundant_experts"``.
 
 A group follows torch.distributed conventions (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``,
 as torchrun sets them; backend from ``KVBATCH_DIST_BACKEND``, default gloo) and is built by
 :mod:`kvbatch.ops.worker_group` (the group, the engine, and for MoE models expert parallelism
 with lockstep steps). The ranks split the shard's requests (request i goes to rank i mod W),
-each decodes its part from the stored KV, and rank 0 gathers the rows and commits one results
-table and one stats file, so the output is the same whatever the world size. Only rank 0 opens
+each decodes its part from the stored KV and commits its own part files every
+``checkpoint_rows`` results (a re-run resumes from them: :mod:`kvbatch.ops.decode_checkpoint`);
+rows never travel between ranks. Rank 0 gathers the ranks' stats only, then streams the parts
+into one results table and commits it and one stats file, so the output is the same whatever
+the world size. Only rank 0 opens
 Dagster Pipes (and sends the spec to the other ranks); ``dagster_pipes`` is imported only when
 ``DAGSTER_PIPES_CONTEXT`` is set, so this module runs without Dagster installed.
 """
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 REPORTED = ("requests", "succeeded", "prompt_tokens", "loaded_prompt_tokens", "output_tokens", "wall_s",
@@ -33,7 +38,8 @@ REPORTED = ("requests", "succeeded", "prompt_tokens", "loaded_prompt_tokens", "o
 def _group_engine(spec: dict[str, Any], world_size: int) -> tuple[Any, Any, Any]:
     """(engine to stream through, the LLM under it, expert-parallel state or None) for one rank,
     built by :mod:`kvbatch.ops.worker_group`: a MoE model gets expert parallelism (each rank holds
-    its expert slots, all-to-all between ranks, lockstep steps); a dense model is data parallel."""
+    its expert slots, ``redundant_experts`` extra ones, all-to-all between ranks, lockstep steps,
+    and with ``eplb_interval`` > 0 live EPLB); a dense model is data parallel."""
     from kvbatch.ops import worker_group
 
     llm = worker_group.build_llm(spec)
@@ -43,87 +49,99 @@ def _group_engine(spec: dict[str, Any], world_size: int) -> tuple[Any, Any, Any]
 
     placement = worker_group.initial_placement(llm.model, world_size, int(spec.get("redundant_experts", 0)))
     ep = install(llm.model, placement)
-    return worker_group.LockstepLLM(llm, ep), llm, ep
+    on_step = None
+    interval = int(spec.get("eplb_interval") or 0)
+    if interval > 0:  # live EPLB: rebalance the expert slots every ``interval`` group steps
+        balancer = worker_group.LiveBalancer(llm, ep, interval, ep.placement.num_slots, spec.get("eplb_window"),
+                                             spec.get("eplb_force"))
+        on_step = balancer.on_step
+    return worker_group.LockstepLLM(llm, ep, on_step), llm, ep
 
 
-def run(spec: dict[str, Any], rank: int = 0, world_size: int = 1) -> dict[str, Any] | None:
-    """Decode this rank's part of the shard. Rank 0 returns the committed stats, the others None."""
-    from kvbatch.ops.results import commit_results, decode_rows, decode_stats
+def run(spec: dict[str, Any], rank: int = 0, world_size: int = 1,
+        log: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """Decode this rank's part of the shard, committing its own part files as it goes; rank 0
+    then commits the shard's results and merged stats and returns them, the others None.
+    ``log`` gets this rank's progress (rows done, tokens/s, ETA; the spec's ``rows`` is the shard's)."""
+    from kvbatch.ops.decode_checkpoint import DEFAULT_CHECKPOINT_ROWS, default_parts_url
+    from kvbatch.ops.metrics import ProgressMeter
+    from kvbatch.ops.results import commit_parts, decode_rank, start_decode
 
     if world_size > 1:
-        engine, llm, ep = _group_engine(spec, world_size)
+        engine, _, ep = _group_engine(spec, world_size)
     else:
         from kvbatch.ops.worker_group import build_llm
 
-        engine = llm = build_llm(spec)
+        engine = build_llm(spec)
         ep = None
     opts = spec.get("storage_options") or {}
-    rows, report = decode_rows(engine, spec["manifests_url"], storage_options=opts, rank=rank,
-                               world_size=world_size)
-    stats = decode_stats(llm, report)
+    parts_url = spec.get("parts_url") or default_parts_url(spec["results_url"])
+    key = _on_rank0_then_share(lambda: start_decode(spec["manifests_url"], parts_url, opts), rank, world_size)
+    mine = -(-(int(spec.get("rows", 0)) - rank) // world_size)  # rows i with i mod world_size == rank
+    progress = None if log is None else ProgressMeter(f"decode rank {rank}/{world_size}", max(mine, 0), log)
+    stats = decode_rank(engine, spec["manifests_url"], parts_url, key=key,
+                        attempt=spec.get("decode_attempt") or _new_attempt(world_size),
+                        storage_options=opts, rank=rank, world_size=world_size,
+                        checkpoint_rows=int(spec.get("checkpoint_rows") or DEFAULT_CHECKPOINT_ROWS), progress=progress)
     if ep is not None:  # expert rows this rank computed, per MoE layer: the group's load balance
         stats["expert_rows_computed"] = {str(k): int(v) for k, v in ep.stats.rows_computed.items()}
-    if world_size > 1:
+    final = [stats]
+    if world_size > 1:  # every rank's stats (never its rows: those are in its parts) to rank 0
         import torch.distributed as dist
 
-        parts: list[Any] = [None] * world_size if rank == 0 else []
-        dist.gather_object((rows, stats), parts if rank == 0 else None, dst=0)
+        gathered: list[Any] = [None] * world_size if rank == 0 else []
+        dist.gather_object(stats, gathered if rank == 0 else None, dst=0)
         if rank != 0:
             return None
-        rows = [r for part_rows, _ in parts for r in part_rows]
-        stats = merge_stats([part_stats for _, part_stats in parts], rows)
-    stats["world_size"] = world_size
-    return commit_results(rows, stats, spec["results_url"], stats_url=spec.get("stats_url"), storage_options=opts)
+        final = gathered
+    return commit_parts(final, parts_url, spec["results_url"], stats_url=spec.get("stats_url"),
+                        storage_options=opts, extra={"world_size": world_size})
+
+
+def _new_attempt(world_size: int) -> str:
+    """A run id for a caller that did not go through :func:`_share_spec` (one rank only: the
+    ranks of a group must share one)."""
+    if world_size > 1:
+        raise ValueError("a group's spec needs its decode_attempt (main() shares rank 0's)")
+    import uuid
+
+    return uuid.uuid4().hex[:12]
+
+
+def _on_rank0_then_share(fn: Callable[[], Any], rank: int, world_size: int) -> Any:
+    """``fn()`` on rank 0, before any other rank goes on; its (small) result on every rank."""
+    if world_size == 1:
+        return fn()
+    import torch.distributed as dist
+
+    box = [fn() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def merge_stats(per_rank: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One stats document for the group: counters summed, wall time the slowest rank's, percentiles
-    over every request; each rank's own figures kept under ``by_rank``."""
-    from kvbatch.ops.batch_report import BatchReport
+    """One stats document for ranks of one run (see :func:`kvbatch.ops.results.merge_stats`),
+    percentiles over ``rows``' latencies."""
+    from kvbatch.ops.results import merge_stats as merge
 
-    merged = BatchReport()
-    for s in per_rank:
-        for name in ("requests", "succeeded", "rejected", "prompt_tokens", "cached_prompt_tokens",
-                     "loaded_prompt_tokens", "output_tokens", "preemptions"):
-            setattr(merged, name, getattr(merged, name) + int(s.get(name, 0)))
-        for field_name, n in s.get("rejects_by_field", {}).items():
-            merged.rejects_by_field[field_name] = merged.rejects_by_field.get(field_name, 0) + n
-        merged.wall_s = max(merged.wall_s, float(s.get("wall_s", 0.0)))
-    merged.ttft_s = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
-    merged.tpot_s = [r["tpot_s"] for r in rows if r["tpot_s"] is not None]
-    out = merged.to_json()
-    connectors = [s["connector"] for s in per_rank if "connector" in s]
-    if connectors:
-        out["connector"] = _sum_numbers(connectors)
-    if all("expert_rows_computed" in s for s in per_rank):
-        out["expert_load_balancedness"] = balancedness([s["expert_rows_computed"] for s in per_rank])
-    out["by_rank"] = per_rank
-    return out
+    return merge(per_rank, [], [r["ttft_s"] for r in rows if r["ttft_s"] is not None],
+                 [r["tpot_s"] for r in rows if r["tpot_s"] is not None])
 
 
 def balancedness(rows_by_rank: list[dict[str, int]]) -> float | None:
     """Mean over MoE layers of mean / max expert rows computed per rank (1 is perfect balance)."""
-    ratios = []
-    for layer in sorted({k for rows in rows_by_rank for k in rows}):
-        loads = [rows.get(layer, 0) for rows in rows_by_rank]
-        if max(loads) > 0:
-            ratios.append(sum(loads) / len(loads) / max(loads))
-    return round(sum(ratios) / len(ratios), 6) if ratios else None
+    from kvbatch.ops.results import balancedness as ratio
 
-
-def _sum_numbers(docs: list[Any]) -> Any:
-    """Numeric leaves summed across documents of the same shape (per-rank connector counters)."""
-    first = docs[0]
-    if isinstance(first, dict):
-        keys = {k for d in docs if isinstance(d, dict) for k in d}
-        return {k: _sum_numbers([d[k] for d in docs if isinstance(d, dict) and k in d]) for k in sorted(keys)}
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        return sum(d for d in docs if isinstance(d, (int, float)))
-    return first
+    return ratio(rows_by_rank)
 
 
 def _share_spec(spec: dict[str, Any] | None, world_size: int) -> dict[str, Any]:
-    """Rank 0's spec, on every rank."""
+    """Rank 0's spec, on every rank, with the id of this decode run (``decode_attempt``: the
+    ranks' part files and stats say which run committed them)."""
+    if spec is not None:
+        import uuid
+
+        spec = {**spec, "decode_attempt": spec.get("decode_attempt") or uuid.uuid4().hex[:12]}
     if world_size > 1:
         import torch.distributed as dist
 
@@ -155,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             with open_dagster_pipes() as pipes:
                 spec = _share_spec(pipes.get_extra("spec"), world_size)
                 pipes.log.info(f"decoding {spec['manifests_url']} with {world_size} rank(s)")
-                stats = run(spec, rank, world_size)
+                stats = run(spec, rank, world_size, log=pipes.log.info)
                 assert stats is not None
                 pipes.report_asset_materialization(
                     metadata={k: (0.0 if stats.get(k) is None else stats[k]) for k in REPORTED})

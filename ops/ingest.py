@@ -11,22 +11,36 @@ both formats accept and reject exactly the same things). Every input row ends up
 of the two outputs: ``prompts`` (valid) or ``rejects`` (row, custom_id, field, reason).
 
 Streaming: a dataset can be many GB, so nothing holds it whole. Rows are read one line (JSONL)
-or one record batch (Parquet) at a time, and both outputs are written as they come, one
-Parquet row group per ``batch_rows`` rows, into a file that becomes visible only on commit
-(:class:`TableStream`). Memory is bounded by one batch of each output plus the set of
-``custom_id`` values seen (the duplicate check needs it). The output is the same file a
-one-shot ``pa.Table.from_pylist`` of every row would give, row for row.
+or one record batch (Parquet) at a time. Memory is bounded by a batch, whatever the row count:
+
+1. every row's outcome (the valid row, or its reject) goes to a local temporary Parquet file in
+   input order, and every parsed ``(row, custom_id)`` to one of ``DUPLICATE_PARTITIONS`` spill
+   files chosen by a hash of the id, so all rows of one id land in the same file;
+2. each spill file alone is searched for repeated ids (polars), which holds one file's ids at a
+   time, not every id of the dataset: a row whose id appeared on an earlier row is a duplicate
+   of the first one (a rejected row's id counts too, as in ``kvbatch generate``);
+3. the outcomes are streamed again into both outputs, duplicates turned into rejects, one
+   Parquet row group per ``batch_rows`` rows, into files visible only on commit
+   (:class:`TableStream`).
+
+The outputs are those of one pass with a set of seen ids (the readers' ``check_duplicates``),
+row for row and reason for reason.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
+import numpy as np
+import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvbatch.io.batch_output import AtomicSink
@@ -42,6 +56,12 @@ from kvbatch.io.prompt_table import (
     reject_record,
     request_record,
 )
+
+# Spill files of (row, custom_id) for the duplicate search; a 10M-row dataset puts ~600k ids in each.
+DUPLICATE_PARTITIONS = 16
+# One input row's outcome: a valid row (field null) or a reject (row, custom_id, field, reason).
+OUTCOME_SCHEMA = pa.schema([*PROMPTS_SCHEMA, ("field", pa.string()), ("reason", pa.string())])
+ID_SCHEMA = pa.schema([("row", pa.int64()), ("custom_id", pa.string())])
 
 # Plain chat fields a Parquet column can be mapped to (target name -> what the validator reads).
 PARQUET_TARGETS = ("custom_id", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -78,6 +98,7 @@ def read_parquet_requests(
     columns: Mapping[str, str] | None = None,
     default_max_tokens: int = 256,
     storage_options: Mapping[str, Any] | None = None,
+    check_duplicates: bool = True,
 ) -> Iterator[ChatRequest | RejectedRow]:
     """Rows of a Parquet file as requests. ``columns`` maps a plain chat field (``custom_id``,
     ``messages``, ``max_tokens``...) to the file's column name; unmapped fields use their own
@@ -114,7 +135,7 @@ def read_parquet_requests(
                 else:
                     item = parse_request_line(line, row_no, default_max_tokens=default_max_tokens)
                 cid = item.custom_id
-                if cid is not None:
+                if cid is not None and check_duplicates:
                     first = seen.setdefault(cid, row_no)
                     if first != row_no:
                         item = RejectedRow(row_no, cid, "custom_id", f"duplicate of row {first}")
@@ -128,16 +149,19 @@ def read_dataset(
     columns: Mapping[str, str] | None = None,
     default_max_tokens: int = 256,
     storage_options: Mapping[str, Any] | None = None,
+    check_duplicates: bool = True,
 ) -> Iterator[ChatRequest | RejectedRow]:
-    """One item per input row, in input order, whatever the format."""
+    """One item per input row, in input order, whatever the format (``check_duplicates``: a
+    repeated ``custom_id`` is rejected here, which keeps every id seen in memory)."""
     kind = detect_format(url) if fmt == "auto" else fmt
     if kind == "jsonl":
         if columns:
             raise ValueError("a column mapping applies to Parquet input only")
-        return read_requests(url, default_max_tokens=default_max_tokens, storage_options=storage_options)
+        return read_requests(url, default_max_tokens=default_max_tokens, storage_options=storage_options,
+                             check_duplicates=check_duplicates)
     if kind == "parquet":
         return read_parquet_requests(url, columns=columns, default_max_tokens=default_max_tokens,
-                                     storage_options=storage_options)
+                                     storage_options=storage_options, check_duplicates=check_duplicates)
     raise ValueError(f"unknown dataset format {fmt!r} (use auto, jsonl or parquet)")
 
 
@@ -183,6 +207,13 @@ class TableStream:
         if len(self._pending) >= self.batch_rows:
             self._flush()
 
+    def add_table(self, table: pa.Table) -> None:
+        """Rows already in a table (after any pending records, so the order is kept)."""
+        self._flush()
+        if table.num_rows:
+            self._writer.write_table(table.cast(self.schema))
+            self.rows += table.num_rows
+
     def _flush(self) -> None:
         if self._pending:
             self._writer.write_table(pa.Table.from_pylist(self._pending, self.schema))
@@ -204,6 +235,74 @@ class TableStream:
         self._sink.abort()
 
 
+class IdSpill:
+    """``(row, custom_id)`` pairs spilled to ``partitions`` local Parquet files by a hash of the
+    id, so that :meth:`duplicates` searches one file at a time."""
+
+    def __init__(self, folder: str, partitions: int = DUPLICATE_PARTITIONS, batch_rows: int = 65536) -> None:
+        self.folder, self.partitions, self.batch_rows = folder, partitions, batch_rows
+        self._rows: list[int] = []
+        self._ids: list[str] = []
+        self._writers: dict[int, pq.ParquetWriter] = {}
+
+    def add(self, row: int, custom_id: str) -> None:
+        self._rows.append(row)
+        self._ids.append(custom_id)
+        if len(self._rows) >= self.batch_rows:
+            self._flush()
+
+    def _path(self, part: int) -> str:
+        return os.path.join(self.folder, f"ids-{part:03d}.parquet")
+
+    def _flush(self) -> None:
+        if not self._rows:
+            return
+        df = pl.DataFrame({"row": self._rows, "custom_id": self._ids}, schema={"row": pl.Int64, "custom_id": pl.String})
+        df = df.with_columns(part=(pl.col("custom_id").hash(seed=0) % self.partitions).cast(pl.Int64))
+        for (part,), piece in df.partition_by("part", as_dict=True).items():
+            writer = self._writers.get(part)
+            if writer is None:
+                writer = self._writers[part] = pq.ParquetWriter(self._path(part), ID_SCHEMA)
+            writer.write_table(piece.drop("part").to_arrow().cast(ID_SCHEMA))
+        self._rows, self._ids = [], []
+
+    def duplicates(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows that repeat an earlier row's id, that earlier first row), sorted by row."""
+        self._flush()
+        for writer in self._writers.values():
+            writer.close()
+        found = [
+            pl.read_parquet(self._path(part))
+            .with_columns(first=pl.col("row").min().over("custom_id"))
+            .filter(pl.col("row") != pl.col("first"))
+            .select("row", "first")
+            for part in sorted(self._writers)
+        ]
+        dups = pl.concat(found).sort("row") if found else pl.DataFrame(schema={"row": pl.Int64, "first": pl.Int64})
+        return dups["row"].to_numpy(), dups["first"].to_numpy()
+
+
+def _split_outcomes(batch: pa.RecordBatch, dup_rows: np.ndarray, dup_first: np.ndarray,
+                    unit: str) -> tuple[pa.Table, pa.Table]:
+    """(valid rows, rejects) of one batch of outcomes, a repeated id made a reject."""
+    rows = batch.column("row").to_numpy(zero_copy_only=False)
+    at = np.minimum(np.searchsorted(dup_rows, rows), max(len(dup_rows) - 1, 0))
+    is_dup = (dup_rows[at] == rows) if len(dup_rows) else np.zeros(len(rows), dtype=bool)
+    table = pa.Table.from_batches([batch])
+    valid = pc.and_(pc.is_null(table.column("field")), pa.array(~is_dup))
+    prompts = table.filter(valid).select(PROMPTS_SCHEMA.names)
+    bad = pc.invert(valid)
+    rejects = table.filter(bad).select(REJECTS_SCHEMA.names)
+    dup_of = is_dup[np.asarray(bad)]
+    if dup_of.any():
+        first = pa.array(dup_first[at][np.asarray(bad)].astype(str))
+        reason = pc.binary_join_element_wise(pa.scalar(f"duplicate of {unit} "), first, "")
+        dup_mask = pa.array(dup_of)
+        rejects = rejects.set_column(2, "field", pc.if_else(dup_mask, pa.scalar("custom_id"), rejects.column("field")))
+        rejects = rejects.set_column(3, "reason", pc.if_else(dup_mask, reason, rejects.column("reason")))
+    return prompts, rejects
+
+
 def ingest(
     url: str,
     prompts_url: str,
@@ -219,26 +318,43 @@ def ingest(
     """Validate every row of ``url``; stream the valid rows to ``prompts_url`` and the others to
     ``rejects_url`` (both Parquet, ``batch_rows`` rows per row group, each committed atomically;
     an error while reading, such as :class:`~kvbatch.io.batch_requests.InputStreamError` for a
-    truncated ``.gz``, commits neither: a shard built from part of a file would pass for all of it)."""
+    truncated ``.gz``, commits neither: a shard built from part of a file would pass for all of it).
+    Repeated ids are found through a spill to local temporary files (module docstring)."""
     report = IngestReport()
     out_opts = output_storage_options if output_storage_options is not None else storage_options
-    good = TableStream(prompts_url, PROMPTS_SCHEMA, storage_options=out_opts, batch_rows=batch_rows)
-    bad = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=out_opts, batch_rows=batch_rows)
-    try:
-        for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
-                                 storage_options=storage_options):
-            report.rows += 1
-            if isinstance(item, RejectedRow):
-                report.rejected += 1
-                report.rejects_by_field[item.field] = report.rejects_by_field.get(item.field, 0) + 1
-                bad.add(reject_record(item))
-            else:
-                report.valid += 1
-                good.add(request_record(item))
-    except BaseException:
-        good.abort()
-        bad.abort()
-        raise
+    kind = detect_format(url) if fmt == "auto" else fmt
+    with tempfile.TemporaryDirectory(prefix="kvbatch-ingest-") as tmp:
+        outcomes_path = os.path.join(tmp, "outcomes.parquet")
+        outcomes = TableStream(outcomes_path, OUTCOME_SCHEMA, batch_rows=batch_rows)
+        ids = IdSpill(tmp)
+        try:
+            for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
+                                     storage_options=storage_options, check_duplicates=False):
+                report.rows += 1
+                outcomes.add(reject_record(item) if isinstance(item, RejectedRow) else request_record(item))
+                if item.custom_id is not None:
+                    ids.add(item.line_no, item.custom_id)
+        except BaseException:
+            outcomes.abort()
+            raise
+        outcomes.commit()
+        dup_rows, dup_first = ids.duplicates()
+        good = TableStream(prompts_url, PROMPTS_SCHEMA, storage_options=out_opts, batch_rows=batch_rows)
+        bad = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=out_opts, batch_rows=batch_rows)
+        try:
+            for batch in pq.ParquetFile(outcomes_path).iter_batches(batch_size=batch_rows):
+                prompts, rejects = _split_outcomes(batch, dup_rows, dup_first, "line" if kind == "jsonl" else "row")
+                good.add_table(prompts)
+                bad.add_table(rejects)
+                report.valid += prompts.num_rows
+                report.rejected += rejects.num_rows
+                for entry in pc.value_counts(rejects.column("field")).to_pylist():
+                    report.rejects_by_field[entry["values"]] = report.rejects_by_field.get(entry["values"], 0) + \
+                        entry["counts"]
+        except BaseException:
+            good.abort()
+            bad.abort()
+            raise
     report.prompts_bytes = good.commit()
     report.rejects_bytes = bad.commit()
     return report

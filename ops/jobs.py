@@ -15,6 +15,7 @@ from kvbatch.engine.runtime.llm import LLM
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow, reject
+from kvbatch.ops.prompt_tokens import CachedChatEncoder
 
 
 @dataclass
@@ -48,18 +49,26 @@ def tokenize_requests(llm: LLM, items: Iterator[ChatRequest | RejectedRow]) -> I
         yield tokenize_request(llm.tokenizer, llm.max_model_len, index, item)
 
 
-def tokenize_request(tokenizer: ChatTokenizer, max_model_len: int, index: int,
+def tokenize_request(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len: int, index: int,
                      item: ChatRequest | RejectedRow) -> Job | Rejected:
     """One row of :func:`tokenize_requests`; needs only the tokenizer, so a worker process that
     rebuilt it from the checkpoint's tokenizer source gives exactly the same answer."""
     if isinstance(item, RejectedRow):
         return Rejected(index, item)
+    ids = prompt_ids(tokenizer, max_model_len, item)
+    if isinstance(ids, RejectedRow):
+        return Rejected(index, ids)
+    return Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model)
+
+
+def prompt_ids(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len: int,
+               item: ChatRequest) -> list[int] | RejectedRow:
+    """The prompt's token ids, or why it cannot run (the shard builder needs no more than this)."""
     try:
         ids = tokenizer.encode_chat(item.messages)
     except ValueError as exc:  # a template that raises for this conversation
-        return Rejected(index, reject(item, "body.messages", f"chat template failed: {exc}"))
+        return reject(item, "body.messages", f"chat template failed: {exc}")
     if len(ids) >= max_model_len:
-        return Rejected(index, reject(item, "body.messages",
-                                      f"prompt is {len(ids)} tokens; the context window is {max_model_len}"))
-    return Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model)
+        return reject(item, "body.messages", f"prompt is {len(ids)} tokens; the context window is {max_model_len}")
+    return ids
 

@@ -2,7 +2,7 @@
 
 Plain Python (no Dagster); the pipeline's ``prompt_shards`` asset calls :func:`build_shards`.
 
-Tokenization goes through the same per-row :func:`tokenize_request` as ``kvbatch generate``,
+Tokenization goes through the same per-row checks (:func:`~kvbatch.ops.jobs.prompt_ids`) as ``kvbatch generate``,
 so a row's ``prompt_token_ids`` are exactly what a sequential run would compute; rows the
 template refuses or that do not fit the context window become rejects (row, custom_id, field,
 reason), never dropped. With ``tokenize_workers > 1`` a pool of spawned processes tokenizes
@@ -31,8 +31,9 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvbatch.engine.models.weights import TokenizerSource
-from kvbatch.engine.runtime.block_hash import chain_keys, store_fingerprint
+from kvbatch.engine.models.weights import TokenizerSource, load_tokenizer_source
+from kvbatch.engine.runtime.block_hash import chain_keys, root_key, store_fingerprint
+from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, parse_dtype
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow
@@ -44,8 +45,10 @@ from kvbatch.io.prompt_table import (
     request_record,
 )
 from kvbatch.io.shard_tables import shard_url
+from kvbatch.ops.fingerprint import model_identity
 from kvbatch.ops.ingest import TableStream
-from kvbatch.ops.jobs import Rejected, tokenize_request, tokenize_requests
+from kvbatch.ops.jobs import Rejected, prompt_ids, tokenize_requests
+from kvbatch.ops.prompt_tokens import CachedChatEncoder
 from kvbatch.ops.shard_routing import shard_keys, shard_of
 
 SHARD_SCHEMA = pa.schema([
@@ -94,9 +97,16 @@ class Tokenized:
     block_keys: list[str]
 
 
-def tokenized_in_process(llm: LLM, batches: Iterable[list[ChatRequest]]
+def tokenized_in_process(llm: LLM | RowTokenizer, batches: Iterable[list[ChatRequest]]
                          ) -> Iterator[tuple[ChatRequest, Tokenized | RejectedRow]]:
-    """Every request with its outcome, in input order, tokenized in this process."""
+    """Every request with its outcome, in input order, tokenized in this process: by the
+    :class:`RowTokenizer` (no weights, repeated text tokenized once) or by a loaded ``LLM``'s
+    own tokenizer, row by row (the reference the tests hold the others to)."""
+    if isinstance(llm, RowTokenizer):
+        tokenizer = llm.build()
+        for requests in batches:
+            yield from zip(requests, llm.tokenize(tokenizer, requests), strict=True)
+        return
     for requests in batches:
         for req, item in zip(requests, tokenize_requests(llm, iter(requests)), strict=True):
             if isinstance(item, Rejected):
@@ -108,7 +118,9 @@ def tokenized_in_process(llm: LLM, batches: Iterable[list[ChatRequest]]
 @dataclass(frozen=True)
 class RowTokenizer:
     """What a worker process needs to tokenize rows as ``llm`` does: plain, picklable data (the
-    tokenizer files or GGUF tokenizer metadata, the context window, the KV key root), no weights."""
+    tokenizer files or GGUF tokenizer metadata, the context window, the KV key root), no weights.
+    :meth:`for_model` makes one without loading the weights at all (the fingerprint comes from
+    :mod:`kvbatch.ops.fingerprint`); :meth:`of` takes it from an ``LLM`` already loaded."""
 
     source: TokenizerSource
     max_model_len: int
@@ -122,18 +134,26 @@ class RowTokenizer:
         return cls(llm.checkpoint.tokenizer_source, llm.max_model_len, llm.kv_root_key,
                    llm.engine_config.block_size)
 
-    def build(self) -> ChatTokenizer:
-        return ChatTokenizer.from_source(self.source)
+    @classmethod
+    def for_model(cls, model: str, dtype: str, engine_config: EngineConfig) -> RowTokenizer:
+        """The tokenizer of ``model`` as an ``LLM(model, dtype, engine_config)`` would tokenize,
+        from the tokenizer files and the kept model identity: no weights are read (but once, to
+        fingerprint a model never seen before)."""
+        identity = model_identity(model)
+        dtype_name = str(parse_dtype(dtype)).removeprefix("torch.")
+        return cls(load_tokenizer_source(model), engine_config.max_model_len or identity.max_position_embeddings,
+                   root_key(identity.fingerprint, dtype_name, engine_config.block_size), engine_config.block_size)
 
-    def tokenize(self, tokenizer: ChatTokenizer, requests: list[ChatRequest]) -> list[Tokenized | RejectedRow]:
+    def build(self) -> CachedChatEncoder:
+        """The tokenizer, with repeated message text tokenized once (same ids as per row)."""
+        return CachedChatEncoder(ChatTokenizer.from_source(self.source))
+
+    def tokenize(self, tokenizer: ChatTokenizer | CachedChatEncoder, requests: list[ChatRequest]) -> list[Tokenized | RejectedRow]:
         out: list[Tokenized | RejectedRow] = []
         for req in requests:
-            item = tokenize_request(tokenizer, self.max_model_len, 0, req)
-            if isinstance(item, Rejected):
-                out.append(item.row)
-            else:
-                ids = item.prompt_token_ids
-                out.append(Tokenized(ids, chain_keys(self.kv_root_key, ids, self.block_size)))
+            ids = prompt_ids(tokenizer, self.max_model_len, req)
+            out.append(ids if isinstance(ids, RejectedRow) else
+                       Tokenized(ids, chain_keys(self.kv_root_key, ids, self.block_size)))
         return out
 
 
@@ -143,7 +163,7 @@ class TokenizerWorkerError(RuntimeError):
 
 # The worker process's tokenizer, built once by the pool initializer (a process-wide slot is
 # how ProcessPoolExecutor hands per-worker state to its tasks).
-_worker_state: tuple[RowTokenizer, ChatTokenizer] | None = None
+_worker_state: tuple[RowTokenizer, CachedChatEncoder] | None = None
 
 
 def _init_worker(row_tokenizer_path: str) -> None:
@@ -232,7 +252,7 @@ def _num_rows(url: str, storage_options: Mapping[str, Any] | None) -> int:
 
 
 def build_shards(
-    llm: LLM,
+    llm: LLM | RowTokenizer,
     prompts_url: str,
     root: str,
     num_shards: int,
@@ -245,7 +265,8 @@ def build_shards(
     tokenize_chunk_rows: int = 512,
     pool_min_rows: int = 16384,
 ) -> ShardReport:
-    """Tokenize ``prompts_url`` and write ``<root>/<table>/shard=XXXX/part.parquet`` for every
+    """Tokenize ``prompts_url`` with ``llm`` (a :class:`RowTokenizer`, no weights: what the
+    pipeline passes; or a loaded ``LLM``) and write ``<root>/<table>/shard=XXXX/part.parquet`` for every
     shard (empty ones too, so every partition has a committed table), plus the tokenization
     rejects at ``rejects_url``. Streams: prompts are read ``batch_rows`` at a time and each shard
     is written as it fills; the files are committed together at the end (none on an error).
@@ -269,7 +290,8 @@ def build_shards(
             yield [record_request(rec) for rec in records]
 
     if workers > 1 and _num_rows(prompts_url, storage_options) >= pool_min_rows:
-        rows = tokenized_in_pool(RowTokenizer.of(llm), request_batches(), workers=workers,
+        row_tokenizer = llm if isinstance(llm, RowTokenizer) else RowTokenizer.of(llm)
+        rows = tokenized_in_pool(row_tokenizer, request_batches(), workers=workers,
                                  chunk_rows=tokenize_chunk_rows)
         report.tokenize_workers = workers
     else:

@@ -6,7 +6,8 @@
 
 Each rank reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun and a Kubernetes pod
 set them; :func:`launch_local` sets them for local processes) and joins a ``torch.distributed``
-group (gloo: the engine computes on the CPU; ``KVBATCH_DIST_BACKEND`` overrides).
+group (gloo: the engine computes on the CPU; ``KVBATCH_DIST_BACKEND`` overrides; with ``nccl``
+each rank takes GPU ``LOCAL_RANK``). A rank of an expert-parallel group loads only its experts.
 
 - Data parallel: rank ``r`` takes input rows ``r, r + W, r + 2W, ...``; attention and dense
   layers run on each rank's own requests only.
@@ -183,8 +184,33 @@ def init_group(timeout_s: float | None = None) -> tuple[int, int]:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = os.environ.get("KVBATCH_DIST_BACKEND", "gloo")
     timeout = timedelta(seconds=timeout_s or float(os.environ.get("KVBATCH_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    device_id = None
+    if backend == "nccl":  # one GPU per rank: LOCAL_RANK picks it, before any CUDA tensor exists
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("KVBATCH_DIST_BACKEND=nccl, but CUDA is not available on this machine")
+        device_id = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
     return rank, world
+
+
+def rank_experts(spec: dict[str, Any]) -> dict[int, list[int]] | None:
+    """The experts this rank holds (read from the model's config.json alone), so it loads only
+    those; None in a group of one, for a dense model, or a GGUF file."""
+    import torch.distributed as dist
+
+    from kvbatch.engine.models.weights import load_tokenizer_source
+    from kvbatch.engine.parallel.expert_parallel import rank_expert_ids
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    source = load_tokenizer_source(spec["model"])
+    if source.kind != "hf" or "config.json" not in source.files:
+        return None
+    return rank_expert_ids(json.loads(source.files["config.json"]), dist.get_rank(), dist.get_world_size(),
+                           int(spec.get("redundant_experts", 0)))
 
 
 def build_llm(spec: dict[str, Any]) -> Any:
@@ -193,7 +219,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
     from kvbatch.engine.runtime.engine_config import EngineConfig
     from kvbatch.engine.runtime.llm import LLM
 
-    ckpt = load_checkpoint(spec["model"])
+    ckpt = load_checkpoint(spec["model"], experts=rank_experts(spec))
     engine_config = EngineConfig(**spec.get("engine", {}))
     dtype = spec.get("dtype", "fp32")
     store = None

@@ -9,7 +9,12 @@ Launchers (``launcher``):
   (``python -m torch.distributed.run --standalone --nproc-per-node W -m kvbatch.ops.decode_worker``),
   through ``PipesSubprocessClient``. ``gloo`` on CPU, ``nccl`` on GPUs (``backend``).
 - ``torchrun``: the same entry point under torchrun with an explicit rendezvous
-  (``master_addr``/``master_port``, ``nnodes``/``node_rank``) for groups that span machines.
+  (``master_addr``/``master_port``, ``nnodes``/``node_rank``) for groups that span machines, or
+  ``rendezvous="c10d"``: every machine runs the same command and torchrun's c10d store at
+  ``master_addr:master_port`` numbers the ranks.
+
+Every rank also gets ``checkpoint_rows`` (it commits a part file every N results; a re-run
+resumes from them), ``eplb_interval``/``eplb_window`` (live EPLB) and ``redundant_experts``.
 - ``kubernetes``: one pod per decode group, built by :meth:`DecodeClusterResource.pod_spec`
   (``nvidia.com/gpu`` requests, the torchrun command, ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``),
   launched with ``dagster_k8s.PipesK8sClient`` (``pip install dagster-k8s`` matching dagster).
@@ -40,11 +45,29 @@ class DecodeClusterResource(dg.ConfigurableResource):
     launcher: Launcher = Field(default="in_process", description=(
         "in_process | pipes_subprocess (world 1) | local (torchrun --standalone) | torchrun | kubernetes"))
     world_size: int = Field(default=1, ge=1, description="decode ranks in the group")
-    backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="auto: nccl with CUDA, else gloo")
+    backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="auto: nccl when the ranks "
+                                                     "compute on CUDA, else gloo")
+    device: str = Field(default="auto", description="where the ranks compute: auto (CUDA when the worker has "
+                        "it), cpu, cuda (each rank its LOCAL_RANK GPU); overrides the model's device in the workers")
     master_addr: str = Field(default="127.0.0.1", description="torchrun/kubernetes rendezvous host")
     master_port: int = Field(default=29500, ge=1, le=65535, description="torchrun/kubernetes rendezvous port")
     nnodes: int = Field(default=1, ge=1, description="torchrun: machines in the group (world_size divisible by it)")
-    node_rank: int = Field(default=0, ge=0, description="torchrun: this machine's rank")
+    node_rank: int = Field(default=0, ge=0, description="torchrun: this machine's rank (static rendezvous)")
+    rendezvous: Literal["static", "c10d"] = Field(default="static", description=(
+        "torchrun: static (master_addr/port, node_rank per machine) or c10d (every machine runs the same "
+        "command; torchrun's c10d store at master_addr:master_port assigns the ranks)"))
+    rdzv_id: str = Field(default="kvbatch-decode", description="torchrun c10d: the group's rendezvous id")
+    # What the ranks do (passed to every worker in its spec)
+    checkpoint_rows: int = Field(default=256, ge=1, description=(
+        "each rank commits its results as a part file every N results; a re-run resumes from them"))
+    eplb_interval: int = Field(default=0, ge=0, description=(
+        "MoE on a group: rebalance the experts over the ranks every N decode steps from the observed "
+        "loads (live EPLB; 0: never), as `kvbatch decode --eplb-interval`"))
+    eplb_window: int | None = Field(default=None, ge=1, description="live EPLB: steps of load history "
+                                    "(default: the interval)")
+    redundant_experts: int = Field(default=0, ge=0, description=(
+        "MoE on a group: extra expert slots for replicas of hot experts (experts + R must divide by "
+        "world_size), as `kvbatch decode --redundant-experts`"))
     # Kubernetes (launcher=kubernetes)
     image: str | None = Field(default=None, description="kubernetes: container image with kvbatch installed")
     namespace: str = Field(default="default", description="kubernetes namespace")
@@ -58,6 +81,14 @@ class DecodeClusterResource(dg.ConfigurableResource):
 
     @model_validator(mode="after")
     def _check(self) -> "DecodeClusterResource":
+        from kvbatch.engine.runtime.engine_config import parse_device_spec
+
+        kind, index = parse_device_spec(self.device)
+        if index is not None and self.world_size > 1:
+            raise ValueError(f"device {self.device!r} names one GPU; a group of {self.world_size} ranks takes "
+                             "one GPU per rank (LOCAL_RANK): use device 'cuda'")
+        if self.backend == "nccl" and kind == "cpu":
+            raise ValueError("backend 'nccl' moves CUDA tensors only: device 'cpu' needs backend 'gloo' or 'auto'")
         if self.launcher in ("in_process", "pipes_subprocess") and self.world_size != 1:
             raise ValueError(f"world_size={self.world_size} needs launcher 'local', 'torchrun' or 'kubernetes' "
                              f"({self.launcher!r} runs one process)")
@@ -76,19 +107,29 @@ class DecodeClusterResource(dg.ConfigurableResource):
         return self.world_size // self.nnodes
 
     def resolved_backend(self) -> str:
+        """nccl exactly when the ranks' tensors are on CUDA (NCCL moves nothing else), else gloo."""
         if self.backend != "auto":
             return self.backend
+        if self.device == "cpu":
+            return "gloo"
         if self.launcher == "kubernetes":
             return "nccl" if self.gpus_per_rank else "gloo"
         import torch
 
         return "nccl" if torch.cuda.is_available() else "gloo"
 
+    def worker_device(self) -> str:
+        """The engine device every rank uses: ``cpu`` with gloo, ``cuda`` (its LOCAL_RANK GPU) with nccl."""
+        return "cuda" if self.resolved_backend() == "nccl" else "cpu"
+
     def torchrun_args(self, *, standalone: bool, target: list[str] | None = None) -> list[str]:
         """torchrun's arguments, then the target (default ``-m kvbatch.ops.decode_worker``)."""
         args = [f"--nproc-per-node={self.nproc_per_node}"]
         if standalone:
             args.append("--standalone")  # a private rendezvous on a free port: groups never collide
+        elif self.rendezvous == "c10d":  # the same command on every machine; the store numbers them
+            args += [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={self.master_addr}:{self.master_port}", f"--rdzv-id={self.rdzv_id}"]
         else:
             args += [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}",
                      f"--master-addr={self.master_addr}", f"--master-port={self.master_port}"]
@@ -102,6 +143,11 @@ class DecodeClusterResource(dg.ConfigurableResource):
             return [python, "-m", "torch.distributed.run",
                     *self.torchrun_args(standalone=self.launcher == "local", target=target)]
         raise ValueError(f"launcher {self.launcher!r} has no local command")
+
+    def worker_options(self) -> dict[str, Any]:
+        """The spec keys every rank reads (``kvbatch.ops.decode_worker``): checkpointing, live EPLB."""
+        return {"checkpoint_rows": self.checkpoint_rows, "eplb_interval": self.eplb_interval,
+                "eplb_window": self.eplb_window, "redundant_experts": self.redundant_experts}
 
     def worker_env(self) -> dict[str, str]:
         return {"KVBATCH_DIST_BACKEND": self.resolved_backend()}
@@ -146,6 +192,9 @@ class DecodeClusterResource(dg.ConfigurableResource):
     def run(self, context: dg.AssetExecutionContext, spec: dict[str, Any],
             subprocess_client: dg.PipesSubprocessClient) -> Iterator[Any]:
         """Launch the worker group for one shard and yield what rank 0 reported through Pipes."""
+        # The ranks' tensors go where the collectives can move them.
+        spec = {**spec, "engine": {**(spec.get("engine") or {}), "device": self.worker_device()},
+                **self.worker_options()}
         if self.launcher == "kubernetes":
             try:
                 from dagster_k8s import PipesK8sClient

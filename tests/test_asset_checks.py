@@ -1,6 +1,8 @@
 """Every asset check of the graph seen failing on data built to break it, and passing on clean
 data: ``reject_rate_below_threshold`` and ``unique_custom_ids`` on ``prompts``,
-``one_result_per_custom_id`` and ``output_within_max_tokens`` on ``decode_results``. Each run is
+``one_result_per_custom_id`` and ``output_within_max_tokens`` on ``decode_results`` (the latency
+SLO checks of ``cost_metrics`` and ``cost_rollup`` are in tests/test_rollup.py). Each check is
+recorded against the partition it checked, and carries a description. Each run is
 an in-process ``dg.materialize`` on a tiny model and a local folder as the object store; a check
 that fails must also say why in its metadata."""
 
@@ -74,8 +76,12 @@ def _ingest_prompts(tmp_path: Path, lines: list[str], max_reject_rate: float) ->
     data.write_text("\n".join(lines) + "\n")
     config = {"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": max_reject_rate}}}}
     resources = {"object_store": ObjectStoreResource(url=str(tmp_path / "data"))}
-    return _checks(dg.materialize([prompts], resources=resources, partition_key=DATE,
-                                  selection=[prompts], run_config=config))
+    result = dg.materialize([prompts], resources=resources, partition_key=DATE, selection=[prompts],
+                            run_config=config, raise_on_error=False)
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    # The prompts checks are blocking: the step (and so the run) fails exactly when one fails.
+    assert result.success is all(c.passed for c in checks.values())
+    return checks
 
 
 @pytest.mark.parametrize("bad, threshold, passed", [(2, 0.25, False), (2, 0.4, True), (0, 0.0, True)])
@@ -86,7 +92,8 @@ def test_reject_rate_check_compares_the_rate_with_the_threshold(tmp_path, bad, t
     checks = _ingest_prompts(tmp_path, lines, threshold)
     check = checks["reject_rate_below_threshold"]
     assert check.passed is passed
-    assert _meta(check) == {"reject_rate": pytest.approx(bad / 5), "threshold": threshold}
+    assert _meta(check) == {"reject_rate_pct": pytest.approx(100 * bad / 5), "threshold_pct": 100 * threshold}
+    assert check.partition == DATE  # recorded against its date partition
     assert checks["unique_custom_ids"].passed  # nothing else is wrong with this data
 
 
@@ -115,6 +122,48 @@ def test_unique_custom_ids_check_fails_when_the_prompts_table_repeats_an_id(tmp_
     broken = _ingest_prompts(tmp_path / "broken", lines, 0.5)["unique_custom_ids"]
     assert not broken.passed
     assert _meta(broken) == {"duplicates": 2, "duplicate_ids_preview": ["b", "c"]}
+
+
+def _materialized(result: dg.ExecuteInProcessResult) -> set[str]:
+    return {e.event_specific_data.materialization.asset_key.path[-1] for e in result.get_asset_materialization_events()}
+
+
+@pytest.mark.slow
+def test_a_failed_prompts_check_stops_the_shards_of_that_run(tmp_path, monkeypatch):
+    """Blocking checks: with a repeated id in the prompts table, ``prompts`` is recorded, its
+    check fails, and ``prompt_shards`` (so no shard, prefill or decode) does not run; clean data
+    runs both."""
+    import kvbatch.ops.ingest as ingest_module
+
+    tiny = build_tiny_chat_model(tmp_path / "tiny")
+    lines = [_line("a"), _line("b"), _line("c")]
+    data = tmp_path / "requests.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    config = {"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}
+
+    def run(root: Path) -> dg.ExecuteInProcessResult:
+        resources = {"object_store": ObjectStoreResource(url=str(root)), "model": ModelResource(model=str(tiny))}
+        return dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE,
+                              run_config=config, raise_on_error=False)
+
+    clean = run(tmp_path / "clean")
+    assert clean.success
+    assert _materialized(clean) == {"prompts", "prompt_shards"}
+
+    real = ingest_module.ingest
+
+    def ingest_without_duplicate_check(url, prompts_url, *args, **kwargs):
+        report = real(url, prompts_url, *args, **kwargs)
+        table = pq.read_table(prompts_url)
+        pq.write_table(pa.concat_tables([table, table.slice(0, 1)]), prompts_url)
+        return report
+
+    monkeypatch.setattr(ingest_module, "ingest", ingest_without_duplicate_check)
+    broken = run(tmp_path / "broken")
+    assert not broken.success
+    assert _materialized(broken) == {"prompts"}
+    assert [c.passed for c in broken.get_asset_check_evaluations() if c.check_name == "unique_custom_ids"] == [False]
+    assert not (tmp_path / "broken" / "shards").exists()
 
 
 # ---------------------------------------------------------------- decode_results
@@ -168,6 +217,7 @@ def test_decode_checks_pass_on_a_clean_shard(handoff):
     resources, day, ids = handoff
     checks = _decode(resources)
     assert checks["one_result_per_custom_id"].passed and checks["output_within_max_tokens"].passed
+    assert {c.partition for c in checks.values()} == {str(date_shard_key(DATE, SHARD))}  # the check's own shard
     assert _meta(checks["one_result_per_custom_id"]) == CLEAN_ONE_RESULT
     assert _meta(checks["output_within_max_tokens"]) == {"over_limit": 0, "ids_preview": []}
     assert sorted(pq.read_table(day.shard("results", SHARD)).column("custom_id").to_pylist()) == ids
@@ -231,3 +281,15 @@ def test_output_check_names_rows_longer_than_the_request_allows(handoff):
     results = {r["custom_id"]: r["completion_tokens"] for r in pq.read_table(day.shard("results", SHARD)).to_pylist()}
     assert all(results[i] == MAX_TOKENS + 4 for i in loosen)
     assert checks["one_result_per_custom_id"].passed
+
+
+def test_every_check_has_a_description_and_its_asset_partitions():
+    from kvbatch.pipelines.definitions import defs
+
+    specs = [spec for a in defs.assets for spec in getattr(a, "check_specs", [])]
+    assert {s.name for s in specs} >= {"reject_rate_below_threshold", "unique_custom_ids", "one_result_per_custom_id",
+                                       "output_within_max_tokens", "latency_p95_within_slo"}
+    graph = defs.resolve_asset_graph()
+    for spec in specs:
+        assert spec.description and len(spec.description) > 20, spec.name
+        assert spec.partitions_def == graph.get(spec.asset_key).partitions_def, spec.name

@@ -159,9 +159,15 @@ def test_cost_metrics_arithmetic(tmp_path):
                "connector": {"kv_bytes_written": 2_000_000_000, "blocks_written": 5}}
     decode = {"wall_s": 1800.0, "results_bytes": 0,
               "connector": {"prompt_tokens_served_by_tier": {"object": 80}, "kv_bytes_read_by_tier": {"object": 10**9}}}
-    m = shard_metrics(results, prefill, decode, Pricing(2.0, 0.5, 0.1, devices=2))
-    assert m["device_s"] == 7200 and m["cost_compute_usd"] == 4.0
-    assert m["cost_storage_usd"] == 1.0 and m["cost_transfer_usd"] == 0.1 and m["cost_usd"] == 5.1
+    # Prefill on 1 device at $2/h, decode on 2 at $2/h; 2 GB kept 30 days at $0.5/GB-month; 1 GB of
+    # object-tier reads leaving the region at $0.1/GB.
+    pricing = Pricing(usd_per_device_hour={"cpu-host": 2.0}, prefill_devices=1, decode_devices=2,
+                      usd_per_gb_month_by_tier={"object": 0.5}, retention_days_by_tier={"object": 30},
+                      usd_per_gb_egress=0.1, kv_object_reads_leave_region=True)
+    m = shard_metrics(results, prefill, decode, pricing)
+    assert (m["device_s_prefill"], m["device_s_decode"], m["device_s"]) == (1800, 3600, 5400)
+    assert m["cost_compute_usd"] == 3.0
+    assert m["cost_storage_usd"] == 1.0 and m["cost_transfer_usd"] == 0.1 and m["cost_usd"] == 4.1
     assert m["prompt_tokens_decode_computed"] == 20 and m["kv_tokens_hit_object"] == 80 and m["kv_tokens_hit_disk"] == 0
     assert m["ttft_s_p50"] == 0.2 and m["tpot_s_p95"] == 0.01
     write_table(pa.Table.from_pylist([m]), str(tmp_path / "m.parquet"))

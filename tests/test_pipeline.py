@@ -80,7 +80,8 @@ def _resources(tiny: Path, url: str, opts: dict) -> dict:
                                             secret_access_key=opts["secret"]),
         "model": ModelResource(model=str(tiny), max_batch=8, deterministic=True),
         "kv_store": KVStoreResource(memory_gb=0),  # every hit must come from the object tier
-        "pricing": PricingResource(usd_per_device_hour=3.6, usd_per_gb_stored=0.02, usd_per_gb_moved=0.09),
+        "pricing": PricingResource(usd_per_device_hour={"cpu-host": 3.6}, usd_per_gb_month_by_tier={"object": 0.02},
+                                   usd_per_gb_egress=0.09, kv_object_reads_leave_region=True),
         "decode_cluster": DecodeClusterResource(),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
     }
@@ -158,6 +159,17 @@ def test_whole_graph_on_loopback_s3(tiny, dataset, tmp_path):
     assert sum(metrics.column("kv_tokens_hit_object").to_pylist()) > 0  # shared system prompt loaded
     assert sum(metrics.column("cost_usd").to_pylist()) > 0
     assert metrics.column("spec_acceptance_rate").null_count == metrics.num_rows  # no speculation here
+    # The day's rollup (through s3fs too) is the sum of the shards' cost rows.
+    import numpy as np
+
+    from kvbatch.pipelines.rollup import cost_rollup
+
+    assert dg.materialize([cost_rollup], resources=resources, partition_key=DATE, instance=instance).success
+    [day_row] = pq.read_table(fs.open(_path(day.table("cost_rollup")))).to_pylist()
+    assert day_row["shards"] == metrics.num_rows and day_row["requests"] == 14
+    assert day_row["cost_usd"] == pytest.approx(sum(metrics.column("cost_usd").to_pylist()), abs=1e-12)
+    assert day_row["ttft_s_p95"] == pytest.approx(float(np.percentile(results.column("ttft_s").to_pylist(), 95)),
+                                                  abs=1e-6)
     # Hive layout: a dataset reader over the table folder sees date and shard columns.
     import pyarrow.dataset as ds
 
@@ -204,8 +216,9 @@ def test_definitions_surface():
     dg.Definitions.validate_loadable(defs)
     assert {a.key.to_user_string() for a in ASSETS} == {"prompts", "prompt_shards", "prefill_kv", "decode_results",
                                                          "cost_metrics"}
-    for name in ("kvbatch_ingest", "kvbatch_prefill", "kvbatch_decode", "kvbatch_shard"):
+    for name in ("kvbatch_ingest", "kvbatch_prefill", "kvbatch_decode", "kvbatch_shard", "kvbatch_rollup"):
         defs.resolve_job_def(name)
+    assert defs.resolve_assets_def("cost_rollup").partitions_def == prompts.partitions_def
     assert decode_results.op.pool == "gpu" and prefill_kv.op.pool == "gpu"
     assert prompts.op.retry_policy.max_retries == 3
     assert isinstance(prompts.partitions_def, dg.DailyPartitionsDefinition)
@@ -430,7 +443,10 @@ def test_decode_with_two_ranks_under_torchrun_equals_one(tiny, tmp_path):
     stats = json.loads(Path(day.shard("decode_stats", key, "stats.json")).read_text())
     assert [r["requests"] for r in stats["by_rank"]] == [(rows + 1) // 2, rows // 2]
     metrics = pq.read_table(day.shard("cost_metrics", key)).to_pylist()[0]
-    assert metrics["device_s"] == pytest.approx(2 * (metrics["prefill_wall_s"] + metrics["decode_wall_s"]), rel=1e-3)
+    # Prefill ran in the step's own process (1 device), decode on the 2-rank group.
+    assert metrics["device_s_prefill"] == pytest.approx(metrics["prefill_wall_s"], rel=1e-3)
+    assert metrics["device_s_decode"] == pytest.approx(2 * metrics["decode_wall_s"], rel=1e-3)
+    assert metrics["device_s"] == pytest.approx(metrics["device_s_prefill"] + metrics["device_s_decode"], rel=1e-3)
     ref = _reference(tiny, tmp_path)
     results = pq.read_table(day.shard("results", key)).to_pylist()
     assert [r["row"] for r in results] == sorted(r["row"] for r in results)

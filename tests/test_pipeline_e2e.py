@@ -260,7 +260,8 @@ if stop == "commit":  # the bytes are in the temp file, the rename has not happe
         real_commit(self)
     AtomicSink.commit = commit
 decode_shard(llm, day.shard("manifests", shard, "manifests.jsonl"), day.shard("results", shard),
-             stats_url=day.shard("decode_stats", shard, "stats.json"), storage_options=opts)
+             stats_url=day.shard("decode_stats", shard, "stats.json"), storage_options=opts,
+             parts_url=day.shard("decode_parts", shard, ""))  # as the decode_results asset does
 print("DONE", flush=True)
 """
 

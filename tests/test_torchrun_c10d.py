@@ -1,0 +1,86 @@
+"""A decode group across "nodes": two torchrun processes of one rank each meet through torchrun's
+c10d rendezvous on loopback (gloo, a tiny model), each commits its own parts, rank 0 the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+
+import pyarrow.parquet as pq
+import pytest
+
+from kvbatch.ops.results import decode_shard
+from kvbatch.resources.decode_cluster import DecodeClusterResource
+from tests.test_decode_resume import ENGINE, _llm, _manifests, tiny  # noqa: F401 - the fixture
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_under_c10d_rendezvous_decode_the_shard_once(tiny, tmp_path):  # noqa: F811
+    n = 9
+    manifests = _manifests(_llm(tiny), tmp_path / "m.jsonl", n, max_tokens=4)
+    one = tmp_path / "one" / "part.parquet"
+    decode_shard(_llm(tiny), manifests, str(one))
+
+    results, parts = tmp_path / "two" / "part.parquet", tmp_path / "parts"
+    spec = {"model": str(tiny), "engine": ENGINE, "manifests_url": manifests, "results_url": str(results),
+            "parts_url": str(parts), "stats_url": str(tmp_path / "stats.json"), "checkpoint_rows": 2, "rows": n}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    cluster = DecodeClusterResource(launcher="torchrun", rendezvous="c10d", world_size=2, nnodes=2,
+                                    master_addr="127.0.0.1", master_port=_free_port(), backend="gloo")
+    cmd = cluster.command(target=["-m", "kvbatch.ops.decode_worker", "--spec", str(tmp_path / "spec.json")])
+    assert cmd[3:8] == ["--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{cluster.master_port}", "--rdzv-id=kvbatch-decode"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **cluster.worker_env()}
+    nodes = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # the same command on both "machines": the store numbers the ranks
+    outs = []
+    try:
+        for p in nodes:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["world_size"] == 2 and stats["succeeded"] == n
+    assert [r["rank"] for r in stats["by_rank"]] == [0, 1]
+    assert [r["requests"] for r in stats["by_rank"]] == [5, 4]  # request i went to rank i mod 2
+    got = pq.read_table(results).to_pylist()
+    want = {r["custom_id"]: r["output_token_ids"] for r in pq.read_table(one).to_pylist()}
+    assert [r["custom_id"] for r in got] == [f"id-{i}" for i in range(n)]  # once each, in shard order
+    assert {r["custom_id"]: r["output_token_ids"] for r in got} == want
+    assert not parts.exists()
+
+
+def test_the_decode_group_engine_rebalances_live_when_eplb_interval_is_set(tmp_path, monkeypatch):
+    """The spec's eplb_interval / redundant_experts reach the pipeline worker's group engine: a
+    LiveBalancer observes routing and runs after each group step (a gloo group of one here)."""
+    import torch.distributed as dist
+
+    from kvbatch.ops import decode_worker
+    from tests.tiny_models import build_tiny_moe
+
+    build_tiny_moe("mixtral", tmp_path / "moe")
+    model = tmp_path / "moe"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        spec = {"model": str(model), "engine": {"max_num_seqs": 4}}
+        engine, llm, ep = decode_worker._group_engine({**spec, "eplb_interval": 2, "redundant_experts": 0}, 1)
+        assert ep is not None and engine.on_step is not None
+        assert engine.on_step.__self__.interval == 2 and llm.model.routing_observers
+        plain, _, _ = decode_worker._group_engine(spec, 1)
+        assert plain.on_step is None  # no interval: no balancer
+    finally:
+        dist.destroy_process_group()
