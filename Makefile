@@ -24,28 +24,45 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 # The main job: the whole Dagster asset graph on the embedded default (SmolLM2, a generated sample
-# dataset, a local folder as the object store), through `dagster asset materialize`: the ingest
-# for one date partition (today, UTC), then every (date, shard) partition of that day.
+# dataset, a local folder as the object store), through the named jobs, so the UI's Overview and
+# Jobs pages show the runs and can re-execute them: kvbatch_ingest for one date partition (today,
+# UTC), kvbatch_shard for each (date, shard) of that day, then kvbatch_rollup for the day. Each run
+# is launched into the workspace's code location (`dagster job launch -w workspace.yaml`, with the
+# default run coordinator: no daemon needed) and waited for; a run that fails stops the demo.
+# The date partitions start a week before the demo's date (KVBATCH_START_DATE), so the UI shows
+# the demo's days rather than a year of empty ones.
 DEMO_ABS   = $(abspath $(DEMO))
-DEMO_ENV   = DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS) KVBATCH_TIMEZONE=UTC
 DEMO_SHARDS ?= 4
 DEMO_ROWS  ?= 200
 DEMO_DATE  ?= $(shell date -u +%F)
-MATERIALIZE = $(DEMO_ENV) $(BIN)/dagster asset materialize -m kvbatch.pipelines.definitions
+DEMO_START ?= $(shell date -u -d "$(DEMO_DATE) -6 days" +%F)
+DEMO_ENV   = DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS) KVBATCH_TIMEZONE=UTC KVBATCH_START_DATE=$(DEMO_START)
+LAUNCH     = $(DEMO_ENV) $(BIN)/dagster job launch -w workspace.yaml -l kvbatch
+NEW_RUN_ID = $$($(BIN)/python -c 'import uuid; print(uuid.uuid4())')
+WAIT_RUN   = $(DEMO_ENV) $(BIN)/python -m kvbatch.pipelines.automation
 
 demo: install
 	mkdir -p $(DEMO)/dagster_home
+	printf 'run_coordinator:\n  module: dagster._core.run_coordinator\n  class: DefaultRunCoordinator\n' > $(DEMO)/dagster_home/dagster.yaml
 	$(BIN)/kvbatch sample-data --output $(DEMO)/requests.jsonl --requests $(DEMO_ROWS)
-	$(MATERIALIZE) --select prompts,prompt_shards --partition $(DEMO_DATE) \
-		--config-json '{"ops": {"prompts": {"config": {"url": "$(DEMO_ABS)/requests.jsonl"}}}}'
+	id=$(NEW_RUN_ID) && $(LAUNCH) -j kvbatch_ingest --run-id $$id --tags '{"dagster/partition": "$(DEMO_DATE)"}' \
+		--config-json '{"ops": {"prompts": {"config": {"url": "$(DEMO_ABS)/requests.jsonl"}}}}' && $(WAIT_RUN) $$id
 	for shard in $$(seq -f "%04g" 0 $$(($(DEMO_SHARDS) - 1))); do \
-		$(MATERIALIZE) --select prefill_kv,decode_results,cost_metrics --partition "$(DEMO_DATE)|$$shard" || exit 1; \
+		id=$(NEW_RUN_ID) && $(LAUNCH) -j kvbatch_shard --run-id $$id \
+			--tags "{\"dagster/partition\": \"$(DEMO_DATE)|$$shard\"}" && $(WAIT_RUN) $$id || exit 1; \
 	done
+	id=$(NEW_RUN_ID) && $(LAUNCH) -j kvbatch_rollup --run-id $$id --tags '{"dagster/partition": "$(DEMO_DATE)"}' \
+		&& $(WAIT_RUN) $$id
 	$(BIN)/python -m kvbatch.ops.demo_report $(DEMO_ABS)/data $(DEMO_DATE)
-	@echo "UI: DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS) $(BIN)/dagster dev -w workspace.yaml"
+	@echo "UI: $(DEMO_ENV) $(BIN)/dagster dev -w workspace.yaml"
+
+# Two workers, whole files to each (module fixtures such as a served API or a webserver start once):
+# the suite is mostly single-threaded torch (test modules set one thread) and waiting on
+# subprocesses, so a second worker puts the second core to use. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 
 test: install-test
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
 bench: install-test
 	$(BIN)/python benchmarks/bench_engine.py

@@ -44,7 +44,15 @@ def _positive_float(text: str) -> float:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="Hugging Face folder (local or fsspec URL), a .gguf file, or 'smollm2-135m' (default)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights, activations and KV cache")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                   help="weights, activations and KV cache (default: bf16 on CUDA, fp32 on the CPU)")
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help="auto (CUDA when present, the default), cpu, cuda or cuda:N")
+    p.add_argument("--gpu-memory-utilization", type=_positive_float, default=0.9, metavar="FRACTION",
+                   help="CUDA: share of the GPU's memory the engine may hold; the KV cache gets what the "
+                        "weights and a warm-up pass leave of it (default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--max-batch", type=_positive_int, default=64, help="most sequences decoded together")
     p.add_argument("--max-step-tokens", type=_positive_int, default=2048, help="token budget of one engine step")
     p.add_argument("--kv-cache-gb", type=_positive_float, default=1.0, help="memory for the paged KV cache")
@@ -53,6 +61,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a request's tokens are bitwise independent of its batch, "
                         "chunking and KV source (slower at small batches)")
+    p.add_argument("--linear", choices=["auto", "onednn", "blas"], default="auto",
+                   help="CPU projection kernel: auto (measured on this machine at load, cached in "
+                        "~/.cache/kvbatch), or force oneDNN packed weights or BLAS")
+    p.add_argument("--weights", choices=["full", "int8"], default="full",
+                   help="dense projection weights: full (the --dtype) or int8 (weight-only, per-channel "
+                        "scales, CPU; quality delta in docs/performance.md)")
 
 
 def _spec_method(text: str) -> str:
@@ -142,7 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--store", required=True)
     gc.add_argument("--ttl-hours", type=float, default=None, help="delete packs older than this")
     gc.add_argument("--max-gb", type=float, default=None, help="delete oldest packs beyond this size")
+    gc.add_argument("--unused-days", type=float, default=None,
+                    help="delete packs neither written nor read (by decode) for this many days")
     gc.set_defaults(func=cmd_kv_gc)
+    cp = kv_sub.add_parser("compact", help="fold the per-writer index files into a partitioned index (gc runs it too)")
+    cp.add_argument("--store", required=True)
+    cp.add_argument("--grace-hours", type=float, default=1.0,
+                    help="index files this recent stay listed by readers; older generations kept this long")
+    cp.set_defaults(func=cmd_kv_compact)
 
     d = sub.add_parser("sample-data", help="write a generated sample request file (shared system prompts)")
     d.add_argument("--output", required=True, help="JSONL file to write (local path or fsspec URL)")
@@ -150,6 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--max-tokens", type=int, default=48)
     d.set_defaults(func=cmd_sample_data)
+
+    sv = sub.add_parser("serve", help="serve OpenAI's Files and Batches API over the pipeline (docs/batch-api.md)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--insecure-no-auth", action="store_true",
+                    help="serve without API keys (refused otherwise when KVBATCH_API_KEYS is empty)")
+    sv.add_argument("--max-file-mb", type=_positive_int, default=200, help="largest upload (OpenAI's limit: 200)")
+    sv.add_argument("--max-requests", type=_positive_int, default=50_000,
+                    help="most requests in one batch (OpenAI's limit: 50,000)")
+    sv.add_argument("--chunk-rows", type=_positive_int, default=256,
+                    help="rows per committed part of a running batch: a restart re-runs at most this many")
+    sv.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -166,14 +199,16 @@ def _load_llm(args: argparse.Namespace) -> Any:
     from kvbatch.io.kv_store import KVStore, KVStoreConfig
 
     cfg = EngineConfig(max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_step_tokens,
-                       kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), batch_invariant=args.deterministic)
+                       kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), batch_invariant=args.deterministic,
+                       **_device_config(args))
     ckpt = load_checkpoint(args.model)
     store = None
     if getattr(args, "store", None):
         store_cfg = KVStoreConfig(url=args.store, memory_bytes=int(args.store_memory_gb * (1 << 30)),
                                   disk_dir=args.store_disk, disk_bytes=int(args.store_disk_gb * (1 << 30)))
         # The store checks every block against the fingerprint of the exact KV layout.
-        store = KVStore.from_config(store_cfg, _kv_fingerprint(ckpt.fingerprint, args.dtype, cfg.block_size))
+        kv_dtype = args.dtype if cfg.weights == "full" else f"{args.dtype}+{cfg.weights}-weights"  # as LLM.kv_root_key
+        store = KVStore.from_config(store_cfg, _kv_fingerprint(ckpt.fingerprint, kv_dtype, cfg.block_size))
     spec = None
     if getattr(args, "spec", None):
         spec = SpecConfig.parse(args.spec, args.spec_max_len, args.spec_adaptive)
@@ -335,7 +370,9 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
     spec: dict[str, Any] = {
         "command": command, "model": args.model, "dtype": args.dtype, "seed": args.seed, "threads": args.threads,
         "engine": {"max_num_seqs": args.max_batch, "max_num_batched_tokens": args.max_step_tokens,
-                   "kv_cache_bytes": int(args.kv_cache_gb * (1 << 30)), "batch_invariant": args.deterministic},
+                   "kv_cache_bytes": int(args.kv_cache_gb * (1 << 30)), "batch_invariant": args.deterministic,
+                   # each rank takes GPU LOCAL_RANK (worker_group.init_group), not one fixed index
+                   **_device_config(args), **({"device": "cuda"} if args.device.startswith("cuda") else {})},
         "output": args.output, "errors": args.errors, "metrics": args.metrics, "model_name": args.model,
         "eplb_interval": args.eplb_interval, "redundant_experts": args.redundant_experts,
     }
@@ -354,6 +391,8 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
+        if args.device.startswith("cuda"):  # device tensors: NCCL collectives, one GPU per rank
+            os.environ.setdefault("KVBATCH_DIST_BACKEND", "nccl")
         code = launch_local(args.workers, ["--spec", spec_path])
         if code not in (EXIT_OK, EXIT_REJECTS) or not os.path.exists(spec["report"]):
             return code if code not in (EXIT_OK, EXIT_REJECTS) else EXIT_FATAL
@@ -499,15 +538,29 @@ def cmd_kv_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_kv_compact(args: argparse.Namespace) -> int:
+    from kvbatch.io.kv_store import kv_compact
+
+    if args.grace_hours < 0:
+        return _fail(f"kv compact --grace-hours must be >= 0, got {args.grace_hours}")
+    try:
+        out = kv_compact(args.store, grace_s=args.grace_hours * 3600)
+    except Exception as exc:  # noqa: BLE001 - any store failure is reported in one line
+        return _store_error(args.store, exc)
+    print(json.dumps(out, indent=2, default=str))
+    return EXIT_OK
+
+
 def cmd_kv_gc(args: argparse.Namespace) -> int:
     from kvbatch.io.kv_store import kv_gc
 
     ttl = args.ttl_hours * 3600 if args.ttl_hours is not None else None
     max_bytes = int(args.max_gb * (1 << 30)) if args.max_gb is not None else None
-    if ttl is None and max_bytes is None:
-        return _fail("kv gc needs --ttl-hours and/or --max-gb")
+    unused = args.unused_days * 86400 if args.unused_days is not None else None
+    if ttl is None and max_bytes is None and unused is None:
+        return _fail("kv gc needs --ttl-hours, --unused-days and/or --max-gb")
     try:
-        out = kv_gc(args.store, ttl, max_bytes)
+        out = kv_gc(args.store, ttl, max_bytes, unused_s=unused)
     except Exception as exc:  # noqa: BLE001 - any store failure is reported in one line
         return _store_error(args.store, exc)
     print(json.dumps(out, indent=2, default=str))
@@ -521,6 +574,19 @@ def _load_error(exc: Exception) -> str:
     if isinstance(exc, (ModelLoadError, UnsupportedModelError)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvbatch.serve.server import ServeConfigError, api_keys, serve
+    from kvbatch.serve.settings import MB, settings_from_env
+
+    try:
+        keys = api_keys(os.environ.get("KVBATCH_API_KEYS"), args.insecure_no_auth)
+        settings = settings_from_env(max_file_bytes=args.max_file_mb * MB, max_requests=args.max_requests,
+                                     chunk_rows=args.chunk_rows)
+    except (ServeConfigError, ValueError) as exc:
+        return _fail(str(exc))
+    return serve(settings, keys, args.host, args.port)
 
 
 def cmd_sample_data(args: argparse.Namespace) -> int:
@@ -578,8 +644,36 @@ def _warnings_to_stderr() -> Iterator[None]:
         logger.removeHandler(handler)
 
 
+def _device_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields of ``--device``, ``--gpu-memory-utilization``, ``--enforce-eager``,
+    ``--linear`` and ``--weights``."""
+    return {"device": args.device, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "enforce_eager": args.enforce_eager, "linear": args.linear, "weights": args.weights}
+
+
+def _resolve_device(args: argparse.Namespace) -> str | None:
+    """Fix ``--device`` (auto -> cuda:N or cpu) and the default ``--dtype`` that follows from it;
+    an error line when the device is not on this machine."""
+    if not hasattr(args, "device"):
+        return None
+    if args.gpu_memory_utilization > 1:
+        return f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+    from kvbatch.engine.runtime.engine_config import DeviceUnavailableError, default_dtype_name, resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except DeviceUnavailableError as exc:
+        return str(exc)
+    args.device = str(device)
+    args.dtype = args.dtype or default_dtype_name(device)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    error = _resolve_device(args)
+    if error is not None:
+        return _fail(error)
     with _warnings_to_stderr(), _signals_unwind():
         try:
             return args.func(args)

@@ -1,4 +1,5 @@
-"""The asset graph: prompts -> prompt_shards -> prefill_kv -> decode_results -> cost_metrics.
+"""The asset graph: prompts -> prompt_shards -> prefill_kv -> decode_results -> cost_metrics
+(-> cost_rollup, the day's sum, in ``rollup``).
 
 Wiring only: each asset calls a plain-Python step in ``kvbatch.ops`` and reports metadata.
 ``prompts`` and ``prompt_shards`` are partitioned by date, the rest by date x shard (see
@@ -9,10 +10,17 @@ Wiring only: each asset calls a plain-Python step in ``kvbatch.ops`` and reports
     shards/date=D/shard=XXXX/part.parquet, shard_rejects/...   tokenized rows by hash of custom_id
     manifests/date=D/shard=XXXX/manifests.jsonl                prefill -> decode hand-off (KV in <kv url>)
     results/date=D/shard=XXXX/part.parquet                     one row per request
+    decode_parts/date=D/shard=XXXX/part-*.parquet              decode's checkpoints, gone once results commit
     cost_metrics/date=D/shard=XXXX/part.parquet                one row per shard
+
+Metadata: numbers under stable keys with their unit in the name (``_s``, ``_mib``, ``_pct``,
+``_usd``, ``_per_s``) and at a readable precision, so the UI plots them across partitions;
+per-shard figures as tables; a figure that does not apply (no speculation, no MoE) is left out
+rather than recorded as 0.
 """
 
 
+import math
 import os
 from typing import Literal
 
@@ -20,6 +28,8 @@ import dagster as dg
 from pydantic import Field
 
 from kvbatch.io.shard_tables import read_json, read_table, write_table
+from kvbatch.ops.metrics import ProgressMeter
+from kvbatch.pipelines.checks import DECODE_CHECKS, PROMPTS_CHECKS, SHARD_SLO_CHECK, SLOConfig, slo_check_result
 from kvbatch.pipelines.layout import DayLayout
 from kvbatch.pipelines.partitions import (
     NUM_SHARDS,
@@ -40,6 +50,50 @@ from kvbatch.resources import (
 IO_RETRY = dg.RetryPolicy(max_retries=3, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 STEP_RETRY = dg.RetryPolicy(max_retries=1, delay=5, backoff=dg.Backoff.EXPONENTIAL)
 REJECTS_SHOWN = 20
+RESULTS_SHOWN = 10
+OWNERS = ["team:kvbatch"]
+MIB = 2 ** 20
+
+
+def mib(n_bytes: float) -> float:
+    """Bytes as MiB, two decimals (a metadata value a person reads)."""
+    return round(n_bytes / MIB, 2)
+
+
+def pct(fraction: float) -> float:
+    """A 0..1 fraction as a percentage, two decimals."""
+    return round(100.0 * fraction, 2)
+
+
+def usd(amount: float) -> float:
+    """Dollars at four significant digits: cents for a night, micro-dollars for a tiny shard."""
+    return float(f"{amount:.4g}")
+
+
+def fmt_usd(amount: float | None) -> str:
+    """Dollars as a person reads them: $1,234.56 from a dollar up, else four significant digits."""
+    if amount is None:
+        return "n/a"
+    if amount < 0:
+        return "-" + fmt_usd(-amount)
+    if amount >= 1:
+        return f"${amount:,.2f}"
+    if amount == 0:
+        return "$0"
+    digits = 3 - math.floor(math.log10(amount))  # four significant digits, never an exponent
+    return "$" + f"{amount:.{digits}f}".rstrip("0").rstrip(".")
+
+
+def markdown_table(header: tuple[str, ...], rows: list[tuple]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def table_metadata(columns: dict[str, str], records: list[dict]) -> dg.MetadataValue:
+    """Rows as a Dagster table (shown as a table, not a JSON blob); ``columns``: name -> type."""
+    schema = dg.TableSchema(columns=[dg.TableColumn(n, t) for n, t in columns.items()])
+    return dg.MetadataValue.table([dg.TableRecord(r) for r in records], schema=schema)
 
 
 NIGHTLY_DATASET_ENV = "KVBATCH_NIGHTLY_DATASET"
@@ -114,8 +168,9 @@ def _rejects_metadata(table) -> dict[str, dg.MetadataValue]:
     group_name="kvbatch",
     partitions_def=date_partitions,
     retry_policy=IO_RETRY,
-    check_specs=[dg.AssetCheckSpec("reject_rate_below_threshold", asset="prompts"),
-                 dg.AssetCheckSpec("unique_custom_ids", asset="prompts")],
+    check_specs=PROMPTS_CHECKS,
+    kinds={"python", "polars", "parquet"},
+    owners=OWNERS,
 )
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_store: ObjectStoreResource):
     """Every row of the day's dataset, validated and streamed (never held whole in memory): valid
@@ -135,8 +190,10 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_sto
         "dagster/row_count": report.valid,
         "input_rows": report.rows,
         "rejected_rows": report.rejected,
-        "reject_rate": report.reject_rate,
-        "rejects_by_field": dg.MetadataValue.json(report.rejects_by_field),
+        "reject_rate_pct": pct(report.reject_rate),
+        **({"rejects_by_field": table_metadata({"field": "string", "rejected_rows": "int"}, [
+            {"field": f, "rejected_rows": n} for f, n in sorted(report.rejects_by_field.items())])}
+           if report.rejects_by_field else {}),
         "dataset_url": dg.MetadataValue.path(url),
         "prompts_url": dg.MetadataValue.path(day.table("prompts")),
         "rejects_url": dg.MetadataValue.path(day.table("rejects")),
@@ -144,7 +201,8 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_sto
     })
     yield dg.AssetCheckResult(check_name="reject_rate_below_threshold",
                               passed=report.reject_rate <= config.max_reject_rate,
-                              metadata={"reject_rate": report.reject_rate, "threshold": config.max_reject_rate})
+                              metadata={"reject_rate_pct": pct(report.reject_rate),
+                                        "threshold_pct": pct(config.max_reject_rate)})
     yield dg.AssetCheckResult(check_name="unique_custom_ids", passed=dup == 0,
                               metadata={"duplicates": dup, "duplicate_ids_preview": dg.MetadataValue.json(dup_ids[:20])})
 
@@ -157,7 +215,8 @@ class ShardsConfig(dg.Config):
         "tables under 16384 rows are tokenized in-process anyway"))
 
 
-@dg.asset(group_name="kvbatch", deps=[prompts], partitions_def=date_partitions, retry_policy=IO_RETRY)
+@dg.asset(group_name="kvbatch", deps=[prompts], partitions_def=date_partitions, retry_policy=IO_RETRY,
+          kinds={"python", "parquet"}, owners=OWNERS)
 def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, object_store: ObjectStoreResource,
                   model: ModelResource):
     """The day's valid prompts tokenized (exactly as a sequential run would) and split by a stable
@@ -167,7 +226,8 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
     from kvbatch.ops.shards import build_shards
 
     day, opts = _day(context, object_store), object_store.storage_options()
-    report = build_shards(model.load(), day.table("prompts"), day.root, NUM_SHARDS, table=day.folder("shards"),
+    # The tokenizer and the kept fingerprint only: no weights are loaded to tokenize.
+    report = build_shards(model.row_tokenizer(), day.table("prompts"), day.root, NUM_SHARDS, table=day.folder("shards"),
                           rejects_url=day.table("shard_rejects"), storage_options=opts,
                           tokenize_workers=config.tokenize_workers)
     return dg.MaterializeResult(metadata={
@@ -175,8 +235,10 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
         "num_shards": NUM_SHARDS,
         "prompt_tokens": report.prompt_tokens,
         "rejected_rows": report.rejected,
-        "rows_by_shard": dg.MetadataValue.json(report.rows_by_shard),
-        "prompt_tokens_by_shard": dg.MetadataValue.json(report.prompt_tokens_by_shard),
+        "shards": table_metadata({"shard": "string", "rows": "int", "prompt_tokens": "int"}, [
+            {"shard": k, "rows": int(report.rows_by_shard.get(k, 0)),
+             "prompt_tokens": int(report.prompt_tokens_by_shard.get(k, 0))}
+            for k in sorted(set(report.rows_by_shard) | set(report.prompt_tokens_by_shard))]),
         "shards_url": dg.MetadataValue.path(day.root + "/" + day.folder("shards")),
         **_rejects_metadata(_head(day.table("shard_rejects"), opts, REJECTS_SHOWN)),
     })
@@ -190,7 +252,7 @@ SHARD_DEPS_ON_DAY = dg.AssetDep(prompt_shards, partition_mapping=shard_to_date)
 
 
 @dg.asset(group_name="kvbatch", deps=[SHARD_DEPS_ON_DAY], partitions_def=date_shard_partitions,
-          retry_policy=STEP_RETRY, pool="gpu")
+          retry_policy=STEP_RETRY, pool="gpu", kinds={"pytorch", "python"}, owners=OWNERS)
 def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                kv_store: KVStoreResource):
     """The (date, shard)'s prompt KV blocks in the tiered KV store (each block once, under its
@@ -199,26 +261,39 @@ def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResou
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
     llm = model.load(_kv(object_store, model, kv_store))
+    rows = _row_count(day.shard("shards", shard), opts)
     stats = prefill_shard(llm, day.shard("shards", shard), day.shard("manifests", shard, "manifests.jsonl"),
                           stats_url=day.shard("prefill_stats", shard, "stats.json"), model_name=model.model,
-                          storage_options=opts)
+                          storage_options=opts, progress=ProgressMeter("prefill", rows, context.log.info))
     conn = stats["connector"]
+    wall = stats["wall_s"]
     return dg.MaterializeResult(metadata={
         "requests": stats["requests"],
         "prompt_tokens": stats["prompt_tokens"],
         "prompt_tokens_computed": stats["prompt_tokens_computed"],
         "prompt_tokens_already_stored": stats["prompt_tokens_already_stored"],
         "kv_blocks_written": conn["blocks_written"],
-        "kv_bytes_written": conn["kv_bytes_written"],
-        "prefill_wall_s": stats["wall_s"],
+        "kv_written_mib": mib(conn["kv_bytes_written"]),
+        "prefill_wall_s": round(wall, 3),
+        "prefill_tokens_per_s": round(stats["prompt_tokens_computed"] / wall, 1) if wall else 0.0,
     })
+
+
+def _row_count(url: str, opts: dict) -> int:
+    """Rows of a Parquet table from its footer (nothing else is read)."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    with fsspec.open(url, "rb", **opts) as f:
+        return pq.ParquetFile(f).metadata.num_rows
 
 
 @dg.asset(
     group_name="kvbatch", deps=[prefill_kv], partitions_def=date_shard_partitions, retry_policy=STEP_RETRY,
     pool="gpu",
-    check_specs=[dg.AssetCheckSpec("one_result_per_custom_id", asset="decode_results"),
-                 dg.AssetCheckSpec("output_within_max_tokens", asset="decode_results")],
+    check_specs=DECODE_CHECKS,
+    kinds={"pytorch", "python", "parquet"},
+    owners=OWNERS,
 )
 def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                    kv_store: KVStoreResource, decode_cluster: DecodeClusterResource,
@@ -227,13 +302,17 @@ def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreR
     custom_id, text, token ids, finish_reason, usage and timings; decoded from the stored prompt
     KV, in process, or by a worker group launched through Dagster Pipes (``decode_cluster``:
     a subprocess, ``world_size`` ranks under torchrun, or a Kubernetes pod).
-    Committed whole: a re-run replaces the shard, a crash leaves the last good commit."""
+    Written as it goes: every rank commits a part file every ``checkpoint_rows`` results
+    (``decode_parts/...``), and a retry after a crash resumes from them; the shard's file is then
+    committed whole: a re-run replaces the shard, a crash leaves the last good commit."""
     from kvbatch.ops.results import decode_shard
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
     manifests = day.shard("manifests", shard, "manifests.jsonl")
     results_url = day.shard("results", shard)
     stats_url = day.shard("decode_stats", shard, "stats.json")
+    # Each rank's part files, committed every checkpoint_rows results; a retry resumes from them.
+    parts_url = day.shard("decode_parts", shard, "")
     piped = decode_cluster.launcher != "in_process"
     if piped:
         import dataclasses
@@ -241,13 +320,15 @@ def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreR
         spec = {"model": model.model, "dtype": model.dtype, "seed": model.seed, "threads": model.threads,
                 "engine": dataclasses.asdict(model.engine_config()), "kv_fingerprint": model.kv_fingerprint(),
                 "kv_store": kv_store.store_config(day.root, opts).model_dump(), "manifests_url": manifests,
-                "results_url": results_url, "stats_url": stats_url, "storage_options": opts,
-                "speculative": model.speculative()}
+                "results_url": results_url, "stats_url": stats_url, "parts_url": parts_url, "storage_options": opts,
+                "speculative": model.speculative(), "rows": _row_count(day.shard("shards", shard), opts)}
         yield from decode_cluster.run(context, spec, pipes_subprocess_client)
         stats = read_json(stats_url, storage_options=opts)
     else:
         llm = model.load(_kv(object_store, model, kv_store), decode=True)
-        stats = decode_shard(llm, manifests, results_url, stats_url=stats_url, storage_options=opts)
+        progress = ProgressMeter("decode", _row_count(day.shard("shards", shard), opts), context.log.info)
+        stats = decode_shard(llm, manifests, results_url, stats_url=stats_url, parts_url=parts_url,
+                             checkpoint_rows=decode_cluster.checkpoint_rows, storage_options=opts, progress=progress)
     results = read_table(results_url, storage_options=opts)
     problems = _result_problems(results, read_table(day.shard("shards", shard), storage_options=opts))
     if piped:  # the worker's rank 0 reported the materialization through Pipes
@@ -258,14 +339,26 @@ def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreR
         "output_tokens": stats["output_tokens"],
         "prompt_tokens": stats["prompt_tokens"],
         "loaded_prompt_tokens": stats["loaded_prompt_tokens"],
-        "decode_wall_s": stats["wall_s"],
-        "output_tokens_per_s": stats["output_tokens_per_s"],
-        "ttft_s_p50": stats["ttft_s_p50"] or 0.0,
-        "tpot_s_p50": stats["tpot_s_p50"] or 0.0,
+        "decode_wall_s": round(stats["wall_s"], 3),
+        "output_tokens_per_s": round(stats["output_tokens_per_s"], 1),
+        # A latency no request measured (none decoded past its first token) is left out, not 0.
+        **{k: stats[k] for k in ("ttft_s_p50", "tpot_s_p50") if stats.get(k) is not None},
         "results_url": dg.MetadataValue.path(results_url),
         "decode_world_size": decode_cluster.world_size,
+        "results_preview": _results_preview(results),
     })
     yield from _decode_checks(problems)
+
+
+def _results_preview(results) -> dg.MetadataValue:
+    """The first results of the shard as a table: what a person checks first."""
+    rows = results.slice(0, RESULTS_SHOWN).select(
+        ["custom_id", "finish_reason", "prompt_tokens", "completion_tokens", "text"]).to_pylist()
+    for r in rows:
+        text = r["text"] or ""
+        r["text"] = text if len(text) <= 120 else text[:119] + "…"
+    return table_metadata({"custom_id": "string", "finish_reason": "string", "prompt_tokens": "int",
+                           "completion_tokens": "int", "text": "string"}, rows)
 
 
 def _result_problems(results, shard) -> dict[str, list[str] | int]:
@@ -301,49 +394,99 @@ def _decode_checks(p: dict):
                               metadata={"over_limit": len(p["over_limit"]), "ids_preview": preview("over_limit")})
 
 
-@dg.asset(group_name="kvbatch", deps=[decode_results], partitions_def=date_shard_partitions, retry_policy=IO_RETRY)
-def cost_metrics(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, pricing: PricingResource,
-                 decode_cluster: DecodeClusterResource):
+@dg.asset(group_name="kvbatch", deps=[decode_results], partitions_def=date_shard_partitions, retry_policy=IO_RETRY,
+          check_specs=[SHARD_SLO_CHECK], kinds={"python", "parquet"}, owners=OWNERS)
+def cost_metrics(context: dg.AssetExecutionContext, config: SLOConfig, object_store: ObjectStoreResource,
+                 pricing: PricingResource, decode_cluster: DecodeClusterResource):
     """One row per (date, shard), ``cost_metrics/date=D/shard=XXXX/part.parquet``: tokens by class,
-    KV cache hits by tier, TTFT/TPOT p50/p95, speculative acceptance, expert-load balancedness,
-    prefill/decode wall seconds, device seconds and dollars."""
+    dollars and $/Mtok by class and blended, KV cache hits by tier, TTFT/TPOT p50/p95/p99,
+    speculative acceptance, expert-load balancedness, device-seconds by stage. The check holds
+    the shard's P95 latencies against the SLO."""
     from kvbatch.ops.cost import metrics_table, shard_metrics
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
     row = shard_metrics(read_table(day.shard("results", shard), storage_options=opts),
                         read_json(day.shard("prefill_stats", shard, "stats.json"), storage_options=opts),
                         read_json(day.shard("decode_stats", shard, "stats.json"), storage_options=opts),
-                        pricing.pricing(decode_cluster.world_size))
+                        pricing.pricing(decode_devices=decode_cluster.world_size))
     write_table(metrics_table(row), day.shard("cost_metrics", shard), storage_options=opts)
-    # Stable numeric keys: the UI plots them over time; plus a readable table and a token chart.
-    metadata: dict = {k: (0.0 if v is None else v) for k, v in row.items()}
-    metadata["summary"] = dg.MetadataValue.md(_cost_markdown(row))
-    return dg.MaterializeResult(metadata=metadata)
+    yield dg.MaterializeResult(metadata=cost_metadata(row))
+    yield slo_check_result(row, config)
 
 
-_SUMMARY_KEYS = ("requests", "prompt_tokens", "output_tokens", "ttft_s_p50", "ttft_s_p95", "tpot_s_p50",
-                 "tpot_s_p95", "spec_acceptance_rate", "spec_tokens_per_target_step", "spec_drafter_time_share",
-                 "expert_load_balancedness",
-                 "prefill_wall_s", "decode_wall_s", "device_s", "kv_bytes_written", "kv_bytes_read",
-                 "cost_compute_usd", "cost_storage_usd", "cost_transfer_usd", "cost_usd")
-_TOKEN_CLASSES = (("computed at prefill", "prompt_tokens_prefill_computed"),
-                  ("already stored", "prompt_tokens_prefill_already_stored"),
-                  ("loaded at decode", "prompt_tokens_decode_loaded"),
-                  ("prefix-cache hits at decode", "prompt_tokens_decode_cached"),
-                  ("computed at decode", "prompt_tokens_decode_computed"),
-                  ("output", "output_tokens"))
+# Plotted keys: the same on every partition, units in the names, figures that do not apply left out.
+_COUNT_KEYS = ("requests", "prompt_tokens", "output_tokens", "billable_tokens", "prompt_tokens_prefill_computed",
+               "prompt_tokens_decode_loaded", "prompt_tokens_decode_cached", "prompt_tokens_decode_computed")
+_LATENCY_KEYS = tuple(f"{n}_p{p}" for n in ("ttft_s", "tpot_s") for p in (50, 95, 99))
+_CLASS_LABELS = (("prefill_computed", "prompt, computed at prefill"),
+                 ("store_memory", "prompt, served by the KV store: memory"),
+                 ("store_disk", "prompt, served by the KV store: disk"),
+                 ("store_object", "prompt, served by the KV store: object store"),
+                 ("prefix_cache", "prompt, engine prefix-cache hit at decode"),
+                 ("decode_computed", "prompt, computed at decode"),
+                 ("output", "output"))
 
 
-def _cost_markdown(row: dict) -> str:
-    """The shard's figures as a markdown table, and its tokens by class as a bar chart."""
-    lines = ["| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {'–' if row.get(k) is None else row[k]} |" for k in _SUMMARY_KEYS if k in row]
-    counts = [(label, int(row.get(key) or 0)) for label, key in _TOKEN_CLASSES]
-    top = max((c for _, c in counts), default=0) or 1
-    lines += ["", "Tokens by class:", "", "```"]
-    lines += [f"{label:<28} {'█' * max(0, round(30 * c / top)):<30} {c}" for label, c in counts]
-    lines.append("```")
-    return "\n".join(lines)
+def cost_metadata(row: dict) -> dict:
+    """The metadata of a shard's (or a day's) cost row: numbers to plot and a readable summary."""
+    from kvbatch.ops.cost import TIERS, class_tokens
+
+    # The summary first: it is what the UI shows at the top of the metadata, with units in the values.
+    meta: dict = {"summary": dg.MetadataValue.md(cost_markdown(row, class_tokens(row)))}
+    meta.update({k: int(row[k]) for k in _COUNT_KEYS})
+    meta["cost_usd"] = usd(row["cost_usd"])
+    meta.update({f"usd_per_mtok_{c}": usd(row[f"usd_per_mtok_{c}"]) for c, _ in _CLASS_LABELS
+                 if row.get(f"usd_per_mtok_{c}") is not None})
+    if row.get("usd_per_mtok_blended") is not None:
+        meta["usd_per_mtok_blended"] = usd(row["usd_per_mtok_blended"])
+    if row.get("savings_usd") is not None:
+        meta["savings_usd"] = usd(row["savings_usd"])
+        meta["reference_cost_usd"] = usd(row["reference_cost_usd"])
+    meta.update({k: round(row[k], 4) for k in _LATENCY_KEYS if row.get(k) is not None})
+    meta["device_s_prefill"], meta["device_s_decode"] = round(row["device_s_prefill"], 3), round(row["device_s_decode"], 3)
+    meta["kv_written_mib"], meta["kv_read_mib"] = mib(row["kv_bytes_written"]), mib(row["kv_bytes_read"])
+    if row["prompt_tokens"]:
+        meta.update({f"kv_hit_rate_{t}_pct": pct(row[f"kv_tokens_hit_{t}"] / row["prompt_tokens"]) for t in TIERS})
+    if row.get("spec_acceptance_rate") is not None:  # speculative decoding ran
+        meta["spec_acceptance_pct"] = pct(row["spec_acceptance_rate"])
+    if row.get("expert_load_balancedness") is not None:  # a MoE model on a worker group
+        meta["expert_load_balancedness_pct"] = pct(row["expert_load_balancedness"])
+    return meta
+
+
+def cost_markdown(row: dict, tokens: dict[str, int]) -> str:
+    """Tokens, dollars and $/Mtok by class, then the shard's other figures, as markdown tables."""
+    classes = [(label, f"{tokens[c]:,}", fmt_usd(row[f"cost_{c}_usd"]),
+                fmt_usd(row.get(f"usd_per_mtok_{c}")) if row.get(f"usd_per_mtok_{c}") is not None else "–")
+               for c, label in _CLASS_LABELS if tokens[c] or row[f"cost_{c}_usd"]]
+    blended = row.get("usd_per_mtok_blended")
+    classes.append(("**total** (billable: prompt + output tokens)", f"{row['billable_tokens']:,}",
+                    fmt_usd(row["cost_usd"]), fmt_usd(blended) if blended is not None else "–"))
+    out = [markdown_table(("token class", "tokens", "cost", "$ per Mtok"), classes), "",
+           (f"Prompt tokens {row['prompt_tokens']:,} = served by the KV store "
+           f"{row['prompt_tokens_decode_loaded']:,} + prefix-cache hits {row['prompt_tokens_decode_cached']:,} + "
+           f"computed at decode {row['prompt_tokens_decode_computed']:,}. The "
+           f"{row['prompt_tokens_prefill_computed']:,} tokens computed at prefill are the blocks the store "
+           "then served, so they are not added again."), ""]
+    figures = [("requests", f"{row['requests']:,}"), ("output tokens", f"{row['output_tokens']:,}")]
+    for name, label in (("ttft_s", "time to first token"), ("tpot_s", "time per output token")):
+        if row.get(f"{name}_p50") is not None:
+            figures.append((f"{label} p50 / p95 / p99", " / ".join(
+                f"{row[f'{name}_p{p}']:.3f} s" for p in (50, 95, 99))))
+    figures += [("device-seconds, prefill / decode", f"{row['device_s_prefill']:.2f} s / {row['device_s_decode']:.2f} s"),
+                ("KV written / read", f"{mib(row['kv_bytes_written']):,.2f} MiB / {mib(row['kv_bytes_read']):,.2f} MiB"),
+                ("compute / storage / requests / egress", " / ".join(
+                    fmt_usd(row[k]) for k in ("cost_compute_usd", "cost_storage_usd", "cost_requests_usd",
+                                              "cost_transfer_usd")))]
+    if row.get("reference_cost_usd") is not None:
+        figures.append(("reference (hosted batch API) / saved",
+                        f"{fmt_usd(row['reference_cost_usd'])} / {fmt_usd(row['savings_usd'])}"))
+    if row.get("spec_acceptance_rate") is not None:
+        figures.append(("speculative acceptance", f"{pct(row['spec_acceptance_rate']):.1f} %"))
+    if row.get("expert_load_balancedness") is not None:
+        figures.append(("expert load balancedness (mean / max)", f"{pct(row['expert_load_balancedness']):.1f} %"))
+    out.append(markdown_table(("figure", "value"), figures))
+    return "\n".join(out)
 
 
 ASSETS = [prompts, prompt_shards, prefill_kv, decode_results, cost_metrics]

@@ -19,7 +19,15 @@ import os
 import dagster as dg
 
 from kvbatch.pipelines.assets import ASSETS
-from kvbatch.pipelines.automation import JOBS, new_dataset_files, nightly_ingest, shards_after_ingest
+from kvbatch.pipelines.automation import (
+    JOBS,
+    new_dataset_files,
+    nightly_ingest,
+    rollup_after_shard,
+    shards_after_ingest,
+)
+from kvbatch.pipelines.batch_api import batch_api_job
+from kvbatch.pipelines.rollup import ROLLUP_ASSETS
 from kvbatch.resources import (
     DecodeClusterResource,
     KVStoreResource,
@@ -53,9 +61,9 @@ def default_resources() -> dict:
 
 
 defs = dg.Definitions(
-    assets=ASSETS,
-    jobs=JOBS,
+    assets=[*ASSETS, *ROLLUP_ASSETS],
+    jobs=[*JOBS, batch_api_job],
     schedules=[nightly_ingest],
-    sensors=[shards_after_ingest, new_dataset_files],
+    sensors=[shards_after_ingest, rollup_after_shard, new_dataset_files],
     resources=default_resources(),
 )

@@ -7,8 +7,12 @@ reference ~25 s), and they are built lazily, on first use.
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The measured-kernel choices and the fingerprint records go to a folder of this session, not the
+# user's ~/.cache/kvbatch: a test must neither read an earlier run's choices nor leave its own.
+os.environ.setdefault("KVBATCH_CACHE_DIR", tempfile.mkdtemp(prefix="kvbatch-test-cache-"))
 
 import pytest
 

@@ -1,6 +1,7 @@
 """`make demo` in the suite, on a tiny chat model: the commands of the Makefile's demo recipe
-(``kvbatch sample-data``, ``dagster asset materialize`` for the date, then for each (date,
-shard), ``python -m kvbatch.ops.demo_report``) run as subprocesses, and what a user would look
+(``kvbatch sample-data``, the named jobs launched and waited for: ``kvbatch_ingest`` for the
+date, ``kvbatch_shard`` for each (date, shard), ``kvbatch_rollup``; ``python -m
+kvbatch.ops.demo_report``) run as subprocesses, and what a user would look
 at is checked against the tables they wrote.
 
 The Makefile is the one source of truth: the commands are what ``make -n demo`` prints, with
@@ -51,8 +52,8 @@ def demo_commands(demo: Path, repo: Path = REPO) -> list[str]:
     return commands
 
 
-DEMO_STEPS = ("kvbatch sample-data", "--select prompts,prompt_shards",
-              "--select prefill_kv,decode_results,cost_metrics", "kvbatch.ops.demo_report")
+DEMO_STEPS = ("kvbatch sample-data", "-j kvbatch_ingest", "-j kvbatch_shard", "-j kvbatch_rollup",
+              "kvbatch.ops.demo_report")
 
 
 def demo_steps(commands: list[str]) -> list[int]:
@@ -90,7 +91,7 @@ def test_the_demo_commands_come_from_the_makefile(tmp_path):
     commands = demo_commands(tmp_path / "demo")
     steps = demo_steps(commands)
     assert f"--requests {ROWS}" in commands[steps[0]] and str(tmp_path / "demo" / "requests.jsonl") in commands[steps[0]]
-    assert f"--partition {DATE}" in commands[steps[1]] and f'"{DATE}|$shard"' in commands[steps[2]]
+    assert f'"dagster/partition": "{DATE}"' in commands[steps[1]] and f"{DATE}|$shard" in commands[steps[2]]
     assert commands[steps[0]].split()[0] == str(BIN / "kvbatch")  # the venv's, not one on PATH
     makefile = (REPO / "Makefile").read_text()
     lines = [line for line in makefile.splitlines() if "kvbatch.ops.demo_report" not in line]
@@ -141,7 +142,7 @@ def test_make_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     assert sorted(int(s) for s in metrics["shard"]) == list(range(SHARDS))  # hive reads "0000" as 0
 
     # The report says what the tables say.
-    fig = _figures(outputs[steps[3]])
+    fig = _figures(outputs[steps[4]])
     assert fig["date"] == DATE and Path(fig["results_url"]) == data / "results"
     assert (int(fig["input"]), int(fig["rejected"]), int(fig["refused"])) == (ROWS, 0, 0)
     assert (int(fig["answered"]), int(fig["unanswered"]), int(fig["results"])) == (ROWS, 0, results.height)

@@ -33,7 +33,8 @@ LINK = re.compile(r"(?<!!)\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\
 HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 DOTTED = re.compile(r"(?<![\w./-])kvbatch(?:\.[A-Za-z_]\w*)+")
 FROM_IMPORT = re.compile(r"from[ \t]+(kvbatch(?:\.\w+)+)[ \t]+import[ \t]+(\([^)]*\)|[\w \t,]+)")
-SOURCE_DIRS = ("engine", "ops", "io", "kernels", "cli", "pipelines", "resources", "tests", "benchmarks")
+SOURCE_DIRS = ("engine", "ops", "io", "kernels", "cli", "pipelines", "resources", "serve", "scripts", "tests",
+               "benchmarks")
 FILE_PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(SOURCE_DIRS) + r")/[\w/.*-]*?\.py)(?![\w/])")
 
 
