@@ -17,6 +17,7 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from kvbatch.io.batch_output import AtomicSink
+from kvbatch.io.shard_tables import write_json
 
 
 class StateStore:
@@ -33,15 +34,8 @@ class StateStore:
         return "/".join([self._root.rstrip("/"), *names])
 
     def put_record(self, kind: str, id_: str, record: Mapping[str, Any]) -> None:
-        data = json.dumps(record, ensure_ascii=False, sort_keys=True).encode()
         with self._lock:
-            sink = AtomicSink(self.join(kind, f"{id_}.json"), self.storage_options)
-            try:
-                sink.write(data)
-                sink.commit()
-            except BaseException:
-                sink.abort()
-                raise
+            write_json(record, self.join(kind, f"{id_}.json"), storage_options=self.storage_options)
 
     def records(self, kind: str) -> Iterator[dict[str, Any]]:
         try:
