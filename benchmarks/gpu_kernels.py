@@ -12,7 +12,8 @@ it. The headline is decode attention at long contexts: 32 sequences x 8k context
 heads, D=128, bf16 (goal: >= 70% of HBM bandwidth); the fused MoE's goal is >= 2x the PyTorch
 reference (its bytes are the weights of the experts the batch touches, its FLOPs
 ``6 * pairs * I * H``). Kernels: paged decode and prefill attention, RMSNorm + residual,
-rotary, store_kv, fused MoE, MLA decode attention, the speculative accept/reject step.
+rotary, silu_and_mul, store_kv, fused MoE, MLA decode and prefill attention, the speculative
+accept/reject step.
 
 Without a CUDA device it says so and exits 0. It runs from a plain checkout too (without
 ``pip install``): ``kernels/`` is then loaded as ``kvbatch.kernels``.
@@ -45,7 +46,7 @@ MOE_SPEEDUP_GOAL = 2.0
 
 def import_kernels():
     """(reference, dispatch, triton_attention, triton_rms_norm, triton_rotary, triton_store_kv,
-    triton_moe, triton_mla, triton_verify, reference_mla, reference_verify)."""
+    triton_moe, triton_mla, triton_verify, reference_mla, reference_verify, triton_activation)."""
     try:
         import kvbatch.kernels  # noqa: F401
     except ModuleNotFoundError:
@@ -64,6 +65,7 @@ def import_kernels():
         reference,
         reference_mla,
         reference_verify,
+        triton_activation,
         triton_attention,
         triton_mla,
         triton_moe,
@@ -74,7 +76,7 @@ def import_kernels():
     )
 
     return (reference, dispatch, triton_attention, triton_rms_norm, triton_rotary, triton_store_kv,
-            triton_moe, triton_mla, triton_verify, reference_mla, reference_verify)
+            triton_moe, triton_mla, triton_verify, reference_mla, reference_verify, triton_activation)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,6 +195,19 @@ def rms_norm_case(K, T, H, dtype, residual=True):
     return (lambda: TN.rms_norm(x, w, 1e-5, res)), (lambda: R.rms_norm(x, w, 1e-5, res)), check, nbytes, 0
 
 
+def silu_and_mul_case(K, T, inter, dtype):
+    """The gated MLP's activation on a gate/up projection output [T, 2 I] (Triton: one pass)."""
+    R, TA = K[0], K[11]
+    x = torch.randn(T, 2 * inter, device=DEVICE, dtype=dtype) * 3
+
+    def check():
+        poison_allocator(x.numel() * x.element_size(), DEVICE)
+        return max_error(TA.silu_and_mul(x), R.silu_and_mul(x), ELEM_TOL[dtype])
+
+    nbytes = x.numel() * x.element_size() * 3 // 2  # read gate and up, write the product
+    return (lambda: TA.silu_and_mul(x)), (lambda: R.silu_and_mul(x)), check, nbytes, 0
+
+
 def rotary_case(K, T, Hq, Hkv, D, dtype):
     R, _, _, _, TR, *_ = K
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=DEVICE, dtype=dtype)
@@ -302,6 +317,38 @@ def mla_case(K, lens, Hq, C, Rd, dtype, block_size=16, seed=0, **kwargs):
     return run_triton, run_reference, check, nbytes, 2 * tokens * Hq * (2 * C + Rd)
 
 
+def mla_prefill_case(K, ctx_lens, new_lens, Hq, C, Rd, dtype, block_size=16, seed=0):
+    """MLA prefill: chunks of ``new_lens`` tokens after ``ctx_lens - new_lens`` cached ones, over
+    the latent cache (Triton: the paged prefill kernel as MQA over [c_kv ; k_pe], see dispatch)."""
+    D, RM, TA = K[1], K[9], K[2]
+    gen = torch.Generator().manual_seed(seed)
+    cache, _, tables = make_cache(ctx_lens, block_size, 1, C + Rd, dtype, DEVICE, gen)
+    T = sum(new_lens)
+    q_latent = torch.randn(T, Hq, C, device=DEVICE, dtype=dtype)
+    q_pe = torch.randn(T, Hq, Rd, device=DEVICE, dtype=dtype)
+    cu = torch.tensor([0] + [sum(new_lens[:i + 1]) for i in range(len(new_lens))], device=DEVICE, dtype=torch.int32)
+    cl = torch.tensor(ctx_lens, device=DEVICE, dtype=torch.int32)
+    scale = (C + Rd) ** -0.5
+    longest = max(new_lens, default=0)
+
+    def run_triton():
+        q = torch.cat([q_latent, q_pe], dim=-1)
+        return TA.prefill_attention(q, cache, cache, tables, cu, cl, scale, max_query_len=longest)[..., :C]
+
+    def run_reference():
+        return RM.mla_prefill_attention(q_latent, q_pe, cache, tables, cu, cl, scale)
+
+    def check():
+        poison_allocator(q_latent.numel() * 4 * 4, DEVICE)
+        return max_error(D.mla_prefill_attention(q_latent, q_pe, cache, tables, cu, cl, scale, longest),
+                         run_reference(), ATTN_TOL[dtype])
+
+    keys = sum(ctx_lens)
+    nbytes = keys * (C + Rd) * cache.element_size() + 2 * q_latent.numel() * q_latent.element_size()
+    flops = 2 * Hq * (2 * C + Rd) * sum(n * (c - n) + n * (n + 1) // 2 for c, n in zip(ctx_lens, new_lens))
+    return run_triton, run_reference, check, nbytes, flops
+
+
 def verify_case(K, N, k, V, seed=0, one_hot=False):
     """The speculative accept/reject step for N requests of k drafts over a V-token vocabulary:
     spec_accept, then spec_recover (the token after the kept drafts)."""
@@ -381,6 +428,8 @@ def check_suite(K) -> list[tuple[str, bool, float]]:
         add(f"rms_norm {dn} residual", rms_norm_case(K, 333, 4096, dtype))
         add(f"rms_norm {dn} no residual H=576", rms_norm_case(K, 7, 576, dtype, residual=False))
         add(f"rotary {dn} 9/3 heads D=64", rotary_case(K, 100, 9, 3, 64, dtype))
+        add(f"silu_and_mul {dn} I=1536 (SmolLM2)", silu_and_mul_case(K, 7, 1536, dtype))
+        add(f"silu_and_mul {dn} I=14336, odd rows", silu_and_mul_case(K, 333, 14336, dtype))
         add(f"store_kv {dn}", store_kv_case(K, 1000, 8, 128, dtype))
     add("store_kv fp32 -> bf16 cache",
         store_kv_case(K, 257, 3, 64, torch.bfloat16, block_size=5, src_dtype=torch.float32))
@@ -395,6 +444,10 @@ def check_suite(K) -> list[tuple[str, bool, float]]:
         add(f"mla decode {dn} 128 heads, block 64", mla_case(K, [77, 1025, 3], 128, 512, 64, dtype, block_size=64,
                                                              seed=14))
     add("mla decode empty context", mla_case(K, [0, 5, 0], 16, 512, 64, torch.bfloat16, seed=15))
+    for dtype in (torch.float32, torch.bfloat16):
+        dn = str(dtype).removeprefix("torch.")
+        add(f"mla prefill {dn} chunked + full, 16 heads C512 R64",
+            mla_prefill_case(K, [700, 33, 1500], [300, 33, 1], 16, 512, 64, dtype, seed=19))
     add("fused_moe T=0", moe_case(K, 0, 256, 128, 4, 2, torch.bfloat16))
     add("spec verify, draft probs", verify_case(K, 100, 4, 32000, seed=16))
     add("spec verify, one-hot drafts", verify_case(K, 37, 3, 1000, seed=17, one_hot=True))
@@ -417,6 +470,8 @@ def bench_cases(K):
         ("prefill", "8 x 1k new, 32q/8kv, D128, bf16", prefill_case(K, [1024] * 8, [1024] * 8, 32, 8, 128, bf16)),
         ("rms_norm + residual", "16k tok x 4096, bf16", rms_norm_case(K, 16384, 4096, bf16)),
         ("rotary (in place)", "16k tok, 32q/8kv, D128, bf16", rotary_case(K, 16384, 32, 8, 128, bf16)),
+        ("silu_and_mul", "16k tok x I14336 (Llama-3.1-8B MLP), bf16", silu_and_mul_case(K, 16384, 14336, bf16)),
+        ("silu_and_mul", "64 tok x I1536 (SmolLM2 decode), bf16", silu_and_mul_case(K, 64, 1536, bf16)),
         ("store_kv", "16k tok, 8kv, D128, bf16", store_kv_case(K, 16384, 8, 128, bf16)),
         ("fused MoE", "Mixtral decode: 32 tok, E8 k2, H4096 I14336, bf16",
          moe_case(K, 32, 4096, 14336, 8, 2, bf16)),
@@ -427,6 +482,8 @@ def bench_cases(K):
         ("MLA decode", "32 seq x 8k ctx, 16 heads, C512 R64, bf16", mla_case(K, [8192] * 32, 16, 512, 64, bf16)),
         ("MLA decode", "32 seq x 8k ctx, 128 heads, C512 R64, bf16", mla_case(K, [8192] * 32, 128, 512, 64, bf16)),
         ("MLA decode", "128 seq x 1..4k ctx, 16 heads, C512 R64, bf16", mla_case(K, mixed[:128], 16, 512, 64, bf16)),
+        ("MLA prefill", "4 x (2k cached + 2k new), 16 heads, C512 R64, bf16",
+         mla_prefill_case(K, [4096] * 4, [2048] * 4, 16, 512, 64, bf16)),
         ("spec verify", "256 req x 4 drafts, V=152k, draft probs", verify_case(K, 256, 4, 152064)),
     ]
 

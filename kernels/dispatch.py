@@ -37,6 +37,7 @@ def _triton_kernels() -> SimpleNamespace | None:
     """The Triton kernels, or None when Triton cannot be imported."""
     try:
         from kvbatch.kernels import (
+            triton_activation,
             triton_attention,
             triton_mla,
             triton_moe,
@@ -49,6 +50,7 @@ def _triton_kernels() -> SimpleNamespace | None:
         return None
     return SimpleNamespace(
         rms_norm=triton_rms_norm.rms_norm,
+        silu_and_mul=triton_activation.silu_and_mul,
         apply_rotary=triton_rotary.apply_rotary,
         store_kv=triton_store_kv.store_kv,
         paged_decode_attention=triton_attention.paged_decode_attention,
@@ -98,6 +100,11 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`reference.rms_norm`."""
     return _impl(x).rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """See :func:`reference.silu_and_mul`."""
+    return _impl(x).silu_and_mul(x)
 
 
 def apply_rotary(
@@ -212,6 +219,30 @@ def mla_decode_attention(
     if backend(q_latent) == "triton":
         return _triton_kernels().mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, scale)
     return reference_mla.mla_decode_attention(q_latent, q_pe, kv_cache, block_tables, context_lens, scale, workspace)
+
+
+def mla_prefill_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int = 0,
+) -> torch.Tensor:
+    """See :func:`reference_mla.mla_prefill_attention`. On Triton it is the paged prefill kernel
+    run as multi-query attention with one key "head" ``[c_kv ; k_pe]`` (the cache row) whose value
+    is the same row, keeping the first ``kv_lora_rank`` output columns: the absorbed MLA prefill,
+    with no host read (``max_query_len`` > 0, known on the host, sizes the grid)."""
+    if backend(q_latent) == "triton":
+        C = q_latent.shape[-1]
+        q = torch.cat([q_latent, q_pe], dim=-1).to(kv_cache.dtype)
+        out = _triton_kernels().prefill_attention(q, kv_cache, kv_cache, block_tables, cu_query_lens, context_lens,
+                                                  scale, max_query_len=max_query_len or None)
+        return out[..., :C].to(q_latent.dtype)
+    return reference_mla.mla_prefill_attention(q_latent, q_pe, kv_cache, block_tables, cu_query_lens, context_lens,
+                                               scale)
 
 
 def spec_accept(

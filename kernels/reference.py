@@ -35,6 +35,17 @@ def rms_norm(
     return weight * normed.to(x.dtype), x
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: ``silu(gate) * up`` for ``x`` = ``[..., 2 I]`` laid out as the
+    gate/up projection returns it (gate columns first, then up). Returns ``[..., I]`` in
+    ``x.dtype``: ``F.silu`` rounds to that dtype, then the product rounds again (what the
+    PyTorch MLP computes)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: the last axis holds gate and up halves, got odd width {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    return F.silu(x[..., :inter]) * x[..., inter:]
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.speculative.controller import SpecConfig
+from kvbatch.kernels import dispatch
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_deepseek import build_tiny_deepseek
 from tests.tiny_models import VOCAB, build_tiny, build_tiny_moe
@@ -50,9 +51,27 @@ def test_engine_on_triton_kernels_matches_transformers(tmp_path, monkeypatch, ar
     prompts = _prompts()
     llm = _engine(tmp_path, monkeypatch, "triton")
     seen = capture_logits(llm)
+    kernels = dispatch._triton_kernels()
+    calls = {"silu_and_mul": 0, "rms_norm": 0, "prefill_attention": 0}
+
+    def counted(name):
+        kernel = getattr(kernels, name)
+
+        def spy(*args, **kw):
+            calls[name] += 1
+            return kernel(*args, **kw)
+        return spy
+
+    for name in calls:  # the MLP activation, the residual joins and prefill run as Triton kernels
+        monkeypatch.setattr(kernels, name, counted(name))
     got = {r.request_id: r.output_token_ids for r in llm.generate(_requests(prompts, 2))}
     for rid, prompt in prompts.items():
         assert_logits_match(ref, seen, rid, prompt, got[rid], arch)
+    # Chunked prefill through the Triton prefill kernel: DeepSeek-V3's MLA prefill runs on it too.
+    assert calls["rms_norm"] > 0 and calls["prefill_attention"] > 0
+    # Mixtral's MLPs are all routed experts (fused_moe applies its own activation); the dense
+    # Llama MLP and DeepSeek's dense layer and shared experts go through silu_and_mul.
+    assert (calls["silu_and_mul"] > 0) == (arch != "mixtral"), calls
     want = {r.request_id: r.output_token_ids
             for r in _engine(tmp_path, monkeypatch, "reference").generate(_requests(prompts, 2))}
     assert got == want

@@ -36,8 +36,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
-from tests.triton_interpreter import (ATTN_TOL, CHILD_ENV, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
-                                      assert_close, interpreter_only, interpreter_settings, randn, use_triton)  # noqa: F401 (fixture)
+from tests.triton_interpreter import (ATTN_TOL, DTYPES, INTERPRETED, KERNELS, REPO,  # isort: skip
+                                      assert_close, fresh_process_only, interpreter_only, interpreter_settings,
+                                      rerun_in_fresh_interpreter, randn, use_triton)  # noqa: F401 (fixture)
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
 
@@ -492,18 +493,9 @@ def test_dispatch_imports_and_runs_without_triton():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-@pytest.mark.skipif(INTERPRETED or KERNELS is None or os.environ.get(CHILD_ENV) == "1",
-                    reason="the kernel tests ran in this process (or triton is missing)")
+@fresh_process_only
 def test_kernels_in_a_fresh_process():
-    """The kernels were imported compiled for a GPU before this module could set
-    TRITON_INTERPRET=1: run this file again in a fresh interpreter process."""
-    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
-    env.pop("KVBATCH_KERNELS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rerun_in_fresh_interpreter(__file__)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

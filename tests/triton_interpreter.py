@@ -11,6 +11,8 @@ skip, and each file's fresh-process test re-runs it in a new interpreter instead
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -39,6 +41,23 @@ def interpreter_only(fresh_process_test: str) -> pytest.MarkDecorator:
         reason="triton missing, or its kernels were compiled before TRITON_INTERPRET=1 was set "
         f"({fresh_process_test} covers that case)",
     )
+
+
+# The fresh-process test of a kernel test file runs only where the kernels came compiled for a GPU.
+fresh_process_only = pytest.mark.skipif(INTERPRETED or KERNELS is None or os.environ.get(CHILD_ENV) == "1",
+                                        reason="the kernel tests ran in this process (or triton is missing)")
+
+
+def rerun_in_fresh_interpreter(test_file: str) -> None:
+    """The kernels were imported compiled for a GPU before ``test_file`` could set
+    TRITON_INTERPRET=1: run that file again in a fresh interpreter process, and fail with its output."""
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
+    env.pop("KVBATCH_KERNELS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 @pytest.fixture

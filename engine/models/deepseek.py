@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
@@ -47,7 +46,6 @@ from kvbatch.engine.models.moe import (
 )
 from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.kernels import dispatch as K
-from kvbatch.kernels import reference_mla as M
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps,
 # not config.rms_norm_eps.
@@ -274,9 +272,9 @@ class DeepseekV3Model(LlamaModel):
                     latent[:nd] = K.mla_decode_attention(q_latent[:nd], q_pe[:nd], cache, batch.decode_block_tables,
                                                          batch.decode_context_lens, self.scale, ws)
                 if nd < T:
-                    latent[nd:] = M.mla_prefill_attention(q_latent[nd:], q_pe[nd:], cache,
+                    latent[nd:] = K.mla_prefill_attention(q_latent[nd:], q_pe[nd:], cache,
                                                           batch.prefill_block_tables, batch.prefill_cu_query_lens,
-                                                          batch.prefill_context_lens, self.scale)
+                                                          batch.prefill_context_lens, self.scale, batch.max_query_len)
             out = self._per_head(latent, lw.w_uv)  # [T, Hq, dv]
             h = self._linear(out.reshape(T, -1), lw.o_proj)
             x, residual = K.rms_norm(h, lw.post_norm, c.rms_norm_eps, residual)
@@ -284,10 +282,9 @@ class DeepseekV3Model(LlamaModel):
                 assert c.moe is not None
                 h = moe_forward(x, self.moe_layers[li], c.moe, li, self.expert_compute, self.routing_observers)
                 continue
-            gate_up = self._linear(x, lw.gate_up)
-            inter = gate_up.shape[1] // 2
-            h = self._linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down)
+            h = self._linear(K.silu_and_mul(self._linear(x, lw.gate_up)), lw.down)
         assert residual is not None
-        h = (h + residual).index_select(0, batch.logits_rows)
-        x, _ = K.rms_norm(h, self.norm, c.rms_norm_eps)
+        rows = batch.logits_rows
+        # The last residual join, only for the rows whose logits are wanted (as in LlamaModel).
+        x, _ = K.rms_norm(h.index_select(0, rows), self.norm, c.rms_norm_eps, residual.index_select(0, rows))
         return self._linear(x, self.lm_head).float()

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
@@ -213,11 +212,10 @@ class LlamaModel:
             if lw.is_moe:
                 h = moe_forward(x, self.moe_layers[li], c.moe, li, self.expert_compute, self.routing_observers)
                 continue
-            gate_up = self._linear(x, lw.gate_up)
-            inter = gate_up.shape[1] // 2  # gate_up output is [T, 2 I] in either layout
-            h = self._linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down)
+            # gate_up output is [T, 2 I] in either layout: gate columns, then up
+            h = self._linear(K.silu_and_mul(self._linear(x, lw.gate_up)), lw.down)
         assert residual is not None
         rows = batch.logits_rows
-        h = (h + residual).index_select(0, rows)
-        x, _ = K.rms_norm(h, self.norm, c.rms_norm_eps)
+        # The last residual join, only for the rows whose logits are wanted: one fused add + norm.
+        x, _ = K.rms_norm(h.index_select(0, rows), self.norm, c.rms_norm_eps, residual.index_select(0, rows))
         return self._linear(x, self.lm_head).float()

@@ -166,9 +166,7 @@ def moe_forward(
         out = experts(layer_idx, x, topk_ids, topk_weights)
     if layer.shared_gate_up is not None:
         assert layer.shared_down is not None
-        gate_up = F.linear(x, layer.shared_gate_up)
-        inter = gate_up.shape[1] // 2
-        shared = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.shared_down)
+        shared = F.linear(K.silu_and_mul(F.linear(x, layer.shared_gate_up)), layer.shared_down)
         if layer.shared_gate is not None:
             shared = torch.sigmoid(F.linear(x, layer.shared_gate)) * shared
         out = out + shared

@@ -65,6 +65,8 @@ class ExchangeStats:
     idle_rounds: int = 0
     rebalance_bytes: int = 0
     rebalances: int = 0
+    # Device-to-host reads (syncs on CUDA): one per round, the split sizes all_to_all_single needs.
+    host_reads: int = 0
 
     def add(self, table: dict[int, int], layer: int, n: int) -> None:
         table[layer] = table.get(layer, 0) + n
@@ -80,6 +82,7 @@ class ExchangeStats:
             "idle_rounds": self.idle_rounds,
             "rebalance_bytes": self.rebalance_bytes,
             "rebalances": self.rebalances,
+            "host_reads": self.host_reads,
         }
 
 
@@ -121,6 +124,7 @@ class ExpertParallelCompute:
             placement = identity_placement(num_layers, self.num_experts, self.world)
         self._check(placement)
         self.placement = placement
+        self._routing = self._on_device(placement)
         self.per_rank = placement.slots_per_rank(self.world)
         # layer -> (w_gate_up [S/W, 2I, H], w_down [S/W, H, I]) of this rank's slots, slot order.
         self.local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -133,6 +137,12 @@ class ExpertParallelCompute:
             self.local[li] = (lw.w_gate_up.index_select(0, rows), lw.w_down.index_select(0, rows))
         self.stats = ExchangeStats()
         self.step_offset = 0  # replica_choice offset; advanced per step so remainders rotate
+
+    def _on_device(self, placement: Placement) -> Placement:
+        """The placement's tables on the experts' device, for routing: moved once per placement,
+        not per layer (a per-layer copy from host memory would wait for the GPU)."""
+        return Placement(placement.phy2log.to(self.device), placement.log2phy.to(self.device),
+                         placement.logcnt.to(self.device))
 
     def _check(self, placement: Placement) -> None:
         placement.validate(self.world)
@@ -182,28 +192,32 @@ class ExpertParallelCompute:
         if active:
             assert x is not None and topk_ids is not None and topk_weights is not None
             T, k = topk_ids.shape
-            slots = replica_choice(topk_ids, self.placement, layer_idx, offset=self.step_offset + rank).reshape(-1)
+            slots = replica_choice(topk_ids, self._routing, layer_idx, offset=self.step_offset + rank).reshape(-1)
             dest = torch.div(slots, self.per_rank, rounding_mode="floor")
             # Rows grouped by destination rank, then by slot, so each receiver gets runs per slot.
             send_order = torch.argsort(slots, stable=True)
-            send_counts = torch.bincount(dest, minlength=W).cpu()
+            # Counted on the device (bincount would read the ids' maximum back to size its output).
+            send_counts = torch.zeros(W, dtype=torch.long, device=dest.device).scatter_add_(
+                0, dest, torch.ones_like(dest))
         else:
             T, k = 0, 0
-            send_counts = torch.zeros(W, dtype=torch.long)
-        header = torch.stack([send_counts, torch.full((W,), layer_idx, dtype=torch.long)], dim=1).to(dev)
+            send_counts = torch.zeros(W, dtype=torch.long, device=dev)
+        header = torch.stack([send_counts, torch.full_like(send_counts, layer_idx)], dim=1).to(dev)
         recv_header = torch.empty_like(header)
         dist.all_to_all_single(recv_header, header, group=self.group)
-        recv_header = recv_header.cpu()
+        # The round's one host read: what this rank sends and what it receives, as the Python
+        # split sizes all_to_all_single takes (rows per layer per rank differ every round, so
+        # no read can serve several layers; fixed-capacity splits would move W times the rows).
+        sizes = torch.cat([header[:, 0], recv_header.reshape(-1)]).cpu().tolist()
+        st.host_reads += 1
+        send_list, recv_counts, src_layers = sizes[:W], sizes[W::2], sizes[W + 1::2]
         st.rounds += 1
         st.header_bytes += (W - 1) * header[0].numel() * header.element_size()
-        src_layers = recv_header[:, 1].tolist()
         if all(li == IDLE for li in src_layers):
             assert not active
             return None
         if not active:
             st.idle_rounds += 1
-        recv_counts = recv_header[:, 0].tolist()
-        send_list = send_counts.tolist()
 
         # Dispatch: each row is x[token] as bytes, then its slot id as int32 bytes.
         if active and T * k:
@@ -322,6 +336,7 @@ class ExpertParallelCompute:
             new_local[li] = (new_gu, new_dn)
         # Swap only once every weight is in place: the next step sees the whole new placement.
         self.local, self.placement, self.per_rank = new_local, placement, new_per
+        self._routing = self._on_device(placement)
         sent = len(outgoing) * row_numel * send.element_size()
         self.stats.rebalance_bytes += sent
         self.stats.rebalances += 1

@@ -7,10 +7,18 @@ Who calls what, and when (the scheduler never touches tensors, the runner never 
 - LLM, before the step runs: ``load(keys, block_ids, kv_cache)`` fetches them and copies them
   into their blocks; it returns how many leading blocks arrived intact. A miss (missing,
   truncated, checksum, io_error...) makes the sequence recompute from that block on.
-- LLM, after the step: ``save(blocks, kv_cache)`` writes newly completed prompt blocks through.
+- LLM, before the step's forward pass: ``before_step(step)`` orders the compute stream after any
+  save still copying out a block that the step is about to write.
+- LLM, after the step: ``save(blocks, kv_cache)`` queues newly completed prompt blocks for the
+  store; ``poll()`` (right after a step is launched) writes the saves whose copies have landed,
+  ``drain()`` (when the engine runs out of work) all of them.
 - Whoever ends a stage (a prefill shard): ``flush()`` makes what the store buffered durable;
   ``stats.to_json()`` flushes too, so the counts it gives (bytes written, object-store requests
   by kind) say what really reached the store.
+
+Copies go through a staging pool (:mod:`kvbatch.engine.runtime.kv_staging`): pinned host buffers
+allocated once, a side stream and events on CUDA, the same code with plain buffers and no-op
+fences on the CPU. ``staging=False`` keeps the direct per-block copies, the readable reference.
 
 The store is anything with ``contains``/``lookup``/``get_many``/``put_many``/``stats``
 (``kvbatch.io``'s ``KVStore``): the engine does not import storage code.
@@ -26,6 +34,14 @@ from typing import Any, Protocol
 
 import torch
 
+from kvbatch.engine.runtime.kv_staging import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_BUFFERS,
+    CopyEngine,
+    KVStaging,
+    block_shape,
+    copy_engine_for,
+)
 from kvbatch.engine.runtime.sequence import Sequence
 
 
@@ -42,7 +58,8 @@ class BlockStore(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
-    # Optional (KVStore has them): flush(), request_counts() -> {kind: n}, bytes_written_by_tier().
+    # Optional (KVStore has them): flush(), request_counts() -> {kind: n}, bytes_written_by_tier(),
+    # expect_chain(keys) (a sequence's chain, to keep its pieces contiguous).
 
 
 @dataclass
@@ -118,7 +135,8 @@ MISSING = "missing"  # the store's reason for a key no tier holds (kvbatch.io.kv
 class KVConnector:
     """Loads and saves whole KV blocks (``kv_cache[:, :, block]``: ``[layers, 2, block_size,
     kv_heads, head_dim]`` for the Llama family, ``[layers, 1, block_size, 1, latent + rope]`` for
-    MLA) by key. A stored block whose shape or dtype is not the cache's is a miss ("shape").
+    MLA) by key. A stored block whose dtype is not the cache's is a miss ("dtype"); one whose
+    shape (the layout: layers, K/V, block size, heads, head dim) is not, a miss ("shape").
 
     Retain-or-recompute, per tier: fetching the leading k stored blocks is estimated, tier by
     tier, at ``blocks * block_bytes / that tier's bandwidth`` plus one request's latency per tier
@@ -131,8 +149,17 @@ class KVConnector:
 
     def __init__(self, store: BlockStore, block_size: int, block_bytes: int, *, write: bool = True,
                  load_bytes_per_s: float = 200e6, prefill_tokens_per_s: float = 500.0,
-                 tier_costs: dict[str, TierCost] | None = None, usd_per_device_s: float = 0.0) -> None:
+                 tier_costs: dict[str, TierCost] | None = None, usd_per_device_s: float = 0.0,
+                 staging: bool = True, copy_engine: CopyEngine | None = None,
+                 staging_buffers: int = DEFAULT_BUFFERS, staging_buffer_bytes: int | None = None) -> None:
         self.store = store
+        # The staging pool is made at the first load or save, for the cache's device; the buffers
+        # hold at most the whole cache (a tiny test cache does not get 4 x 8 MiB).
+        self.staging = staging
+        self._copy_engine = copy_engine
+        self._staging_buffers = staging_buffers
+        self._staging_buffer_bytes = staging_buffer_bytes
+        self._staging: KVStaging | None = None
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.write = write
@@ -168,7 +195,9 @@ class KVConnector:
         }
 
     def flush(self) -> None:
-        """Make the blocks the store buffered durable (the end of a prefill shard)."""
+        """Make the blocks the store buffered durable (the end of a prefill shard): queued saves
+        are written first."""
+        self.drain()
         fn = getattr(self.store, "flush", None)
         if fn is not None:
             fn()
@@ -180,6 +209,11 @@ class KVConnector:
         todo = keys[num_local_blocks:]
         if not todo:
             return []
+        expect = getattr(self.store, "expect_chain", None)
+        if self.write and expect is not None:
+            # The sequence's identity for the saves to come: a prompt prefilled in several chunks
+            # is saved a piece per step, between other prompts'; the store keeps its chain whole.
+            expect(keys[max(num_local_blocks - 1, 0):])
         locate = getattr(self.store, "locate", None)
         reasons, tiers = locate(todo) if locate is not None else (self.store.lookup(todo), None)
         # Blocks the store could not look up (a tier's breaker open, a failed index listing) are
@@ -235,27 +269,46 @@ class KVConnector:
         return best_k, best_load, best_recompute
 
     # -- worker side ---------------------------------------------------------------------------------
+    def stager(self, kv_cache: torch.Tensor) -> KVStaging:
+        """The staging pool, made once, for ``kv_cache``'s device."""
+        if self._staging is None:
+            engine = self._copy_engine or copy_engine_for(kv_cache.device)
+            nbytes = self._staging_buffer_bytes or min(DEFAULT_BUFFER_BYTES, kv_cache.numel() * kv_cache.element_size())
+            self._staging = KVStaging(engine, self._staging_buffers, nbytes)
+        return self._staging
+
     def load(self, keys: list[str], block_ids: list[int], kv_cache: torch.Tensor) -> int:
-        """Copy the stored blocks into ``kv_cache``; returns how many leading ones arrived."""
+        """Copy the stored blocks into ``kv_cache``; returns how many leading ones arrived. With
+        staging the copies are queued (on CUDA: a side stream) and the compute stream is ordered
+        after them: the count is known on the host, nothing waits for the device."""
+        self.poll()
         started = time.perf_counter()
         got = self.store.get_many(keys)
         elapsed = time.perf_counter() - started
         n = 0
         nbytes_total = 0
         tiers = set()
-        for (tensor, where), bid in zip(got, block_ids):
-            expected = kv_cache[:, :, bid]
-            if tensor is None or tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
-                reason = where if tensor is None else "shape"
+        shape = block_shape(kv_cache)
+        arrived: list[torch.Tensor] = []
+        for tensor, where in got[:len(block_ids)]:
+            if tensor is None or tensor.dtype != kv_cache.dtype or tuple(tensor.shape) != shape:
+                reason = where if tensor is None else "dtype" if tensor.dtype != kv_cache.dtype else "shape"
                 self.stats.misses_by_reason[reason] += 1
                 break
-            expected.copy_(tensor)
+            arrived.append(tensor)
             nbytes = tensor.numel() * tensor.element_size()
             nbytes_total += nbytes
             self.stats.tokens_loaded_by_tier[where] += self.block_size
             self.stats.bytes_loaded_by_tier[where] += nbytes
             tiers.add(where)
             n += 1
+        copy_started = time.perf_counter()
+        if self.staging:
+            self.stager(kv_cache).load(kv_cache, arrived, block_ids[:n])
+        else:
+            for tensor, bid in zip(arrived, block_ids):
+                kv_cache[:, :, bid].copy_(tensor)
+        elapsed += time.perf_counter() - copy_started
         self.stats.blocks_loaded += n
         if nbytes_total:
             tier = tiers.pop() if len(tiers) == 1 else "mixed"
@@ -270,15 +323,55 @@ class KVConnector:
         return n
 
     def save(self, blocks: list[tuple[str, int]], kv_cache: torch.Tensor) -> None:
+        """Write ``(key, block id)`` blocks of ``kv_cache`` to the store. With staging the copies
+        out are queued after the step that wrote them and the store write follows their fence
+        (at once on the CPU; on CUDA at the next ``poll``)."""
         if not self.write or not blocks:
             return
+        if not self.staging:
+            payload = [(key, kv_cache[:, :, bid].clone()) for key, bid in blocks]
+            self._put(payload)
+            return
+        self.stager(kv_cache).save(kv_cache, [k for k, _ in blocks], [b for _, b in blocks])
+        self.poll()
+
+    def _put(self, payload: list[tuple[str, torch.Tensor]]) -> None:
         started = time.perf_counter()
-        payload = [(key, kv_cache[:, :, bid].clone()) for key, bid in blocks]
         written = self.store.put_many(payload)
         self.stats.write_s += time.perf_counter() - started
         self.stats.blocks_written += written
-        self.stats.blocks_skipped_existing += len(blocks) - written
+        self.stats.blocks_skipped_existing += len(payload) - written
         self.stats.bytes_written += written * self.block_bytes
+
+    def _write_saved(self, wait: bool) -> None:
+        if self._staging is None:
+            return
+        for keys, tensors in self._staging.collect(wait):
+            self._put(list(zip(keys, tensors)))
+
+    def poll(self) -> None:
+        """Write the queued saves whose copies have landed (no wait)."""
+        self._write_saved(wait=False)
+
+    def drain(self) -> None:
+        """Write every queued save, waiting for its copies on the host."""
+        self._write_saved(wait=True)
+
+    def pending_saves(self) -> int:
+        return self._staging.pending_saves() if self._staging is not None else 0
+
+    def before_step(self, step: list[Any]) -> None:
+        """Order the compute stream after any save still copying out a block that ``step`` (the
+        scheduler's entries) writes: a block freed after its save may be given to another
+        sequence before its copy has landed."""
+        if self._staging is None or not self._staging.copying_out():
+            return
+        bs = self.block_size
+        written: list[int] = []
+        for s in step:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            written += seq.block_table[start // bs:(start + s.num_new_tokens - 1) // bs + 1]
+        self._staging.guard(written)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= self.block_size and seconds > 0:

@@ -21,13 +21,19 @@ from kvbatch.engine.runtime.block_manager import BlockManager
 from kvbatch.engine.runtime.engine_config import EngineConfig, default_dtype_name, resolve_device
 from kvbatch.engine.runtime.kv_connector import BlockStore, KVConnector
 from kvbatch.engine.runtime.model_runner import ModelRunner
-from kvbatch.engine.runtime.sampler import sample, top_logprobs
+from kvbatch.engine.runtime.sampler import (
+    HostReadback,
+    host_to_device,
+    logprob_entry,
+    logprobs_on_device,
+    sample_on_device,
+)
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.runtime.scheduler import Scheduler
 from kvbatch.engine.runtime.sequence import Sequence
 from kvbatch.engine.speculative.controller import SpecConfig, SpecController
 from kvbatch.engine.speculative.drafters import DraftRequest, build_drafter
-from kvbatch.engine.speculative.verifier import verify
+from kvbatch.engine.speculative.verifier import VerifyRow, verify_batch
 from kvbatch.engine.text.stop_checker import StopChecker
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 
@@ -134,6 +140,7 @@ class LLM:
         else:
             num_blocks = max(1, min(ec.kv_cache_bytes // per_block, useful))
         self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype)
+        self.readback = HostReadback(self.device)  # a step's one device-to-host read, counted
         dtype_name = str(self.dtype).removeprefix("torch.")
         if ec.weights != "full":  # int8 weights give other K/V: their blocks must never mix
             dtype_name += f"+{ec.weights}-weights"
@@ -222,12 +229,15 @@ class LLM:
             return []
         if self.connector is not None:
             self._load_external(step)
+            self.connector.before_step(step)  # no block still being saved is overwritten
         drafted_at = time.perf_counter()
         slots_offered = sum(s.num_spec for s in step)
         if self.drafter is not None:
             self._draft(step)
         started = time.perf_counter()
         logits, sampled = self.runner.execute(step)
+        if self.connector is not None:
+            self.connector.poll()  # store writes of landed saves, while the device computes
         now = time.perf_counter()
         self.stats["steps"] += 1
         if self.spec is not None and all(s.seq.num_computed_tokens >= s.seq.num_prompt_tokens for s in step):
@@ -259,38 +269,85 @@ class LLM:
         for s in sampled:
             offsets.append(offsets[-1] + s.num_spec + 1)
         plain: list[int] = []
+        verified: list[int] = []
         for i, s in enumerate(sampled):
             if s.seq.prefill_only:
                 s.seq.finish_time = now
                 self._finish(s.seq, "prefilled")
                 finished.append(self._result(s.seq))
             elif self.spec is not None and s.seq.num_output_tokens > 0:
-                self._verify(s, logits[offsets[i]:offsets[i + 1]], now, finished)
+                verified.append(i)
             else:
                 plain.append(i)
+        if plain or verified:
+            self._sample_and_verify(sampled, logits, offsets, plain, verified, now, finished)
+        self.stats["step_s"] += time.perf_counter() - t0
+        return finished
+
+    def _sample_and_verify(self, sampled: list, logits: torch.Tensor, offsets: list[int], plain: list[int],
+                           verified: list[int], now: float, finished: list[Result]) -> None:
+        """Sample the plain entries and verify the speculative ones (one batched verifier call)
+        on the logits' device, compute the logprobs asked for there too, then read all of it to
+        the host in one copy: the step's one device-to-host sync (``self.readback.syncs``)."""
+        rb = self.readback
+        lp_rows: list[torch.Tensor] = []  # logits rows whose logprobs are wanted, and their tokens
+        lp_tokens: list[torch.Tensor] = []
+        lp_k = 0
+        # Verified entries first, then plain ones: the order their logprob rows are queued and read.
+        if verified:
+            verdict = verify_batch([VerifyRow(logits[offsets[i]:offsets[i + 1]], sampled[i].seq.spec_token_ids,
+                                              sampled[i].seq.spec_draft_probs, sampled[i].seq.sampling,
+                                              sampled[i].seq.generator) for i in verified])
+            at_acc, at_tok = rb.add(verdict.num_accepted), rb.add(verdict.tokens)
+            for n, i in enumerate(verified):
+                if sampled[i].seq.sampling.logprobs is not None:
+                    # Every row of the entry: the host keeps those of the tokens it emits.
+                    lp_rows.append(logits[offsets[i]:offsets[i + 1]])
+                    lp_tokens.append(verdict.tokens[n, :offsets[i + 1] - offsets[i]])
+                    lp_k = max(lp_k, sampled[i].seq.sampling.logprobs)
         if plain:
             wanted = [offsets[i] for i in plain]
             # Usually every row is a plain sample: no gather (and no index upload) needed then.
             rows = logits if wanted == list(range(logits.shape[0])) else logits.index_select(
-                0, torch.tensor(wanted, dtype=torch.long, device=logits.device))
+                0, host_to_device(torch.tensor(wanted, dtype=torch.long), logits.device))
             entries = [sampled[i] for i in plain]
-            tokens = sample(rows, [s.seq.sampling for s in entries], [s.seq.generator for s in entries])
-            for row, (s, tok) in enumerate(zip(entries, tokens)):
-                self._emit(s.seq, [tok], rows[row:row + 1], now, finished)
-        self.stats["step_s"] += time.perf_counter() - t0
-        return finished
+            ids = sample_on_device(rows, [s.seq.sampling for s in entries], [s.seq.generator for s in entries])
+            at_ids = rb.add(ids)
+            for row, s in enumerate(entries):
+                if s.seq.sampling.logprobs is not None:
+                    lp_rows.append(rows[row:row + 1])
+                    lp_tokens.append(ids[row:row + 1])
+                    lp_k = max(lp_k, s.seq.sampling.logprobs)
+        at_lp = rb.add(logprobs_on_device(torch.cat(lp_rows), torch.cat(lp_tokens), lp_k)) if lp_rows else -1
+        host = rb.read()
+        lp_host = host[at_lp] if at_lp >= 0 else []
+        lp_next = 0
+
+        def logprobs(seq: Sequence, tokens: list[int], n_rows: int) -> list[dict] | None:
+            """Entries for ``tokens`` from the next ``n_rows`` logprob rows read (None if not asked for)."""
+            nonlocal lp_next
+            k = seq.sampling.logprobs
+            if k is None:
+                return None
+            got = [logprob_entry(lp_host[lp_next + j], tok, k) for j, tok in enumerate(tokens)]
+            lp_next += n_rows
+            return got
+
+        if verified:
+            for n, i in enumerate(verified):
+                seq, rows, accepted = sampled[i].seq, offsets[i + 1] - offsets[i], int(host[at_acc][n])
+                tokens = [int(t) for t in host[at_tok][n][:accepted + 1]]
+                self._apply_verdict(seq, tokens, accepted, logprobs(seq, tokens, rows), now, finished)
+        if plain:
+            for s, tok in zip(entries, host[at_ids]):
+                self._emit(s.seq, [int(tok)], logprobs(s.seq, [int(tok)], 1), now, finished)
 
     def _save_blocks(self, blocks: list[tuple[str, int]]) -> None:
-        """Write blocks through to the KV store. The store serializes host tensors: on CUDA the
-        blocks are first copied out of the device cache in one gather (saved bytes are the same
-        whatever the device)."""
+        """Write blocks through to the KV store. The connector copies them out of the cache
+        through its staging pool (on CUDA: a side stream, no sync here); the store gets host
+        tensors, so saved bytes are the same whatever the device."""
         assert self.connector is not None
-        if not blocks or self.device.type != "cuda":
-            self.connector.save(blocks, self.runner.kv_cache)
-            return
-        ids = torch.tensor([b for _, b in blocks], device=self.device)
-        host = self.runner.kv_cache.index_select(2, ids).cpu()
-        self.connector.save([(k, j) for j, (k, _) in enumerate(blocks)], host)
+        self.connector.save(blocks, self.runner.kv_cache)
 
     def _draft(self, step: list) -> None:
         """Fill the reserved draft slots; a step entry shrinks to the drafts it actually got."""
@@ -306,44 +363,40 @@ class LLM:
             s.num_spec = len(d.tokens)
         self.stats["draft_s"] += time.perf_counter() - t0
 
-    def _verify(self, s, rows: torch.Tensor, now: float, finished: list[Result]) -> None:
-        """Keep the drafts the target agrees with, emit them plus one target token, and roll
-        the rest back: counters, cache slots and the draft model's own cache."""
-        seq = s.seq
+    def _apply_verdict(self, seq: Sequence, tokens: list[int], num_accepted: int, logprobs: list[dict] | None,
+                       now: float, finished: list[Result]) -> None:
+        """Emit the kept drafts plus the target's token (``tokens``, from the batched verifier),
+        and roll the rest back: counters, cache slots and the draft model's own cache."""
         drafts = seq.spec_token_ids
-        # The verifier draws from the request's host generator and reads single probabilities:
-        # on CUDA its rows come to the host first (one copy per verified request).
-        draft_probs = seq.spec_draft_probs.cpu() if seq.spec_draft_probs is not None else None
-        verdict = verify(rows.cpu(), drafts, draft_probs, seq.sampling, seq.generator)
         before = seq.num_tokens
         seq.spec_token_ids, seq.spec_draft_probs = [], None
         seq.spec_draft_tokens += len(drafts)
-        seq.spec_accepted_tokens += verdict.num_accepted
+        seq.spec_accepted_tokens += num_accepted
         seq.spec_target_steps += 1
         self.stats["spec_draft_tokens"] += len(drafts)
-        self.stats["spec_accepted_tokens"] += verdict.num_accepted
+        self.stats["spec_accepted_tokens"] += num_accepted
         self.stats["spec_target_steps"] += 1
         assert self.spec is not None
-        self.spec.observe(seq, len(drafts), verdict.num_accepted)
-        if self._emit(seq, verdict.tokens, rows, now, finished):
+        self.spec.observe(seq, len(drafts), num_accepted)
+        if self._emit(seq, tokens, logprobs, now, finished):
             return
         # The kept drafts' K/V were written by this pass; later slots held rejected drafts.
-        seq.num_computed_tokens += verdict.num_accepted
+        seq.num_computed_tokens += num_accepted
         self.block_manager.commit(seq)
         self.block_manager.trim(seq)
-        self.drafter.after_verify(seq, before, verdict.num_accepted)
+        self.drafter.after_verify(seq, before, num_accepted)
 
-    def _emit(self, seq: Sequence, tokens: list[int], rows: torch.Tensor, now: float,
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None, now: float,
               finished: list[Result]) -> bool:
-        """Append tokens one by one (row i of ``rows`` scored token i), stopping at the first
-        that ends the request; True when it finished."""
+        """Append tokens one by one (``logprobs[i]``: token i's entry, when asked for), stopping
+        at the first that ends the request; True when it finished."""
         for i, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             self.stats["output_tokens"] += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.sampling.logprobs is not None:
-                seq.logprobs.append(top_logprobs(rows[i], tok, seq.sampling.logprobs))
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 seq.finish_time = now
@@ -431,6 +484,8 @@ class LLM:
             exhausted = exhausted or self.admit(it, cap)
             if not self.scheduler.has_work():
                 if exhausted:
+                    if self.connector is not None:
+                        self.connector.drain()  # the last steps' saves reach the store
                     return
                 continue
             yield from self.step()

@@ -6,8 +6,10 @@ else shares the batch.
 
 On CUDA the same code runs on the device: the filters and the race run where the logits are,
 the noise is drawn on the host from the request's (CPU) generator, so a seeded request draws
-the same stream on either device, and the chosen ids of the whole batch come back to the host in
-one copy (``sample``'s single device-to-host sync).
+the same stream on either device. Nothing here reads the device: :func:`sample_on_device` and
+:func:`logprobs_on_device` leave their results there, and the engine reads everything a step
+produced (sampled ids, verifier verdicts, logprobs) in one copy through :class:`HostReadback`,
+the step's one device-to-host sync and the one place that counts them.
 """
 
 from __future__ import annotations
@@ -71,17 +73,93 @@ def sample(
 ) -> list[int]:
     """One token per row of ``logits`` [N, V], computed on the logits' device; the ids reach the
     host in one copy at the end (the only sync)."""
+    return sample_on_device(logits, params, generators).tolist() if params else []
+
+
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """:func:`sample` without the read: the ids ``[N]`` int64 on the logits' device."""
     n = len(params)
-    if n == 0:
-        return []
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == n:
         out = torch.argmax(logits, dim=-1)
     elif greedy:
-        idx = torch.tensor(greedy, device=logits.device)
+        idx = host_to_device(torch.tensor(greedy), logits.device)
         out.index_copy_(0, idx, torch.argmax(logits.index_select(0, idx), dim=-1))
     for i, p in enumerate(params):
         if not p.greedy:
             out[i] = race(logits[i], p, generators[i])
-    return out.tolist()
+    return out
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; on CUDA through pinned memory with a non-blocking copy (a
+    plain copy from pageable memory would wait for the stream: a sync)."""
+    return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
+
+
+def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`top_logprobs` for every row of ``logits`` [R, V] at once, left on the device:
+    ``[R, 1 + 2 k]`` float64 rows of (the chosen token's logprob, the top ``k`` logprobs, their
+    ids). Ids are exact in float64, so the row travels in the step's one host copy."""
+    logp = logits.log_softmax(-1)
+    chosen = logp.gather(1, tokens.view(-1, 1).to(logp.device))
+    vals, ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0])
+    return torch.cat([chosen.double(), vals.double(), ids.double()], dim=1)
+
+
+def logprob_entry(row: list[float], token: int, k: int) -> dict:
+    """A row of :func:`logprobs_on_device` (read to the host, top ``kmax >= k`` wide) as
+    :func:`top_logprobs` returns it."""
+    kmax = (len(row) - 1) // 2
+    entry: dict = {"token_id": token, "logprob": row[0]}
+    if k:
+        entry["top"] = [(int(row[1 + kmax + j]), row[1 + j]) for j in range(k)]
+    return entry
+
+
+class HostReadback:
+    """Everything one engine step must read from the device, read in one copy.
+
+    ``add`` queues device tensors (any numeric dtype; they travel as float64, exact for token ids
+    and for fp32 values), ``read`` concatenates them on the device, copies the result into a
+    pinned host buffer kept across steps, waits for that copy (the step's one device-to-host
+    sync) and hands back each tensor's values as Python lists. ``syncs`` counts reads: with
+    :class:`~kvbatch.engine.runtime.llm.LLM` it is one per step that samples. On the CPU the
+    "copy" is the concatenation itself, counted the same way."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.syncs = 0
+        self._pending: list[torch.Tensor] = []
+        self._pinned: torch.Tensor | None = None
+
+    def add(self, t: torch.Tensor) -> int:
+        """Queue ``t`` for the next read; returns its index in what ``read`` returns."""
+        self._pending.append(t)
+        return len(self._pending) - 1
+
+    def read(self) -> list:
+        """The queued tensors' values as (nested) Python lists of floats, in ``add`` order: the
+        engine reads nothing else, so no other tensor read can hide in a step."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        self.syncs += 1
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in pending])
+        if flat.device.type == "cuda":
+            n = flat.numel()
+            if self._pinned is None or self._pinned.numel() < n:
+                self._pinned = torch.empty(max(n, 1 << 12), dtype=torch.float64, pin_memory=True)
+            host = self._pinned[:n]
+            host.copy_(flat, non_blocking=True)
+            torch.cuda.current_stream(flat.device).synchronize()
+            flat = host.clone()  # the pinned buffer is reused by the next step
+        values = []
+        for part, t in zip(flat.split([t.numel() for t in pending]), pending):  # views of one host tensor
+            values.append(part.view(t.shape).tolist())
+        return values

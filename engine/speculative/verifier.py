@@ -13,6 +13,14 @@ token for token that of plain greedy decoding.
 
 ``p`` is the target's *filtered* distribution (temperature, top-k/p, min-p), the same one the
 plain sampler draws from, so speculation changes speed, never what is sampled.
+
+:func:`verify` is the specification, one request at a time on the host. The engine runs
+:func:`verify_batch`: every request of a step at once, on the logits' device, through the batched
+accept and recover kernels of :mod:`kvbatch.kernels.dispatch` (Triton on CUDA, the PyTorch twins
+of :mod:`kvbatch.kernels.reference_verify` on the CPU). It draws the same random numbers from
+each request's generator in the same order (its uniforms, then one row of exponential noise), so
+it emits exactly the tokens :func:`verify` would, and it reads nothing back: its verdict stays on
+the device until the engine's one read of the step.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbatch.engine.runtime.sampler import filter_logits
+from kvbatch.engine.runtime.sampler import filter_logits, host_to_device
 from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels import dispatch as K
 
 
 @dataclass
@@ -75,3 +84,77 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     noise = torch.empty_like(weights).exponential_(generator=generator)
     return int(torch.argmax(weights / noise))
 
+
+
+@dataclass
+class VerifyRow:
+    """One request's share of a step's verification (the arguments of :func:`verify`)."""
+
+    logits: torch.Tensor  # [k + 1, V] target logits, on the device the engine runs on
+    drafts: list[int]
+    draft_probs: torch.Tensor | None  # [k, V] filtered draft distributions; None: deterministic drafter
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass
+class BatchVerdict:
+    """:func:`verify_batch`'s result, on the logits' device (nothing read back yet)."""
+
+    num_accepted: torch.Tensor  # [N] int64
+    tokens: torch.Tensor  # [N, k_max + 1] int64: row n emits tokens[n, :num_accepted[n] + 1]
+
+
+def verify_batch(rows: list[VerifyRow]) -> BatchVerdict:
+    """:func:`verify` for every row at once, as two batched kernels (module docstring).
+
+    How each request maps onto :func:`kvbatch.kernels.reference_verify.spec_accept` and
+    ``spec_recover`` (whose docstring derives it): a sampled request's target rows are its
+    filtered probabilities, its uniforms and noise come from its generator; a greedy request's
+    rows are one-hot at the argmax of its logits, with uniform 0.5 and noise 1, so a draft is
+    kept exactly while it is the argmax and the token after them is the argmax of the next row;
+    a request without draft distributions (n-gram, or greedy) gets one-hot ``q`` rows when
+    another request of the batch has real ones."""
+    N = len(rows)
+    assert N, "verify_batch needs at least one row"
+    device = rows[0].logits.device
+    V = rows[0].logits.shape[-1]
+    k_max = max(len(r.drafts) for r in rows)
+    target = torch.zeros((N, k_max + 1, V), dtype=torch.float32, device=device)
+    with_q = any(r.draft_probs is not None and r.drafts for r in rows)
+    q = torch.zeros((N, k_max, V), dtype=torch.float32, device=device) if with_q else None
+    tokens = torch.zeros((N, k_max), dtype=torch.int64)
+    uniforms = torch.full((N, k_max), 0.5, dtype=torch.float32)
+    noise = torch.ones((N, V), dtype=torch.float32)
+    for n, r in enumerate(rows):
+        k = len(r.drafts)
+        assert r.logits.shape[0] == k + 1, "one target row per draft plus the bonus row"
+        tokens[n, :k] = torch.tensor(r.drafts, dtype=torch.int64)
+        if r.params.greedy:
+            best = torch.argmax(r.logits, dim=-1, keepdim=True)
+            target[n, :k + 1].scatter_(1, best, 1.0)
+        else:
+            target[n, :k + 1] = filter_logits(r.logits, r.params).softmax(-1)
+            # verify()'s draws, in its order: the uniforms up front, then one row of noise.
+            if k:
+                uniforms[n, :k] = torch.rand(k, generator=r.generator)
+            noise[n] = torch.empty(V, dtype=torch.float32).exponential_(generator=r.generator)
+        if q is not None and k and r.draft_probs is not None and not r.params.greedy:
+            q[n, :k] = r.draft_probs.to(device=device, dtype=torch.float32)
+    tokens_dev = host_to_device(tokens, device)
+    num_drafts = host_to_device(torch.tensor([len(r.drafts) for r in rows], dtype=torch.int64), device)
+    if q is not None:
+        # One-hot q for the rows without real draft distributions: max(0, p - onehot(d)) is p
+        # with d zeroed, verify()'s residual for them; q(d) = 1 keeps the rule u < p.
+        real = host_to_device(torch.tensor([r.draft_probs is not None and not r.params.greedy for r in rows]), device)
+        one_hot = torch.zeros_like(q).scatter_(2, tokens_dev[..., None], 1.0)
+        q = torch.where(real[:, None, None], q, one_hot)
+        q_tok = q.gather(2, tokens_dev[..., None])[..., 0]
+    else:
+        q_tok = torch.ones((N, k_max), dtype=torch.float32, device=device)
+    p_tok = target[:, :k_max].gather(2, tokens_dev[..., None])[..., 0]
+    accepted = K.spec_accept(p_tok, q_tok, host_to_device(uniforms, device), num_drafts)
+    nxt = K.spec_recover(target, q, tokens_dev, accepted, num_drafts, host_to_device(noise, device))
+    emitted = torch.cat([tokens_dev, torch.zeros((N, 1), dtype=torch.int64, device=device)], dim=1)
+    emitted.scatter_(1, accepted.view(N, 1), nxt.view(N, 1))
+    return BatchVerdict(accepted, emitted)
