@@ -18,16 +18,20 @@ Measured, per layout:
 2. decode start-up for a fixed shard of 1,000 prompts in stores of each `--sizes` blocks: the
    requests and seconds from opening the store to knowing where every block of the shard is.
    "before": a reader lists the index and reads every index file. "segments": decode is handed
-   each block's location by the prefill manifests (`startup_*`: no index request at all), and a
-   cross-run lookup of the same keys goes through the partitioned index (`lookup_*`: the newest
-   generation, the partitions the keys fall in, the index files written since), after a
-   compaction (`kv compact`) run as the nightly gc would, more than its grace after the writes;
+   each block's location by the prefill manifests (`startup_*`: no index request at all); and a
+   cross-run lookup of `--lookup-keys` (1,000) of its keys by a fresh reader through the
+   partitioned index: requests, bytes and seconds, once through whole partitions
+   (`lookup_whole_partitions`: the reader before paged partitions) and once through paged ones
+   (`lookup_paged`: a directory entry and a page per key), each after a compaction
+   (`kv compact`) run as the nightly gc would, more than its grace after the writes;
 3. range-read throughput: the shard's blocks fetched, MB/s (one ranged GET per chain run with
    segments; one per block before);
 4. two nights (segments only): night 1 (written as if ten days ago) stores `--shard` prompts;
    night 2's prompts share night 1's system prompts with tails of their own: the share of night
    2's system-prompt tokens the store serves, and whether `kv gc --unused-days 3` after night 2
-   keeps every block night 2 used (and removes night 1's one-off tails).
+   keeps every block night 2 used; night 1's segments, mostly one-off tails, are rewritten down
+   to the used system prompts, and the gc of the next night (25 h later, past the grace) deletes
+   the old ones: stored bytes before and after, and the share of the one-off blocks removed.
 
 Prints the CPU (lscpu) next to the figures; the machine may be shared with other work.
 """
@@ -103,15 +107,9 @@ def startup_and_read(url: str, opts: dict[str, Any], args: argparse.Namespace, s
                      layout: str, locations: list[dict[str, Any]] | None) -> dict[str, Any]:
     """A fresh decode worker for the shard of the first 1,000 prompts: open, look up, fetch.
 
-    With `locations` (what prefill's manifests carry) it is handed where each block is; the
-    cross-run lookup through the index is then measured apart, by another fresh reader."""
+    With `locations` (what prefill's manifests carry) it is handed where each block is."""
     shard = [k for p in range(args.shard) for k in prompt_keys(p, args, salt)]
     out: dict[str, Any] = {}
-    if locations is not None:
-        t0 = time.perf_counter()
-        looker = open_store(url, opts, args)
-        assert all(looker.contains(shard))
-        out.update(lookup_requests=dict(looker.request_counts()), lookup_s=round(time.perf_counter() - t0, 3))
     t0 = time.perf_counter()
     store = open_store(url, opts, args)
     if locations is not None:
@@ -131,6 +129,40 @@ def startup_and_read(url: str, opts: dict[str, Any], args: argparse.Namespace, s
     return {**out, "startup_requests": startup, "startup_s": round(startup_s, 3),
             "read_gets": store.durable.layout.requests.since(before)["GET"],
             "read_mb_per_s": round(nbytes / read_s / 1e6, 2)}
+
+
+def lookup_keys(args: argparse.Namespace, salt: str) -> list[str]:
+    """The first `--lookup-keys` distinct block keys of the shard (prompts in order)."""
+    out: dict[str, None] = {}
+    for p in range(args.shard):
+        for k in prompt_keys(p, args, salt):
+            out[k] = None
+        if len(out) >= args.lookup_keys:
+            break
+    return list(out)[: args.lookup_keys]
+
+
+def cross_run_lookup(url: str, opts: dict[str, Any], args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
+    """A fresh reader asking the index whether the store holds `keys`: requests, bytes, seconds."""
+    t0 = time.perf_counter()
+    looker = open_store(url, opts, args)
+    lay, nbytes = looker.durable.layout, [0]
+    real_get, real_ranges = lay.get, lay.get_ranges
+
+    def get(path):
+        out = real_get(path)
+        nbytes[0] += len(out)
+        return out
+
+    def get_ranges(paths, starts, ends):
+        out = real_ranges(paths, starts, ends)
+        nbytes[0] += sum(len(b) for b in out if isinstance(b, bytes | bytearray))
+        return out
+
+    lay.get, lay.get_ranges = get, get_ranges
+    assert all(looker.contains(keys))
+    return {"keys": len(keys), "requests": dict(looker.request_counts()), "bytes": nbytes[0],
+            "s": round(time.perf_counter() - t0, 3)}
 
 
 @contextlib.contextmanager
@@ -175,7 +207,7 @@ def throughput(url: str, opts: dict[str, Any], args: argparse.Namespace, layout:
 
 
 def two_nights(url: str, opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from kvbatch.io.kv_store import kv_gc
+    from kvbatch.io.kv_store import kv_gc, kv_stats
 
     real_time = time.time
     time.time = lambda: real_time() - 10 * 86400  # night 1 was ten days ago
@@ -191,12 +223,23 @@ def two_nights(url: str, opts: dict[str, Any], args: argparse.Namespace) -> dict
     got = night2.get_many(shared)  # decode loads them: their segments are recorded as used
     night2.put_many([(k, PAYLOAD) for k in tails])  # night 2's own tails
     night2.stats()  # the end of night 2: flush, usage recorded
+    before = kv_stats(url, opts)
+    # The gc after night 2 rewrites night 1's mostly-dead segments (their one-off tails) and keeps
+    # the old ones for the grace (24 h); the next night's gc deletes them.
     gc = kv_gc(url, None, None, storage_options=opts, unused_s=3 * 86400)
+    gc_next = kv_gc(url, None, None, storage_options=opts, unused_s=3 * 86400, now=time.time() + 25 * 3600)
+    after_stats = kv_stats(url, opts)
     after = open_store(url, opts, args)
     kept = sum(after.contains(list(dict.fromkeys(shared)) + tails))
+    one_offs = [k for p in range(args.shard) for k in prompt_keys(p, args, "night1")[args.shared_blocks:]]
+    gone = sum(not c for c in after.contains(one_offs))
+    keys_gc = ("packs_unused", "packs_kept", "segments_rewritten", "blocks_rewritten", "segments_awaiting_grace")
     return {"night2_shared_tokens_served_share": round(served / len(shared), 4),
-            "loaded": sum(t is not None for t, _ in got), "gc": {k: gc[k] for k in ("packs_unused", "packs_kept")},
-            "night2_blocks_kept_share": round(kept / (len(set(shared)) + len(tails)), 4)}
+            "loaded": sum(t is not None for t, _ in got), "gc": {k: gc[k] for k in keys_gc},
+            "gc_next_night": {k: gc_next[k] for k in ("segments_replaced_deleted", "kv_bytes_reclaimed", "packs_kept")},
+            "store_bytes_before_gc": before["kv_bytes"], "store_bytes_after": after_stats["kv_bytes"],
+            "night2_blocks_kept_share": round(kept / (len(set(shared)) + len(tails)), 4),
+            "night1_one_off_blocks_removed_share": round(gone / len(one_offs), 4)}
 
 
 def cpu_line() -> str:
@@ -217,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before-max", type=int, default=None,
                     help="largest store built in the old layout (it costs two PUTs per prompt)")
     ap.add_argument("--shard", type=int, default=1000, help="prompts in the decode shard")
+    ap.add_argument("--lookup-keys", type=int, default=1000, help="distinct keys a cross-run lookup asks")
     ap.add_argument("--blocks-per-prompt", type=int, default=4)
     ap.add_argument("--shared-blocks", type=int, default=2)
     ap.add_argument("--group", type=int, default=10, help="prompts sharing a system prompt")
@@ -263,16 +307,23 @@ def main(argv: list[str] | None = None) -> int:
                 if n_prompts > 1000:
                     prefill(store, range(1000, n_prompts), args, salt, layout)
                 locations = None
+                lookups: dict[str, Any] = {}
                 if layout == "segments":
                     # Prefill's manifests carry the shard's block locations; the nightly gc compacts
-                    # the index (here as if it ran two hours after the writes).
+                    # the index (here as if it ran hours after the writes). A cross-run lookup of
+                    # `--lookup-keys` keys through whole partitions (the reader before pages), then
+                    # through paged partitions, each after its own compaction, in this run.
                     shard = [k for p in range(args.shard) for k in prompt_keys(p, args, salt)]
                     locations = store.locations(shard)
+                    asked = lookup_keys(args, salt)
+                    compact_index(store.durable.layout, now=time.time() + 2 * 3600, paged=False)
+                    lookups["lookup_whole_partitions"] = cross_run_lookup(url, opts, args, asked)
                     t0 = time.perf_counter()
-                    compacted = compact_index(store.durable.layout, now=time.time() + 2 * 3600)
+                    compacted = compact_index(store.durable.layout, now=time.time() + 3 * 3600)
                     compact_s = time.perf_counter() - t0
+                    lookups["lookup_paged"] = cross_run_lookup(url, opts, args, asked)
                 run = {"layout": layout, "store_blocks": store.durable.counters.blocks_written,
-                       "prefill_per_1000_prompts": first,
+                       "prefill_per_1000_prompts": first, **lookups,
                        **startup_and_read(url, opts, args, salt, layout, locations)}
                 if locations is not None:
                     run["compact"] = {"s": round(compact_s, 2), "segments": compacted["segments_indexed"],

@@ -15,21 +15,24 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute
 
-from kvbatch.io.kv_index import PARTITIONS, Generation, _partition_bytes, _rows, partition_of
+from kvbatch.io.kv_index import _PARTITION_SCHEMA, PARTITIONS, Generation, _partition_bytes, _rows, partition_of
 from kvbatch.io.kv_index_files import _FPID_NAME, IndexInvalid, PackManifest
+from kvbatch.io.kv_index_pages import paged_partition_bytes
 from kvbatch.io.kv_object_tier import ObjectLayout, RetryPolicy, scan_index
 
 log = logging.getLogger(__name__)
 
 
 def compact_index(layout: ObjectLayout, retry: RetryPolicy | None = None, *, now: float | None = None,
-                  grace_s: float = 3600.0, keep_generations: int = 2) -> dict[str, Any]:
+                  grace_s: float = 3600.0, keep_generations: int = 2, paged: bool = True) -> dict[str, Any]:
     """Fold every per-writer index file into a new generation per model; remove stale generations.
 
     Safe to kill at any point and to run twice at once (see the module docstring). Nothing is
     published when an index file could not be read: a generation would then hide its segment
     from readers. `grace_s` bounds how late an index file may be published after its name's time
-    and still be found, and how long an old generation stays for readers that hold it."""
+    and still be found, and how long an old generation stays for readers that hold it. `paged`
+    writes paged partitions (kv_index_pages.py: a lookup reads the pages of its keys); False writes
+    each partition as one table read whole, as before pages (kept for readers' comparison)."""
     retry = retry or RetryPolicy()
     now = time.time() if now is None else now
     covers_before_ms = int((now - grace_s) * 1000)
@@ -60,17 +63,22 @@ def compact_index(layout: ObjectLayout, retry: RetryPolicy | None = None, *, now
         pp_list = table.column("pp").to_pylist()
         table = table.drop_columns(["pp"])
         parts: dict[str, int] = {}
+        paging: dict[str, list[int]] = {}
         for i in range(PARTITIONS):
             pp = f"{i:02x}"
             lo, hi = bisect.bisect_left(pp_list, pp), bisect.bisect_right(pp_list, pp)
             if hi == lo:
                 continue
             path = layout.partition_path(fpid, gen, pp)
-            data = _partition_bytes(table.slice(lo, hi - lo), fingerprints[fpid], pp)
+            if paged:
+                data, bits = paged_partition_bytes(table.slice(lo, hi - lo), _PARTITION_SCHEMA, fingerprints[fpid], pp)
+                paging[pp] = [bits, len(data)]
+            else:
+                data = _partition_bytes(table.slice(lo, hi - lo), fingerprints[fpid], pp)
             retry.call(lambda p=path, d=data: layout.put_new(p, d), f"write {path}")
             parts[pp] = hi - lo
             out["partitions_written"] += 1
-        g = Generation(gen, fingerprints[fpid], fpid, covers_before_ms, parts, len(manifests))
+        g = Generation(gen, fingerprints[fpid], fpid, covers_before_ms, parts, len(manifests), paging)
         path = layout.generation_path(fpid, gen)
         body = g.to_json()
         retry.call(lambda p=path, b=body: layout.put_new(p, b), f"write {path}")

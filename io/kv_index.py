@@ -1,12 +1,14 @@
-"""The persistent index of the durable KV tier: partitioned by key, compacted, read partition by partition.
+"""The persistent index of the durable KV tier: partitioned by key, compacted, read page by page.
 
 Writers publish one index file per segment (``index/<fpid>/<created ms>-<digest>.json``, see
 kv_object_tier). Left alone, a reader would have to list and read all of them. Compaction folds
 them into a *generation*:
 
-    partitions/<fpid>/<generation>.<pp>.arrow   one Arrow IPC table per key partition (256, by the
-                                                first byte of blake2b(key)), sorted by key
-    generations/<fpid>/<generation>.json        names the partitions and `covers_before_ms`
+    partitions/<fpid>/<generation>.<pp>.arrow   one paged partition per key partition (256, by the
+                                                first byte of blake2b(key)): a directory, then pages
+                                                of rows sorted by key (kv_index_pages.py)
+    generations/<fpid>/<generation>.json        names the partitions, their page bits and sizes,
+                                                and `covers_before_ms`
 
 A generation is written partitions first, each under a name no one else uses, and published by
 its manifest, created only if absent: a compaction that dies leaves unreferenced partitions
@@ -16,10 +18,12 @@ whole. Per-writer index files are never deleted by compaction (gc deletes them w
 segment), so no race can lose an entry.
 
 A reader for keys of one model: lists ``generations/<fpid>/`` and reads the newest manifest (two
-requests), then reads only the partitions its keys fall in (one GET each, cached), plus the
-per-writer index files published since ``covers_before_ms`` (a few prefix LISTs over the name's
-leading time digits). What it costs follows the keys asked and the recent writes, not the size
-of the store. A store never compacted is read as before: every index file of the model.
+requests), then only the pages its keys fall in (a directory entry and a page per key, in two
+batches of ranged GETs, cached), plus the per-writer index files published since
+``covers_before_ms`` (a few prefix LISTs over the name's leading time digits). What it costs
+follows the keys asked and the recent writes, not the size of the store. A generation written
+before pages (one Arrow IPC table per partition) is read a whole partition at a time; a store
+never compacted is read as before: every index file of the model.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from kvbatch.io.kv_index_files import (
     _shown,
     fingerprint_id,
 )
+from kvbatch.io.kv_index_pages import MAX_BITS, directory_range, min_bytes, page_of, parse_directory_entry, read_page
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +93,15 @@ class Generation:
     covers_before_ms: int  # index files named before this are all in the partitions
     partitions: dict[str, int]  # partition -> rows; absent partitions are empty
     segments: int = 0
+    # Paged partitions (kv_index_pages.py): partition -> [page bits, file bytes]. A partition not
+    # named here (a generation written before pages) is one Arrow IPC table, read whole.
+    pages: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps({"format": _GEN_FORMAT, "version": LAYOUT_VERSION, "name": self.name,
                            "fingerprint": self.fingerprint, "fingerprint_id": self.fingerprint_id,
                            "covers_before_ms": self.covers_before_ms, "segments": self.segments,
-                           "partitions": self.partitions}, separators=(",", ":")).encode()
+                           "partitions": self.partitions, "pages": self.pages}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, source: str, where: tuple[str, str]) -> Generation:
@@ -117,7 +125,15 @@ class Generation:
         if not isinstance(parts, dict) or not all(isinstance(p, str) and _PP.fullmatch(p) and type(n) is int
                                                   and n > 0 for p, n in parts.items()):
             raise IndexInvalid(source, "partitions", "must map two-hex-digit partitions to row counts")
-        return cls(name, fp, fpid, covers, dict(parts), int(d.get("segments") or 0))
+        pages = d.get("pages", {})
+        if not isinstance(pages, dict):
+            raise IndexInvalid(source, "pages", f"must be an object, got {_shown(pages)}")
+        for pp, v in pages.items():
+            if pp not in parts or not (isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+                                       and 0 <= v[0] <= MAX_BITS and v[1] >= min_bytes(v[0])):
+                raise IndexInvalid(source, f"pages.{_shown(pp)}", f"must be [bits 0..{MAX_BITS}, file bytes] of "
+                                   f"a listed partition, got {_shown(v)}")
+        return cls(name, fp, fpid, covers, dict(parts), int(d.get("segments") or 0), dict(pages))
 
 
 def _partition_bytes(rows: pa.Table, fingerprint: str, pp: str) -> bytes:
@@ -146,10 +162,17 @@ def read_partition(raw: bytes, source: str, fingerprint: str, pp: str) -> list[P
                            f"{_shown(md.get('fingerprint'))}, expected {pp} of {_shown(fingerprint)}")
     if not table.schema.remove_metadata().equals(_PARTITION_SCHEMA):
         raise IndexInvalid(source, "schema", f"columns {table.schema.names} are not an index partition's")
+    return rows_to_manifests(table, source, fingerprint, pp)
+
+
+def rows_to_manifests(table: pa.Table, source: str, fingerprint: str, pp: str,
+                      page: tuple[int, int] | None = None, where_prefix: str = "rows") -> list[PackManifest]:
+    """Index rows as (stub) PackManifests, each row checked as an index file's entry is; a row must
+    belong to partition `pp` (and to `page` = (page, bits) of a paged partition)."""
     fpid = fingerprint_id(fingerprint)
     packs: dict[str, PackManifest] = {}
     for i, r in enumerate(table.to_pylist()):
-        where = f"rows.{i}"
+        where = f"{where_prefix}.{i}"
         pack = _checked_name(r["pack"], _PACK_NAME, source, f"{where}.pack", "a pack name (<created ms>-<32 hex>)")
         size, created = r["object_bytes"], r["created_s"]
         if size is None or size < 1:
@@ -160,6 +183,9 @@ def read_partition(raw: bytes, source: str, fingerprint: str, pp: str) -> list[P
         if partition_of(entry.key) != pp:
             raise IndexInvalid(source, f"{where}.key", f"{entry.key[:16]} belongs to partition "
                                f"{partition_of(entry.key)}, not {pp}")
+        if page is not None and page_of(entry.key, page[1]) != page[0]:
+            raise IndexInvalid(source, f"{where}.key", f"{entry.key[:16]} belongs to page "
+                               f"{page_of(entry.key, page[1])}, not {page[0]}")
         m = packs.get(pack)
         if m is None:
             m = packs[pack] = PackManifest(pack, fingerprint, fpid, size, float(created), {}, partial=True)
@@ -200,6 +226,7 @@ class _ModelIndex:
     discovered: bool = False
     broken: set[str] = field(default_factory=set)  # generations found incomplete
     loaded: set[str] = field(default_factory=set)  # partitions read from `generation`
+    pages: set[tuple[str, int]] = field(default_factory=set)  # (partition, page) read from `generation`
     seen: set[str] = field(default_factory=set)  # per-writer index files read (pack names)
     invalid: set[str] = field(default_factory=set)
     last_recent_s: float = -math.inf
@@ -209,6 +236,8 @@ class IndexStore(Protocol):
     """What the reader needs of kv_object_tier.ObjectLayout (every call counted there)."""
 
     def get(self, path: str) -> bytes: ...
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes | Exception]: ...
+    def get_range(self, path: str, start: int, end: int) -> bytes: ...
     def generation_path(self, fpid: str, gen: str) -> str: ...
     def partition_path(self, fpid: str, gen: str, pp: str) -> str: ...
     def index_path(self, fpid: str, pack: str) -> str: ...
@@ -244,27 +273,73 @@ class IndexReader:
             if gen is None:
                 break
             try:
+                pages: set[tuple[str, int]] = set()
                 for pp in sorted({partition_of(k) for k in keys} - mi.loaded):
-                    if pp in gen.partitions:
+                    if pp in gen.pages:
+                        continue  # paged: only the pages of the keys asked, below
+                    if pp in gen.partitions:  # a generation written before pages: the whole partition
                         path = self.layout.partition_path(fpid, gen.name, pp)
                         raw = self.call(lambda p=path: self.layout.get(p), f"read {path}")
                         out.extend(read_partition(raw, path, fingerprint, pp))
                     mi.loaded.add(pp)
+                for k in keys:
+                    pp = partition_of(k)
+                    if pp in gen.pages and (pp, page_of(k, gen.pages[pp][0])) not in mi.pages:
+                        pages.add((pp, page_of(k, gen.pages[pp][0])))
+                out.extend(self._read_pages(mi, fpid, fingerprint, gen, sorted(pages)))
                 break
             except FileNotFoundError:
                 log.info("kv %s tier: generation %s lost a partition; using an older one", self.name, gen.name)
                 mi.broken.add(gen.name)
                 mi.loaded.clear()
+                mi.pages.clear()
                 self._discover(mi, fpid)
             except IndexInvalid as exc:
                 log.warning("kv %s tier: invalid index partition, generation %s skipped: %s", self.name, gen.name, exc)
                 self.invalid_files += 1
                 mi.broken.add(gen.name)
                 mi.loaded.clear()
+                mi.pages.clear()
                 self._discover(mi, fpid)
         if time.monotonic() - mi.last_recent_s >= self.refresh_s:
             out.extend(self._recent(mi, fpid, known))
             mi.last_recent_s = time.monotonic()
+        return out
+
+    def _read_pages(self, mi: _ModelIndex, fpid: str, fingerprint: str, gen: Generation,
+                    pages: list[tuple[str, int]]) -> list[PackManifest]:
+        """The rows of these pages of paged partitions: their directory entries in one batch of ranged
+        GETs, then the pages (neighbours coalesced), each read once per process."""
+        if not pages:
+            return []
+        paths = {pp: self.layout.partition_path(fpid, gen.name, pp) for pp, _ in pages}
+        dirs = self._ranges([(paths[pp], *directory_range(pg)) for pp, pg in pages])
+        spans: list[tuple[str, int, int, int]] = []
+        for (pp, pg), raw in zip(pages, dirs):
+            bits, nbytes = gen.pages[pp]
+            start, end = parse_directory_entry(raw, paths[pp], pg, bits, nbytes)
+            if end > start:
+                spans.append((pp, pg, start, end))
+        raws = self._ranges([(paths[pp], a, b) for pp, _, a, b in spans])
+        out: list[PackManifest] = []
+        for (pp, pg, _, _), raw in zip(spans, raws):
+            bits = gen.pages[pp][0]
+            table = read_page(raw, _PARTITION_SCHEMA, paths[pp], fingerprint, pp, pg, bits)
+            out.extend(rows_to_manifests(table, paths[pp], fingerprint, pp, (pg, bits), f"pages.{pg}.rows"))
+        mi.pages.update(pages)
+        return out
+
+    def _ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        """Byte ranges in one batch; a range whose GET failed is asked again on its own, with the
+        tier's retries (an error left after them is raised)."""
+        got = self.call(lambda: self.layout.read_ranges(ranges), f"read {len(ranges)} index ranges")
+        out: list[bytes] = []
+        for (path, lo, hi), r in zip(ranges, got):
+            if isinstance(r, FileNotFoundError):
+                raise r  # the generation lost a partition: the caller falls back to an older one
+            if isinstance(r, Exception):
+                r = self.call(lambda p=path, a=lo, b=hi: self.layout.get_range(p, a, b), f"read {path}[{lo}:{hi}]")
+            out.append(r)
         return out
 
     def _discover(self, mi: _ModelIndex, fpid: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import itertools
 import json
 import logging
 import math
@@ -22,8 +23,9 @@ import threading
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import fsspec
@@ -40,6 +42,7 @@ from kvbatch.io.kv_block_format import (
 )
 from kvbatch.io.kv_index import IndexReader
 from kvbatch.io.kv_requests import RequestCounter
+from kvbatch.io.kv_rewrite import DEFAULT_REWRITE_BELOW, DEFAULT_REWRITE_GRACE_S, plan_rewrites, rewrite_segment
 from kvbatch.io.kv_tiers import (
     IO_ERROR,
     MISSING,
@@ -365,6 +368,18 @@ class ObjectLayout:
         self.requests.add("GET", len(paths))
         return list(self.fs.cat_ranges(paths, starts, ends, on_error="return"))
 
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes | Exception]:
+        """Bytes of each (path, start, end), ranges of one object that touch merged into one GET
+        (concurrent on async stores); the error instead where its GET failed."""
+        if not ranges:
+            return []
+        paths, starts, ends, members = coalesce_ranges(ranges)
+        out: list[bytes | Exception] = [b""] * len(ranges)
+        for r, start, idxs in zip(self.get_ranges(paths, starts, ends), starts, members):
+            for i in idxs:
+                out[i] = r if isinstance(r, Exception) else bytes(r[ranges[i][1] - start: ranges[i][2] - start])
+        return out
+
     def size(self, path: str) -> int | None:
         """An object's size (one HEAD)."""
         self.requests.add("HEAD")
@@ -681,11 +696,22 @@ class ObjectStoreTier(Tier):
         # The write buffer (see put_many): blocks accepted but not yet in a segment, in the order
         # they came (a prompt's chain arrives in order, so it lands contiguous in its segment).
         self._pending: dict[str, tuple[str, torch.Tensor]] = {}  # key -> (fingerprint, tensor)
+        # Pending blocks by chain: a run is one prompt's blocks in order, extended by each later
+        # call that continues it (a chunked prefill saves a prompt over several steps, between
+        # other prompts' saves), and written whole into one segment: one byte range per chain.
+        # Runs are ordered by their last extension, so a size flush takes finished chains first.
+        self._runs: OrderedDict[int, list[str]] = OrderedDict()
+        self._tail_run: dict[str, int] = {}  # the last key of each run -> the run
+        self._next_run = 0
+        self._chain_parent: OrderedDict[str, str] = OrderedDict()  # key -> the key before it (expect_chain)
+        self._chain_next: dict[str, str] = {}  # the other way: a run whose tail is here is still growing
         self._pending_bytes = 0
         self._pending_since: float | None = None  # monotonic time of the oldest pending block
         self._flush_lock = threading.Lock()  # one segment write at a time, in order
         self._timer: threading.Timer | None = None
-        self._used: set[tuple[str, str]] = set()  # segments read since the last usage file
+        # Blocks read since the last usage file, by segment (their offsets): gc keeps them, and
+        # rewrites a segment whose used blocks are few (kv_rewrite.py).
+        self._used: dict[tuple[str, str], set[int]] = {}
         # Nothing is listed here: a reader loads the index partitions its keys need when it first
         # asks for them (kv_index.py), and decode, given each block's location by prefill's
         # manifests (add_locations), needs none at all.
@@ -853,7 +879,7 @@ class ObjectStoreTier(Tier):
 
     # -- reads --
 
-    def get_many(self, keys: list[str], fingerprint: str) -> list[Lookup]:
+    def get_many(self, keys: list[str], fingerprint: str, *, _again: bool = False) -> list[Lookup]:
         with self._lock:
             buffered = {k: self._pending[k][1] for k in keys if self._pending.get(k, ("", None))[0] == fingerprint}
         if buffered:  # accepted but not yet flushed: served from the buffer, no request made
@@ -879,7 +905,8 @@ class ObjectStoreTier(Tier):
             foreign.append(locs[0][0].fingerprint if locs and not plans[-1] else "")
         # First attempt for every key in one batched range fetch (concurrent on async stores).
         fetched = iter(self._fetch_ranges([p[0] for p in plans if p]))
-        results: list[Lookup] = []
+        deleted: dict[str, str] = {}  # keys whose every copy was gone: asked of the index again
+        results: list[Lookup | None] = []
         for key, plan, other in zip(keys, plans, foreign):
             if not plan:
                 results.append(self._miss(key, "fingerprint", f"stored by {other!r}") if other else self._miss(key, MISSING))
@@ -895,11 +922,24 @@ class ObjectStoreTier(Tier):
             if tensor is not None:
                 self.counters.hits += 1
                 with self._lock:
-                    self._used.add((m.fingerprint_id, m.pack))
+                    self._used.setdefault((m.fingerprint_id, m.pack), set()).add(entry.offset)
                 results.append(Lookup(tensor))
+            elif reason == OBJECT_DELETED and not _again:
+                results.append(None)  # asked again below
+                deleted[key] = detail
             else:
                 results.append(self._miss(key, reason, detail))
-        return results
+        lost = [i for i, r in enumerate(results) if r is None]
+        if lost:
+            # Every known copy was deleted: gc rewrote the segment a manifest (or a stale index)
+            # named, and deleted it after its grace. The index names the new copy, if any.
+            self._maybe_refresh([keys[i] for i in lost], fingerprint)
+            again = [i for i in lost if any(m.fingerprint == fingerprint for m, _ in self._locations(keys[i]))]
+            for i, r in zip(again, self.get_many([keys[i] for i in again], fingerprint, _again=True)):
+                results[i] = r
+            for i in set(lost) - set(again):
+                results[i] = self._miss(keys[i], OBJECT_DELETED, deleted[keys[i]])
+        return [r for r in results if r is not None]
 
     def _miss(self, key: str, reason: str, detail: str = "") -> Lookup:
         if reason == IO_ERROR and self.breaker.blocked():
@@ -1010,12 +1050,26 @@ class ObjectStoreTier(Tier):
         present = self.contains([k for k, _ in blocks], fingerprint)
         accepted = 0
         with self._lock:
+            run: list[str] | None = None
             for (key, tensor), have in zip(blocks, present):
+                parent = self._chain_parent.pop(key, None)
+                if parent is not None and self._chain_next.get(parent) == key:
+                    del self._chain_next[parent]
                 if have or key in self._pending:
                     continue
+                if run is None:  # the call's blocks go to the pending chain they continue, or a new one
+                    rid = self._tail_run.pop(parent, None) if parent else None
+                    if rid is None or self._pending[parent][0] != fingerprint:
+                        rid, self._next_run = self._next_run, self._next_run + 1
+                        self._runs[rid] = []
+                    self._runs.move_to_end(rid)
+                    run = self._runs[rid]
+                run.append(key)
                 self._pending[key] = (fingerprint, tensor.detach().to("cpu"))
                 self._pending_bytes += _nbytes(tensor)
                 accepted += 1
+            if run:
+                self._tail_run[run[-1]] = rid
             if self._pending and self._pending_since is None:
                 self._pending_since = time.monotonic()
             full = self._pending_bytes >= self.pack_bytes
@@ -1025,6 +1079,20 @@ class ObjectStoreTier(Tier):
         elif accepted:
             self._arm_timer()
         return accepted
+
+    def expect_chain(self, keys: list[str]) -> None:
+        """`keys` are one prompt's chain, in order, to be put over several calls (a chunked prefill):
+        a call whose first block continues a pending chain is appended to it, so the chain stays
+        contiguous in one segment. Advisory: remembered for the last 2^20 keys."""
+        with self._lock:
+            for parent, key in itertools.pairwise(keys):
+                self._chain_parent[key] = parent
+                self._chain_parent.move_to_end(key)
+                self._chain_next[parent] = key
+            while len(self._chain_parent) > 1 << 20:
+                key, parent = self._chain_parent.popitem(last=False)
+                if self._chain_next.get(parent) == key:
+                    del self._chain_next[parent]
 
     def pending(self) -> tuple[int, int]:
         """(blocks, bytes) accepted but not yet written."""
@@ -1054,18 +1122,40 @@ class ObjectStoreTier(Tier):
             while True:
                 with self._lock:
                     group: list[tuple[str, str, torch.Tensor]] = []
+                    taken: list[tuple[int, int]] = []  # (run, how many of its leading blocks)
                     size = 0
-                    for key, (fp, tensor) in self._pending.items():
+                    runs = list(self._runs.items())  # whole chains, least recently extended first
+                    if full_only and self._pending_bytes < 2 * self.pack_bytes:
+                        # A size flush leaves the chains still being prefilled (their next block is
+                        # expected) in the buffer, unless it has grown to twice a segment.
+                        runs = [(rid, run) for rid, run in runs if run[-1] not in self._chain_next]
+                    for rid, run in runs:
+                        fp = self._pending[run[0]][0]
                         if group and (fp != group[0][1] or size >= self.pack_bytes):
                             break
-                        group.append((key, fp, tensor))
-                        size += _nbytes(tensor)
+                        n = run_bytes = 0
+                        for key in run:  # a chain longer than a segment is cut at pack_bytes
+                            if n and run_bytes >= self.pack_bytes:
+                                break
+                            tensor = self._pending[key][1]
+                            group.append((key, fp, tensor))
+                            run_bytes += _nbytes(tensor)
+                            n += 1
+                        taken.append((rid, n))
+                        size += run_bytes
                     if not group or (full_only and size < self.pack_bytes):
                         break
                 # Still pending while it is written: readers of this process are served from the
                 # buffer until the segment is published.
                 written += self._write_pack([(k, t) for k, _, t in group], group[0][1])
                 with self._lock:
+                    for rid, n in taken:
+                        run = self._runs[rid]
+                        if n < len(run):
+                            del run[:n]  # the rest of a long chain stays pending, still extendable
+                        else:
+                            del self._runs[rid]
+                            self._tail_run.pop(run[-1], None)
                     for key, _, tensor in group:
                         if self._pending.pop(key, None) is not None:
                             self._pending_bytes -= _nbytes(tensor)
@@ -1090,16 +1180,17 @@ class ObjectStoreTier(Tier):
         One small file per reader per flush (a decode's end), never a write per read; gc folds
         them into one. A failure is logged: the segments then look unused for that one use."""
         with self._lock:
-            used, self._used = self._used, set()
+            used, self._used = self._used, {}
         if not used:
             return 0
         now = time.time() if now is None else now
-        by_fpid: dict[str, list[str]] = {}
-        for fpid, pack in sorted(used):
-            by_fpid.setdefault(fpid, []).append(pack)
+        by_fpid: dict[str, dict[str, set[int]]] = {}
+        for (fpid, pack), offsets in sorted(used.items()):
+            by_fpid.setdefault(fpid, {})[pack] = offsets
         for fpid, packs in by_fpid.items():
             path = self.layout.usage_path(fpid, f"{int(now * 1000):013d}-{uuid.uuid4().hex}")
-            body = UsageFile({p: now for p in packs}).to_json()
+            body = UsageFile({p: now for p in packs},
+                             {p: {o: now for o in offsets} for p, offsets in packs.items()}).to_json()
             try:
                 self._call(lambda p=path, b=body: self.layout.put_new(p, b), f"write {path}")
             except Exception as exc:  # noqa: BLE001 - usage is advisory; the read itself succeeded
@@ -1157,13 +1248,20 @@ class ObjectStoreTier(Tier):
 
 @dataclass
 class UsageFile:
-    """When segments were last used: `{pack name: seconds}`. Written by readers, folded by gc."""
+    """When segments, and which of their blocks, were last used. Written by readers, folded by gc.
+
+    `last_used`: `{pack name: seconds}`, the segment's latest use. `blocks`: `{pack name: {block
+    offset: seconds}}`, which blocks were read: gc rewrites a segment whose used blocks are few
+    (kv_rewrite.py). A pack named in `last_used` without `blocks` (a reader before block-level
+    usage) counts as a use of every block it holds."""
 
     last_used: dict[str, float]
+    blocks: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
+        blocks = {p: sorted([o, t] for o, t in offs.items()) for p, offs in self.blocks.items()}
         return json.dumps({"format": "kvbatch.kv-usage", "version": LAYOUT_VERSION,
-                           "packs": self.last_used}, separators=(",", ":")).encode()
+                           "packs": self.last_used, "blocks": blocks}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, source: str) -> UsageFile:
@@ -1179,17 +1277,51 @@ class UsageFile:
         out: dict[str, float] = {}
         for pack, t in packs.items():
             _checked_name(pack, _PACK_NAME, source, "packs", "a pack name (<created ms>-<32 hex>)")
-            if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 <= t <= 1e15:
-                raise IndexInvalid(source, f"packs.{pack}", f"must be a time in seconds, got {_shown(t)}")
-            out[pack] = float(t)
-        return cls(out)
+            out[pack] = _checked_time(t, source, f"packs.{pack}")
+        raw_blocks = d.get("blocks", {})
+        if not isinstance(raw_blocks, dict):
+            raise IndexInvalid(source, "blocks", f"must be an object, got {_shown(raw_blocks)}")
+        blocks: dict[str, dict[int, float]] = {}
+        for pack, pairs in raw_blocks.items():
+            if pack not in out:
+                raise IndexInvalid(source, "blocks", f"{_shown(pack)} is not one of the file's packs")
+            if not isinstance(pairs, list):
+                raise IndexInvalid(source, f"blocks.{pack}", f"must be a list of [offset, time], got {_shown(pairs)}")
+            offs: dict[int, float] = {}
+            for i, pair in enumerate(pairs):
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise IndexInvalid(source, f"blocks.{pack}.{i}", f"must be [offset, time], got {_shown(pair)}")
+                offset = _checked_int(pair[0], source, f"blocks.{pack}.{i}.offset", 0)
+                offs[offset] = max(offs.get(offset, 0.0), _checked_time(pair[1], source, f"blocks.{pack}.{i}.time"))
+            blocks[pack] = offs
+        return cls(out, blocks)
 
 
-def read_usage(layout: ObjectLayout, retry: RetryPolicy) -> tuple[dict[tuple[str, str], float], list[str], int]:
-    """(last use per (fpid, pack), the usage files read, how many were invalid) over every usage file."""
-    last: dict[tuple[str, str], float] = {}
-    read: list[str] = []
-    invalid = 0
+def _checked_time(t: Any, source: str, field_name: str) -> float:
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 <= t <= 1e15:
+        raise IndexInvalid(source, field_name, f"must be a time in seconds, got {_shown(t)}")
+    return float(t)
+
+
+@dataclass
+class UsageSeen:
+    """What gc read from every usage file: last use per segment, per block, and whole-segment uses."""
+
+    segments: dict[tuple[str, str], float] = field(default_factory=dict)  # (fpid, pack) -> latest use
+    blocks: dict[tuple[str, str], dict[int, float]] = field(default_factory=dict)  # -> {offset: time}
+    whole: dict[tuple[str, str], float] = field(default_factory=dict)  # uses of every block (older readers)
+    files: list[str] = field(default_factory=list)  # the usage files read (folded afterwards)
+    invalid: int = 0
+
+    def block_last(self, m: PackManifest, offset: int) -> float:
+        """A block's last use: its segment's write, its own reads, or a whole-segment use."""
+        k = (m.fingerprint_id, m.pack)
+        return max(m.created_s, self.whole.get(k, 0.0), self.blocks.get(k, {}).get(offset, 0.0))
+
+
+def read_usage(layout: ObjectLayout, retry: RetryPolicy) -> UsageSeen:
+    """Every usage file of the store, merged (latest use wins); invalid ones counted and left alone."""
+    seen = UsageSeen()
     for fpid, name in retry.call(layout.list_usage, "list usage"):
         path = layout.usage_path(fpid, name)
         try:
@@ -1197,13 +1329,20 @@ def read_usage(layout: ObjectLayout, retry: RetryPolicy) -> tuple[dict[tuple[str
         except FileNotFoundError:
             continue  # folded by another gc meanwhile: its content is in the folded file
         except IndexInvalid as exc:
-            invalid += 1
+            seen.invalid += 1
             log.warning("kv gc: invalid usage file skipped: %s", exc)
             continue
-        read.append(path)
+        seen.files.append(path)
         for pack, t in usage.last_used.items():
-            last[(fpid, pack)] = max(last.get((fpid, pack), 0.0), t)
-    return last, read, invalid
+            k = (fpid, pack)
+            seen.segments[k] = max(seen.segments.get(k, 0.0), t)
+            if pack not in usage.blocks:
+                seen.whole[k] = max(seen.whole.get(k, 0.0), t)
+        for pack, offs in usage.blocks.items():
+            mine = seen.blocks.setdefault((fpid, pack), {})
+            for offset, t in offs.items():
+                mine[offset] = max(mine.get(offset, 0.0), t)
+    return seen
 
 
 @dataclass
@@ -1246,14 +1385,18 @@ def gc_objects(
     orphan_grace_s: float = 3600.0,
     retry: RetryPolicy | None = None,
     unused_s: float | None = None,
+    rewrite_below: float = DEFAULT_REWRITE_BELOW,
+    rewrite_grace_s: float = DEFAULT_REWRITE_GRACE_S,
 ) -> dict[str, Any]:
-    """Delete packs older than `ttl_s`, then the oldest packs until at most `max_bytes` remain.
+    """Delete packs older than `ttl_s`, those unused for `unused_s`, then the oldest packs until at
+    most `max_bytes` remain; with `unused_s`, rewrite the mostly-dead rest (kv_rewrite.py).
 
-    TTL counts from the write: object stores do not record reads cheaply, and an expired block
-    that is still wanted is simply recomputed and written again. Each pack's index file goes
-    first, then its object, so a fresh reader never meets a deleted object; a reader with a stale
-    index gets an "object_deleted" miss. Objects without an index file (a writer died between
-    the two writes) are removed once older than `orphan_grace_s`.
+    TTL counts from the write; `unused_s` from the last use (a write, or a read a decode recorded),
+    block by block. Each pack's index file goes first, then its object, so a fresh reader never
+    meets a deleted object; a reader with a stale index gets an "object_deleted" miss. Objects
+    without an index file (a writer died between the two writes) are removed once older than
+    `orphan_grace_s`. A segment whose live blocks hold less than `rewrite_below` of its block
+    bytes is copied into a new segment, and deleted once the copy is `rewrite_grace_s` old.
 
     Only paths the layout builds from validated names are deleted (`ObjectLayout.remove`): an
     index file that fails validation is counted in `invalid_index_files` and left alone, as is
@@ -1282,11 +1425,11 @@ def gc_objects(
             remove(p)
 
     # Retention by last use: a segment's last use is the latest of its write and every recorded
-    # read; one used within `unused_s` is kept whatever its age.
-    last_used, usage_read, usage_invalid = read_usage(layout, retry) if unused_s is not None else ({}, [], 0)
+    # read of its blocks; one used within `unused_s` is kept whatever its age.
+    usage = read_usage(layout, retry) if unused_s is not None else UsageSeen()
 
     def last(m: PackManifest) -> float:
-        return max(m.created_s, last_used.get((m.fingerprint_id, m.pack), 0.0))
+        return max(m.created_s, usage.segments.get((m.fingerprint_id, m.pack), 0.0))
 
     expired = [m for m in manifests if ttl_s is not None and now - m.created_s > ttl_s]
     unused = [m for m in manifests if unused_s is not None and m not in expired and now - last(m) > unused_s]
@@ -1309,20 +1452,17 @@ def gc_objects(
     for m in dangling:
         delete(m)
         total -= m.object_bytes
+    kept = [m for m in kept if m not in dangling]
+    rw = _rewrite_mostly_dead(layout, retry, kept, usage, now, unused_s, rewrite_below, rewrite_grace_s, delete)
+    gone, new = rw.pop("gone"), rw.pop("new")
+    kept = [m for m in kept if (m.fingerprint_id, m.pack) not in gone] + new
+    total = sum(m.object_bytes for m in kept)
     # Fold the usage files read into one per model (created first, then the old ones deleted: a gc
     # that dies in between leaves both, and the last use is the max either way).
     folded = 0
-    if usage_read:
-        kept_names = {(m.fingerprint_id, m.pack) for m in kept if m not in dangling}
-        by_fpid: dict[str, dict[str, float]] = {}
-        for (fpid, pack), t in last_used.items():
-            if (fpid, pack) in kept_names:
-                by_fpid.setdefault(fpid, {})[pack] = t
-        for fpid, packs in by_fpid.items():
-            path = layout.usage_path(fpid, f"{int(now * 1000):013d}-{uuid.uuid4().hex}")
-            body = UsageFile(packs).to_json()
-            retry.call(lambda p=path, b=body: layout.put_new(p, b), f"write {path}")
-        for path in usage_read:
+    if usage.files:
+        _fold_usage(layout, retry, kept, usage, now)
+        for path in usage.files:
             folded += remove(path)
     orphans = 0
     for fpid, pack in objects:
@@ -1334,7 +1474,7 @@ def gc_objects(
         "packs_expired": len(expired) - len(unused),
         "packs_unused": len(unused),
         "usage_files_folded": folded,
-        "invalid_usage_files": usage_invalid,
+        "invalid_usage_files": usage.invalid,
         "packs_evicted_for_size": len(oversize),
         "blocks_deleted": sum(len(m.entries) for m in expired + oversize),
         "kv_bytes_deleted": sum(m.object_bytes for m in expired + oversize),
@@ -1343,9 +1483,71 @@ def gc_objects(
         "unreadable_index_files": scan.unreadable,
         "invalid_index_files": scan.invalid,
         "deletes_refused": refused,
-        "packs_kept": len(kept) - len(dangling),
+        **rw,
+        "packs_kept": len(kept),
         "kv_bytes_kept": total,
     }
+
+
+def _rewrite_mostly_dead(layout: ObjectLayout, retry: RetryPolicy, kept: list[PackManifest], usage: UsageSeen,
+                         now: float, unused_s: float | None, below: float, grace_s: float,
+                         delete: Callable[[PackManifest], None]) -> dict[str, Any]:
+    """Rewrite the kept segments that are mostly dead, and delete the ones they replaced once the
+    grace has passed (kv_rewrite.py: the order that keeps every live block readable)."""
+    out: dict[str, Any] = {"segments_rewritten": 0, "blocks_rewritten": 0, "kv_bytes_rewritten": 0,
+                           "segments_replaced_deleted": 0, "segments_awaiting_grace": 0,
+                           "segments_rewrite_failed": 0, "kv_bytes_reclaimed": 0, "gone": set(), "new": []}
+    if unused_s is None:
+        return out  # liveness is by last use: without --unused-days every block counts as live
+    plan = plan_rewrites(kept, usage.block_last, now, unused_s, below, grace_s)
+
+    def drop(m: PackManifest) -> None:
+        delete(m)
+        out["gone"].add((m.fingerprint_id, m.pack))
+        out["segments_replaced_deleted"] += 1
+        out["kv_bytes_reclaimed"] += m.object_bytes
+
+    for m, live in plan.rewrite:
+        try:
+            new = rewrite_segment(layout, retry, m, live, now)
+        except Exception as exc:  # noqa: BLE001 - the old segment is untouched; the next gc tries again
+            out["segments_rewrite_failed"] += 1
+            log.warning("kv gc: cannot rewrite segment %s/%s (kept whole): %s", m.fingerprint_id, m.pack,
+                        redact_text(str(exc)))
+            continue
+        out["segments_rewritten"] += 1
+        out["blocks_rewritten"] += len(new.entries)
+        out["kv_bytes_rewritten"] += new.object_bytes
+        out["kv_bytes_reclaimed"] -= new.object_bytes
+        out["new"].append(new)
+        if grace_s <= 0:  # its copy is durable and published: nobody need read the old one
+            drop(m)
+        else:
+            out["segments_awaiting_grace"] += 1
+    for m in plan.delete:
+        drop(m)
+    out["segments_awaiting_grace"] += len(plan.waiting)
+    return out
+
+
+def _fold_usage(layout: ObjectLayout, retry: RetryPolicy, kept: list[PackManifest], usage: UsageSeen,
+                now: float) -> None:
+    """One usage file per model with the last use of every kept segment and of its blocks (a use of
+    a whole segment by an older reader becomes a use of each of its blocks)."""
+    by_fpid: dict[str, UsageFile] = {}
+    for m in kept:
+        k = (m.fingerprint_id, m.pack)
+        if k not in usage.segments:
+            continue
+        f = by_fpid.setdefault(m.fingerprint_id, UsageFile({}, {}))
+        f.last_used[m.pack] = usage.segments[k]
+        whole, blocks = usage.whole.get(k, 0.0), usage.blocks.get(k, {})
+        offs = {e.offset: max(whole, blocks.get(e.offset, 0.0)) for e in m.entries.values()}
+        f.blocks[m.pack] = {o: t for o, t in offs.items() if t > 0}
+    for fpid, f in by_fpid.items():
+        path = layout.usage_path(fpid, f"{int(now * 1000):013d}-{uuid.uuid4().hex}")
+        body = f.to_json()
+        retry.call(lambda p=path, b=body: layout.put_new(p, b), f"write {path}")
 
 
 def object_stats(layout: ObjectLayout, retry: RetryPolicy | None = None) -> dict[str, Any]:

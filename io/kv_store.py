@@ -1,8 +1,9 @@
 """The tiered, content-addressed KV block store: memory -> local disk -> object store.
 
 Who calls what, and when:
-- prefill calls `contains(keys)` to skip blocks some earlier run already stored, then
-  `put_many(blocks)` with the new ones (written through to every tier; the durable one buffers
+- prefill calls `contains(keys)` to skip blocks some earlier run already stored, tells the store
+  a prompt's chain (`expect_chain(keys)`: its pieces, saved over several steps, stay contiguous),
+  then `put_many(blocks)` with the new ones (written through to every tier; the durable one buffers
   them into big segments), and `flush()` at the end of its shard (stats() flushes too);
 - decode (the engine's KV connector) calls `lookup(keys)` (`contains` with the reason of each
   "no") to plan what to load, then `get_many(keys)`, and recomputes every block that is a miss;
@@ -37,6 +38,7 @@ from kvbatch.io.kv_object_tier import (
     open_store,
 )
 from kvbatch.io.kv_requests import REQUEST_KINDS
+from kvbatch.io.kv_rewrite import DEFAULT_REWRITE_BELOW, DEFAULT_REWRITE_GRACE_S
 from kvbatch.io.kv_tiers import IO_ERROR, MISSING, TIER_UNAVAILABLE, DiskTier, Lookup, MemoryTier, Tier, check_key
 from kvbatch.io.urls import redact
 
@@ -237,6 +239,15 @@ class KVStore:
             tier.put_many(blocks, self.fingerprint)
         return written
 
+    def expect_chain(self, keys: list[str]) -> None:
+        """`keys` are one prompt's chain, in order, that later put_many calls will store piece by
+        piece (a prefill in several chunks): the durable tier keeps it contiguous in one segment,
+        so a reader fetches it in one byte range. Advisory; the connector calls it when it plans
+        a sequence."""
+        fn = getattr(self.durable, "expect_chain", None)
+        if fn is not None:
+            fn(keys)
+
     def locations(self, keys: list[str]) -> list[dict[str, Any] | None]:
         """Where the durable tier holds each key (segment, offset, length, checksums, dtype, shape),
         or None: prefill puts these in its manifests, after flush(), so decode needs no index."""
@@ -346,9 +357,17 @@ def kv_gc(
     storage_options: dict[str, Any] | None = None,
     now: float | None = None,
     unused_s: float | None = None,
+    rewrite_below: float = DEFAULT_REWRITE_BELOW,
+    rewrite_grace_s: float = DEFAULT_REWRITE_GRACE_S,
 ) -> dict[str, Any]:
     """Delete packs older than `ttl_s` seconds, those not used (read or written) for `unused_s`
-    seconds, then the oldest until at most `max_bytes` remain."""
+    seconds, then the oldest until at most `max_bytes` remain. With `unused_s`, a segment whose
+    live blocks hold less than `rewrite_below` of its bytes is rewritten, and the old one deleted
+    once the copy is `rewrite_grace_s` old (kv_rewrite.py)."""
+    if not 0 <= rewrite_below <= 1:
+        raise ValueError(f"kv_gc rewrite_below must be in [0, 1], got {rewrite_below}")
+    if rewrite_grace_s < 0:
+        raise ValueError(f"kv_gc rewrite_grace_s must be >= 0, got {rewrite_grace_s}")
     if ttl_s is not None and ttl_s <= 0:
         raise ValueError(f"kv_gc ttl_s must be positive, got {ttl_s}")
     if unused_s is not None and unused_s <= 0:
@@ -358,7 +377,8 @@ def kv_gc(
     t0 = time.monotonic()
     layout = _layout(url, storage_options)
     ensure_layout(layout, RetryPolicy(), create=False)
-    out = gc_objects(layout, ttl_s, max_bytes, now=now, unused_s=unused_s)
+    out = gc_objects(layout, ttl_s, max_bytes, now=now, unused_s=unused_s, rewrite_below=rewrite_below,
+                     rewrite_grace_s=rewrite_grace_s)
     # The index is compacted after the deletes, so its newest generation names no deleted segment.
     out["compaction"] = compact_index(layout, RetryPolicy(), now=now)
     out["url"] = redact(url)

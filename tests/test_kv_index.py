@@ -70,12 +70,61 @@ def test_a_lookup_costs_the_partitions_its_keys_need_whatever_the_store_size(tmp
         missing = next(key(i) for i in range(10**6, 10**7) if partition_of(key(i)) == partition_of(asked[0]))
         assert r.contains([missing]) == [False]
         assert r.durable.layout.requests.since(before) == {"GET": 0, "PUT": 0, "LIST": 1, "HEAD": 0, "DELETE": 0}
-    # List the generations, read the newest, read one partition per distinct partition asked,
-    # list the index files written since the generation (none): the same for both stores.
+    # List the generations, read the newest, read one directory entry and one page per distinct
+    # partition asked, list the index files written since the generation (none): the same for both.
     parts = len({partition_of(k) for k in asked})
-    assert costs[0] == costs[1] == {"GET": 1 + parts, "PUT": 0, "LIST": 2, "HEAD": 0, "DELETE": 0}
+    assert costs[0] == costs[1] == {"GET": 1 + 2 * parts, "PUT": 0, "LIST": 2, "HEAD": 0, "DELETE": 0}
     got = store(big).get_many(asked)
     assert [float(t[0, 0]) for t, _ in got] == [0.0, 1.0, 2.0]
+
+
+def bytes_read(r: KVStore) -> list[int]:
+    """Count the bytes every ranged read of the reader's layout returns."""
+    lay, seen = r.durable.layout, []
+    real = lay.get_ranges
+
+    def counted(paths, starts, ends):
+        out = real(paths, starts, ends)
+        seen.extend(len(b) for b in out if isinstance(b, bytes | bytearray))
+        return out
+
+    lay.get_ranges = counted
+    return seen
+
+
+def test_a_paged_lookup_reads_the_pages_of_its_keys_not_their_partitions(tmp_path):
+    small, big = tmp_path / "small", tmp_path / "big"
+    asked = fill(small, 0, 60, per_segment=60)[:5]
+    fill(big, 0, 3000, per_segment=1000)  # 50 times the rows in each partition
+    reads = []
+    for root in (small, big):
+        compact_index(layout(root), now=later(2))
+        r = store(root)
+        seen = bytes_read(r)
+        before = r.request_counts()
+        assert r.contains(asked) == [True] * 5
+        reads.append((r.durable.layout.requests.since(before)["GET"], sum(seen)))
+        assert [float(t[0, 0]) for t, _ in r.get_many(asked)] == [0.0, 1.0, 2.0, 3.0, 4.0]
+        # Asked again: the pages are cached, nothing is read.
+        before = r.request_counts()
+        assert r.contains(asked) == [True] * 5
+        assert r.durable.layout.requests.since(before)["GET"] == 0
+    (gets_small, bytes_small), (gets_big, bytes_big) = reads
+    assert gets_big == gets_small == 1 + 2 * len({partition_of(k) for k in asked})
+    assert bytes_big < 3 * bytes_small  # whole partitions: ~50 times the bytes
+    whole = store(big)
+    compact_index(layout(big), now=later(3), paged=False)  # partitions as before pages
+    seen, lay = [], whole.durable.layout
+    real_get = lay.get
+
+    def counted_get(path):
+        out = real_get(path)
+        seen.append(len(out))
+        return out
+
+    lay.get = counted_get
+    assert all(whole.contains(asked))
+    assert sum(seen) > 2 * bytes_big
 
 
 def test_segments_written_after_a_compaction_are_found(tmp_path):
@@ -235,3 +284,21 @@ def test_a_compaction_that_cannot_read_an_index_file_publishes_nothing(tmp_path,
     out = compact_index(lay, RetryPolicy(attempts=1))
     assert out["generations_written"] == 0 and out["unreadable_index_files"] == 4
     assert lay.list_generations(FPID) == [] and lay.list_partitions(FPID) == []
+
+
+def test_a_paged_partition_that_lies_is_skipped_for_an_older_generation(tmp_path):
+    import struct
+
+    keys = fill(tmp_path, 0, 600, per_segment=600)
+    compact_index(layout(tmp_path), now=later(2))
+    compact_index(layout(tmp_path), now=later(3))
+    newest = max(layout(tmp_path).list_generations(FPID))
+    for path in (tmp_path / "partitions" / FPID).glob(f"{newest}.*.arrow"):
+        raw = bytearray(path.read_bytes())
+        assert raw[:8] == b"KVIDXPG1"
+        raw[8:16] = struct.pack("<Q", len(raw) + 100)  # page 0 starts past the end of the file
+        raw[16:24] = struct.pack("<Q", len(raw) + 200)
+        path.write_bytes(bytes(raw))
+    r = store(tmp_path)
+    assert all(r.contains(keys))  # every key found through the older generation
+    assert r.durable.stats()["invalid_index_files"] == 1

@@ -260,3 +260,94 @@ def test_memory_tier_above_sees_writes_at_once(tmp_path):
     s = KVStore(tiers, FP)
     s.put_many(chain(0))
     assert [t for _, t in s.get_many([k for k, _ in chain(0)])] == ["memory"] * 4
+
+
+# ------------------------------------------------------------------------------ one range per chain
+
+
+def ranges(locations) -> int:
+    """How many runs of neighbouring byte ranges the block locations make (a reader's GETs)."""
+    return 1 + sum(a["segment"] != b["segment"] or a["offset"] + a["length"] != b["offset"]
+                   for a, b in itertools.pairwise(locations))
+
+
+def contiguous(locations) -> bool:
+    return ranges(locations) == 1
+
+
+def test_a_chain_saved_in_pieces_between_other_chains_stays_contiguous(tmp_path):
+    for expect in (True, False):
+        w = store(str(tmp_path / f"kv-{expect}"))
+        a, b = chain(1, 6), chain(2, 6)
+        if expect:  # what the connector tells the store when it plans each sequence
+            w.expect_chain([k for k, _ in a])
+            w.expect_chain([k for k, _ in b])
+        for i in range(0, 6, 2):  # two blocks of each prompt per engine step, interleaved
+            w.put_many(a[i:i + 2])
+            w.put_many(b[i:i + 2])
+        w.flush()
+        locs = [w.locations([k for k, _ in c]) for c in (a, b)]
+        assert [ranges(loc) for loc in locs] == ([1, 1] if expect else [3, 3])
+
+
+def test_the_connector_gives_the_store_each_sequence_s_chain(tmp_path):
+    from kvbatch.engine.runtime.kv_connector import KVConnector
+
+    kv_cache = torch.randn(2, 2, 16, *BLOCK[2:])  # [layers, K/V, blocks, block size, heads, dim]
+    for planned in (True, False):
+        w = store(str(tmp_path / f"kv-{planned}"))
+        conn = KVConnector(w, 4, 1024)
+        a, b = [key(f"a{planned}{i}") for i in range(6)], [key(f"b{planned}{i}") for i in range(6)]
+        if planned:  # the scheduler plans each sequence: the connector learns its chain
+            assert conn.match(None, 0, a) == [] and conn.match(None, 0, b) == []
+        for i in range(0, 6, 2):  # saved a chunk per step, the two sequences' chunks interleaved
+            conn.save([(a[i], i), (a[i + 1], i + 1)], kv_cache)
+            conn.save([(b[i], 8 + i), (b[i + 1], 9 + i)], kv_cache)
+        conn.flush()
+        assert [contiguous(w.locations(c)) for c in (a, b)] == [planned, planned]
+
+
+def test_a_size_flush_keeps_the_chains_still_growing_pending(tmp_path):
+    w = store(str(tmp_path / "kv"), pack_bytes=6 * 1024)  # six 1 KiB blocks per segment
+    a, b, c = chain(1, 4), chain(2, 4), chain(3, 4)
+    for x in (a, b, c):
+        w.expect_chain([k for k, _ in x])
+    w.put_many(a[:2])
+    w.put_many(b[:2])
+    w.put_many(a[2:])  # a is whole; b is still being prefilled
+    w.put_many(c[:2])  # 8 blocks pending: a segment goes out, with the chains least recently extended
+    w.put_many(b[2:])
+    w.put_many(c[2:])
+    w.flush()
+    assert all(contiguous(w.locations([k for k, _ in x])) for x in (a, b, c))
+
+
+def test_a_prompt_longer_than_the_prefill_chunk_is_one_range(tmp_path):
+    from kvbatch.engine.models.weights import load_checkpoint
+    from kvbatch.engine.runtime.block_hash import chain_keys
+    from kvbatch.engine.runtime.engine_config import EngineConfig
+    from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+    from kvbatch.ops.shards import kv_fingerprint
+    from tests.tiny_models import VOCAB, build_tiny
+
+    build_tiny("llama", tmp_path / "model")  # transformers is imported once per test process
+    ckpt = load_checkpoint(str(tmp_path / "model"))
+    kv = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0, index_refresh_s=0),
+                             kv_fingerprint(ckpt.fingerprint, "fp32", 4))
+    # 8 tokens a step: each prompt of 33 tokens (8 blocks of 4) is prefilled in five chunks, the two
+    # prompts' chunks interleaved step by step.
+    llm = LLM(ckpt, engine_config=EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2,
+                                               linear="blas"), kv_store=kv)
+    prompts = [[(7 * i + 3 * j) % (VOCAB - 3) + 3 for j in range(33)] for i in range(2)]
+    llm.generate([GenerationRequest(f"p{i}", prompt_token_ids=p, prefill_only=True) for i, p in enumerate(prompts)])
+    assert llm.stats["steps"] >= 8
+    kv.flush()
+    for p in prompts:
+        keys = chain_keys(llm.block_manager.root_key, p[:32], 4)
+        locs = kv.locations(keys)
+        assert len(keys) == 8 and None not in locs and contiguous(locs)
+        reader = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0), kv.fingerprint)
+        reader.add_locations(locs)
+        before = reader.request_counts()
+        assert all(t is not None for t, _ in reader.get_many(keys))
+        assert reader.durable.layout.requests.since(before)["GET"] == 1  # the chain in one ranged GET
