@@ -1,7 +1,8 @@
-"""Ingest and shard at scale: rows/s and peak RSS (whole process tree), this code against a
-baseline commit's code, in the same run, on `kvbatch sample-data` datasets.
+"""Ingest and shard at scale: rows/s and peak RSS (whole process tree) of the columnar paths,
+of this tree's per-row paths and of a baseline commit's code, in the same run, on
+`kvbatch sample-data` datasets.
 
-    python benchmarks/bench_pipeline_scale.py                       # 100k and 1M rows; baseline at 100k only
+    python benchmarks/bench_pipeline_scale.py                       # 100k and 1M rows; per-row and baseline at 100k
     python benchmarks/bench_pipeline_scale.py --sizes 100000 --baseline-max-rows 100000
     python benchmarks/bench_pipeline_scale.py --baseline-ref HEAD --json out.json
 
@@ -9,25 +10,30 @@ This docstring describes the ingest/shard part (``main``); the decode part is it
 further down (``... decode``, see its section). Each stage of each implementation runs in its own subprocess, which this process
 watches (psutil, every 20 ms): peak RSS is the largest sum of RSS over the child and all its
 descendants (the tokenizer pool included) seen while it ran; rows/s is input rows over the
-stage's wall time, process start-up and imports included for both implementations alike.
+stage's wall time, process start-up and imports included for every implementation alike (also
+printed: the rate after start-up, from the first row on, and the start-up seconds).
 
+- "columnar": the working tree's defaults: ``ingest(columnar=True)`` (Arrow's JSON reader and
+  vectorized checks, :mod:`kvbatch.io.request_columns`) and ``build_shards(path="columnar")``
+  (:mod:`kvbatch.ops.prompt_columns`), tokenizing in the stage's own process.
+- "rows": the working tree's per-row paths (``ingest(columnar=False)``, ``build_shards(path="rows")``
+  with the default tokenizer workers, min(4, CPUs)): what the columnar paths replaced.
 - "baseline": the code of ``--baseline-ref`` (default HEAD), extracted with ``git archive`` into
   a temporary folder and imported in place of the working tree (the editable install's mapping
-  is pointed there); its shard step loads the model as that commit's ``prompt_shards`` asset
-  did (``ModelResource().load()``, weights and fingerprint included).
-- "current": the working tree; the shard step gets ``ModelResource().row_tokenizer()`` (the
-  tokenizer and the kept fingerprint, no weights). The fingerprint is kept by a warm-up before
-  any timing (it is computed once per model, not per run).
+  is pointed there), run as that commit's ``prompts`` and ``prompt_shards`` assets ran it.
 
-Both shard steps use 8 shards and the default tokenizer workers (min(4, CPUs)). The baseline at
-1M rows is skipped by default (about 13 minutes on 2 cores); ``--baseline-max-rows`` sets it.
-Prints the CPU (lscpu) next to the figures; the machine may be shared with other work.
+Every shard step gets ``ModelResource().row_tokenizer()`` (the tokenizer and the kept
+fingerprint, no weights); the fingerprint and the tokenizer are kept by a warm-up before any
+timing (each is computed once per model, not per run). 8 shards. The per-row and baseline runs
+at 1M rows are skipped by default (many minutes on 2 cores); ``--baseline-max-rows`` sets it.
+Prints the CPU (lscpu) and the load average next to the figures: the machine may be shared.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -40,7 +46,7 @@ NUM_SHARDS = 8
 # The child's program: point the editable install at ROOT, then run one stage and print its report.
 CHILD = r"""
 import json, sys, time
-root, stage, src, out = sys.argv[1:5]
+root, stage, impl, src, out = sys.argv[1:6]
 for mod in list(sys.modules.values()):
     mapping = getattr(mod, "MAPPING", None)
     if getattr(mod, "__name__", "").startswith("__editable___kvbatch") and isinstance(mapping, dict):
@@ -49,18 +55,23 @@ for mod in list(sys.modules.values()):
 t0 = time.perf_counter()
 if stage == "ingest":
     from kvbatch.ops.ingest import ingest
-    rep = ingest(src, out + "/prompts.parquet", out + "/rejects.parquet")
+    kw = {} if impl == "baseline" else {"columnar": impl == "columnar"}
+    t1 = time.perf_counter()
+    rep = ingest(src, out + "/prompts.parquet", out + "/rejects.parquet", **kw)
     result = {"rows": rep.rows, "valid": rep.valid}
 else:
     from kvbatch.ops.shards import build_shards
     from kvbatch.resources import ModelResource
-    model = ModelResource()
-    tok = model.row_tokenizer() if stage == "shard-current" else model.load()
-    rep = build_shards(tok, out + "/prompts.parquet", out, 8, rejects_url=out + "/shard_rejects.parquet")
+    kw = {} if impl == "baseline" else {"path": "columnar" if impl == "columnar" else "rows"}
+    tokenizer = ModelResource().row_tokenizer()
+    t1 = time.perf_counter()
+    rep = build_shards(tokenizer, out + "/prompts.parquet", out, 8, rejects_url=out + "/shard_rejects.parquet", **kw)
     result = {"rows": rep.rows, "tokenized": rep.tokenized, "workers": rep.tokenize_workers}
 import kvbatch.ops.ingest as m
 result["code"] = m.__file__
 result["stage_s"] = time.perf_counter() - t0
+result["startup_s"] = t1 - t0  # imports and the tokenizer, before the first row
+result["rows_per_s_after_startup"] = round(result["rows"] / (time.perf_counter() - t1))
 print("RESULT " + json.dumps(result))
 """
 
@@ -77,11 +88,11 @@ def tree_rss(proc) -> int:
     return total
 
 
-def run_stage(root: Path, stage: str, src: str, out: Path) -> dict:
+def run_stage(root: Path, stage: str, impl: str, src: str, out: Path) -> dict:
     import psutil
 
     t0 = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), stage, src, str(out)],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), stage, impl, src, str(out)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watched, peak = psutil.Process(child.pid), 0
     while child.poll() is None:
@@ -105,16 +116,25 @@ def baseline_tree(ref: str, into: Path) -> Path:
 
 
 def cpu() -> str:
+    """lscpu's model, family, CPU count and the vector flags (the whole flag list is ~1,500 characters)."""
     out = subprocess.run(["lscpu"], check=False, capture_output=True, text=True).stdout
-    keep = [line for line in out.splitlines() if line.split(":")[0] in ("Model name", "CPU(s)", "Flags")]
-    return "\n".join(line[:160] for line in keep)
+    keep = [line for line in out.splitlines() if line.split(":")[0] in ("Model name", "CPU family", "Model", "CPU(s)")]
+    flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
+    vector = [f for f in flags if f.startswith(("sse4", "avx", "fma", "f16c", "amx", "sha"))]
+    return "\n".join([*keep, "Vector flags: " + " ".join(vector)])
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.1f} (1 min), {five:.1f} (5 min)"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--baseline-ref", default="HEAD")
-    ap.add_argument("--baseline-max-rows", type=int, default=100_000, help="skip the baseline above this size")
+    ap.add_argument("--baseline-max-rows", type=int, default=100_000,
+                    help="skip the per-row and baseline runs above this size")
     ap.add_argument("--workdir", default=None, help="where datasets and outputs go (default: a temp folder)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -123,35 +143,42 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     base = baseline_tree(args.baseline_ref, Path(tempfile.mkdtemp(prefix="bench-baseline-", dir=work)))
     subprocess.run([sys.executable, "-c", ("from kvbatch.resources import ModelResource as M; "
-                    "print('fingerprint kept', M().kv_fingerprint()[:12])")], check=True)  # warm-up, untimed
+                    "print('fingerprint and tokenizer kept', M().row_tokenizer().kv_root_key[:12])")],
+                   check=True)  # warm-up, untimed
     rows = []
     for n in args.sizes:
         data = work / f"sample-{n}.jsonl"
         if not data.exists():
             subprocess.run([str(Path(sys.executable).parent / "kvbatch"), "sample-data", "--output", str(data),
                             "--requests", str(n)], check=True, stdout=subprocess.DEVNULL)
-        impls = [("current", REPO)] + ([("baseline", base)] if n <= args.baseline_max_rows else [])
+        impls = [("columnar", REPO)] + ([("rows", REPO), ("baseline", base)] if n <= args.baseline_max_rows else [])
         for impl, root in impls:
             out = work / f"out-{impl}-{n}"
             out.mkdir(exist_ok=True)
-            ing = run_stage(root, "ingest", str(data), out)
-            shard = run_stage(root, "shard-current" if impl == "current" else "shard-baseline", str(data), out)
+            before = load()
+            ing = run_stage(root, "ingest", impl, str(data), out)
+            shard = run_stage(root, "shard", impl, str(data), out)
             both = n / (ing["wall_s"] + shard["wall_s"])
-            row = {"rows": n, "impl": impl, "ingest": ing, "shard": shard, "ingest_plus_shard_rows_per_s": round(both)}
+            row = {"rows": n, "impl": impl, "ingest": ing, "shard": shard, "ingest_plus_shard_rows_per_s": round(both),
+                   "load_before": before, "load_after": load()}
             rows.append(row)
             print(f"{impl:8s} {n:>9,} rows: ingest {ing['rows_per_s']:>7,} rows/s peak {ing['peak_rss_mb']:>5} MB | "
                   f"shard {shard['rows_per_s']:>7,} rows/s peak {shard['peak_rss_mb']:>5} MB "
-                  f"(workers {shard['workers']}) | ingest+shard {round(both):>7,} rows/s", flush=True)
-    cur = {r["rows"]: r for r in rows if r["impl"] == "current"}
-    old = {r["rows"]: r for r in rows if r["impl"] == "baseline"}
-    for n in sorted(set(cur) & set(old)):
-        print(f"{n:,} rows: ingest+shard speed-up x{cur[n]['ingest_plus_shard_rows_per_s'] / old[n]['ingest_plus_shard_rows_per_s']:.1f}, "
-              f"shard peak RSS {cur[n]['shard']['peak_rss_mb']} MB vs {old[n]['shard']['peak_rss_mb']} MB")
+                  f"(workers {shard['workers']}) | ingest+shard {round(both):>7,} rows/s | after start-up: ingest "
+                  f"{ing['rows_per_s_after_startup']:,}, shard {shard['rows_per_s_after_startup']:,} rows/s (start-up "
+                  f"{ing['startup_s']:.1f} s + {shard['startup_s']:.1f} s) | {before}", flush=True)
+    cur = {r["rows"]: r for r in rows if r["impl"] == "columnar"}
+    for other in ("rows", "baseline"):
+        old = {r["rows"]: r for r in rows if r["impl"] == other}
+        for n in sorted(set(cur) & set(old)):
+            print(f"{n:,} rows: ingest+shard columnar / {other} x"
+                  f"{cur[n]['ingest_plus_shard_rows_per_s'] / old[n]['ingest_plus_shard_rows_per_s']:.1f}, "
+                  f"shard peak RSS {cur[n]['shard']['peak_rss_mb']} MB vs {old[n]['shard']['peak_rss_mb']} MB")
     if len(cur) >= 2:
         small, large = min(cur), max(cur)
         for stage in ("ingest", "shard"):
             ratio = cur[large][stage]["peak_rss_mb"] / cur[small][stage]["peak_rss_mb"]
-            print(f"current {stage} peak RSS {large:,} / {small:,} rows: x{ratio:.2f} (target <= 1.2)")
+            print(f"columnar {stage} peak RSS {large:,} / {small:,} rows: x{ratio:.2f} (target <= 1.2)")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu(), "runs": rows}, indent=2))
     return 0

@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--max-gb", type=float, default=None, help="delete oldest packs beyond this size")
     gc.add_argument("--unused-days", type=float, default=None,
                     help="delete packs neither written nor read (by decode) for this many days")
+    gc.add_argument("--rewrite-below", type=float, default=0.5,
+                    help="with --unused-days: rewrite a segment whose used blocks hold less than this share of it")
+    gc.add_argument("--rewrite-grace-hours", type=float, default=24.0,
+                    help="a rewritten segment is deleted once its copy is this old (running decodes read it meanwhile)")
     gc.set_defaults(func=cmd_kv_gc)
     cp = kv_sub.add_parser("compact", help="fold the per-writer index files into a partitioned index (gc runs it too)")
     cp.add_argument("--store", required=True)
@@ -388,6 +392,7 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
         spec["speculative"] = {"method": args.spec, "max_len": args.spec_max_len, "adaptive": args.spec_adaptive}
     with tempfile.TemporaryDirectory(prefix="kvbatch-workers-") as tmp:
         spec["report"] = os.path.join(tmp, "report.json")
+        spec["parts_url"] = os.path.join(tmp, "parts")  # the ranks' part files; gone with tmp, even on failure
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
@@ -559,8 +564,13 @@ def cmd_kv_gc(args: argparse.Namespace) -> int:
     unused = args.unused_days * 86400 if args.unused_days is not None else None
     if ttl is None and max_bytes is None and unused is None:
         return _fail("kv gc needs --ttl-hours, --unused-days and/or --max-gb")
+    if not 0 <= args.rewrite_below <= 1:
+        return _fail(f"kv gc --rewrite-below must be in [0, 1], got {args.rewrite_below}")
+    if args.rewrite_grace_hours < 0:
+        return _fail(f"kv gc --rewrite-grace-hours must be >= 0, got {args.rewrite_grace_hours}")
     try:
-        out = kv_gc(args.store, ttl, max_bytes, unused_s=unused)
+        out = kv_gc(args.store, ttl, max_bytes, unused_s=unused, rewrite_below=args.rewrite_below,
+                    rewrite_grace_s=args.rewrite_grace_hours * 3600)
     except Exception as exc:  # noqa: BLE001 - any store failure is reported in one line
         return _store_error(args.store, exc)
     print(json.dumps(out, indent=2, default=str))

@@ -48,6 +48,7 @@ __all__ = [
     "OrderedJsonlWriter",
     "OutputError",
     "TokenLogprob",
+    "encode_line",
     "error_line",
     "remove_stale_temps",
     "result_line",
@@ -210,10 +211,13 @@ def error_line(rejected: RejectedRow) -> dict[str, Any]:
 # Writers
 
 
-def _encode(obj: Mapping[str, Any]) -> bytes:
-    """One JSONL line. ``allow_nan=False``: NaN is not JSON, and a file other tools can't
-    parse is worse than failing here, where the bad value is known."""
+def encode_line(obj: Mapping[str, Any]) -> bytes:
+    """One JSONL line, as every writer here encodes it. ``allow_nan=False``: NaN is not JSON, and
+    a file other tools can't parse is worse than failing here, where the bad value is known."""
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+_encode = encode_line
 
 
 class OutputError(OSError):

@@ -28,15 +28,15 @@ from kvbatch.io.batch_output import AtomicSink
 
 __all__ = [
     "PART",
+    "exists",
     "join",
+    "read_json",
+    "read_shards",
+    "read_table",
     "shard_url",
     "table_url",
-    "write_table",
-    "read_table",
-    "read_shards",
     "write_json",
-    "read_json",
-    "exists",
+    "write_table",
 ]
 
 PART = "part.parquet"
@@ -98,24 +98,35 @@ def exists(url: str, *, storage_options: Mapping[str, Any] | None = None) -> boo
     return bool(fs.exists(path))
 
 
+# Partition values stay strings ("0003"), never inferred as numbers.
+_SHARD_PARTITIONING = pa.schema([("shard", pa.string())])
+
+
 def read_shards(root: str, table: str, *, storage_options: Mapping[str, Any] | None = None,
                 columns: list[str] | None = None) -> pa.Table:
     """Every committed shard of ``table`` with a ``shard`` column, in shard order (empty when none).
-    ``columns``: read only those (a day's results are large, its latencies are not)."""
+    ``columns``: read only those (a day's results are large, its latencies are not).
+
+    A hive-partitioned dataset read by pyarrow (``shard=K`` folders give the string column ``shard``);
+    only each folder's committed ``part.parquet`` is in it, so a writer's temporary file is never
+    read. Shards written by older code with fewer columns are promoted (missing columns are null).
+    For polars, ``pl.from_arrow`` of the result (the rollup does)."""
+    import pyarrow.dataset as ds
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
     fs, base = fsspec.core.url_to_fs(join(root, table), **dict(storage_options or {}))
+    base = base.rstrip("/")
     try:
-        folders = sorted(p for p in fs.ls(base, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("shard="))
+        folders = sorted(p.rstrip("/") for p in fs.ls(base, detail=False)
+                         if p.rstrip("/").rsplit("/", 1)[-1].startswith("shard="))
     except FileNotFoundError:
         folders = []
-    parts = []
-    for folder in folders:
-        path = folder.rstrip("/") + "/" + PART
-        if not fs.exists(path):
-            continue
-        with fs.open(path, "rb") as f:
-            t = pq.read_table(f, columns=columns)
-        shard = folder.rstrip("/").rsplit("=", 1)[-1]
-        parts.append(t.append_column("shard", pa.array([shard] * t.num_rows, pa.string())))
-    if not parts:
+    files = [f"{folder}/{PART}" for folder in folders if fs.exists(f"{folder}/{PART}")]
+    if not files:
         return pa.table({})
-    return pa.concat_tables(parts, promote_options="permissive")
+    factory = ds.FileSystemDatasetFactory(
+        PyFileSystem(FSSpecHandler(fs)), files, ds.ParquetFileFormat(),
+        ds.FileSystemFactoryOptions(partition_base_dir=base,
+                                    partitioning=ds.partitioning(_SHARD_PARTITIONING, flavor="hive")))
+    dataset = factory.finish(factory.inspect(promote_options="permissive", fragments=None))
+    return dataset.to_table(columns=None if columns is None else [*columns, "shard"])

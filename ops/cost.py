@@ -49,7 +49,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvbatch.ops.metrics import LATENCIES, LATENCY_PERCENTILES, latency_percentiles
+from kvbatch.ops.metrics import LATENCIES, LATENCY_PERCENTILES
 
 TIERS = ("memory", "disk", "object")
 REQUEST_KINDS = ("GET", "PUT", "LIST", "HEAD", "DELETE")
@@ -175,22 +175,47 @@ def unit_prices(row: Mapping[str, Any]) -> dict[str, float | None]:
     return out
 
 
-def _total(cols: Mapping[str, list], name: str) -> int:
-    """Sum of an optional integer column (missing column or nulls count as 0)."""
-    return int(sum(x for x in cols.get(name, []) if x is not None))
+# The results columns the meter reads; a missing one counts as 0 (or no latencies).
+_SUMMED = ("prompt_tokens", "loaded_prompt_tokens", "cached_prompt_tokens", "completion_tokens", *SPEC_FIELDS)
 
 
-def _speculative(cols: Mapping[str, list]) -> dict[str, Any]:
-    drafted, accepted, steps = (_total(cols, f) for f in SPEC_FIELDS)
-    # Output tokens of the requests that went through the target model step by step.
-    outputs = sum(c for c, s in zip(cols.get("completion_tokens", []), cols.get("spec_target_steps", []), strict=False)
-                  if s)
+def results_figures(results: pa.Table) -> dict[str, Any]:
+    """One shard's per-request columns reduced with polars: the token sums, the output tokens of
+    the requests that speculated (``spec_outputs``) and the latency percentiles."""
+    import polars as pl
+
+    present = [c for c in (*_SUMMED, *LATENCIES) if c in results.schema.names]
+    df = pl.from_arrow(results.select(present)) if present else pl.DataFrame()
+    exprs = [pl.col(c).sum().alias(c) if c in present else pl.lit(0).alias(c) for c in _SUMMED]
+    if {"completion_tokens", "spec_target_steps"} <= set(present):
+        # Output tokens of the requests that went through the target model step by step.
+        exprs.append(pl.col("completion_tokens").filter(pl.col("spec_target_steps").fill_null(0) != 0).sum()
+                     .alias("spec_outputs"))
+    else:
+        exprs.append(pl.lit(0).alias("spec_outputs"))
+    for name in LATENCIES:
+        for p in LATENCY_PERCENTILES:
+            q = (pl.col(name).drop_nulls().quantile(p / 100, interpolation="linear") if name in present
+                 else pl.lit(None, pl.Float64))
+            exprs.append(q.alias(f"{name}_p{p}"))
+    out = (df if present else pl.DataFrame({"_": [0]})).select(exprs).row(0, named=True)
+    for c in (*_SUMMED, "spec_outputs"):
+        out[c] = int(out[c] or 0)
+    for name in LATENCIES:
+        for p in LATENCY_PERCENTILES:
+            v = out[f"{name}_p{p}"]
+            out[f"{name}_p{p}"] = None if v is None else round(float(v), 6)
+    return out
+
+
+def _speculative(sums: Mapping[str, Any]) -> dict[str, Any]:
+    drafted, accepted, steps = (sums[f] for f in SPEC_FIELDS)
     return {
         "spec_draft_tokens": drafted,
         "spec_accepted_tokens": accepted,
         "spec_target_steps": steps,
         "spec_acceptance_rate": round(accepted / drafted, 6) if drafted else None,
-        "spec_tokens_per_target_step": round(outputs / steps, 6) if steps else None,
+        "spec_tokens_per_target_step": round(sums["spec_outputs"] / steps, 6) if steps else None,
     }
 
 
@@ -241,11 +266,9 @@ def _reference_usd(ref: ReferencePrices | None, prompt: int, computed: int, outp
 def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping[str, Any],
                   pricing: Pricing) -> dict[str, Any]:
     """One row of :data:`METRICS_SCHEMA` for a shard."""
-    cols = results.to_pydict() if results.num_rows else {n: [] for n in results.schema.names}
-    prompt = sum(cols.get("prompt_tokens", []))
-    loaded = sum(cols.get("loaded_prompt_tokens", []))
-    cached = sum(cols.get("cached_prompt_tokens", []))
-    output = sum(cols.get("completion_tokens", []))
+    sums = results_figures(results)
+    prompt, loaded, cached = sums["prompt_tokens"], sums["loaded_prompt_tokens"], sums["cached_prompt_tokens"]
+    output = sums["completion_tokens"]
     decode_computed = prompt - loaded - cached
     prefill_computed = int(prefill.get("prompt_tokens_computed", 0))
     pconn, dconn = prefill.get("connector", {}) or {}, decode.get("connector", {}) or {}
@@ -297,12 +320,12 @@ def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping
         **{f"kv_bytes_read_{t}": read_by_tier[t] for t in TIERS},
         "results_bytes": results_bytes,
         **{f"kv_requests_{k.lower()}": p_requests[k] + d_requests[k] for k in REQUEST_KINDS},
-        **_speculative(cols),
+        **_speculative(sums),
         # Seconds drafting / seconds in engine steps (the decode's own view; None without a drafter).
         "spec_drafter_time_share": (decode.get("speculative") or {}).get("drafter_time_share"),
         "expert_load_balancedness": (None if decode.get("expert_load_balancedness") is None
                                      else float(decode["expert_load_balancedness"])),
-        **latency_percentiles(cols),
+        **{f"{n}_p{p}": sums[f"{n}_p{p}"] for n in LATENCIES for p in LATENCY_PERCENTILES},
         "prefill_wall_s": round(prefill_s, 6),
         "decode_wall_s": round(decode_s, 6),
         "decode_prompt_s": round(prompt_s, 6),

@@ -29,6 +29,7 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvbatch.io.batch_output import AtomicSink
@@ -70,12 +71,14 @@ def prepare_parts(parts_url: str, key: str, storage_options: Mapping[str, Any] |
     return False
 
 
-def _part_paths(fs: Any, base: str) -> list[str]:
+def _part_paths(fs: Any, base: str, attempt: str | None = None) -> list[str]:
+    """The committed parts under ``base`` (of one ``attempt`` when given), in name order."""
+    prefix = "part-" if attempt is None else f"part-{attempt}-"
     try:
         names = fs.ls(base, detail=False)
     except FileNotFoundError:
         return []
-    return sorted(p for p in names if p.rsplit("/", 1)[-1].startswith("part-") and p.endswith(".parquet"))
+    return sorted(p for p in names if p.rsplit("/", 1)[-1].startswith(prefix) and p.endswith(".parquet"))
 
 
 def done_indexes(parts_url: str, storage_options: Mapping[str, Any] | None) -> set[int]:
@@ -84,7 +87,7 @@ def done_indexes(parts_url: str, storage_options: Mapping[str, Any] | None) -> s
     done: set[int] = set()
     for path in _part_paths(fs, base):
         with fs.open(path, "rb") as f:
-            done.update(pq.read_table(f, columns=[INDEX_COLUMN]).column(0).to_pylist())
+            done.update(pq.read_table(f, columns=[INDEX_COLUMN]).column(0).to_numpy().tolist())
     return done
 
 
@@ -158,49 +161,70 @@ class Compacted:
 MERGE_WINDOW = 1024  # manifest indexes merged (sorted) at a time while compacting
 
 
-def compact_parts(parts_url: str, results_url: str, schema: pa.Schema,
-                  storage_options: Mapping[str, Any] | None) -> Compacted:
-    """Merge every part into the shard's one results file in manifest order (each part is sorted;
-    a k-way merge over small batches keeps memory to a batch per part plus a window), commit it
-    atomically, then delete the staging folder. A crash before the commit leaves the parts: the
-    re-run finds every request done and compacts again."""
+def part_stats(parts_url: str, storage_options: Mapping[str, Any] | None) -> dict[tuple[str, int], dict[str, Any]]:
+    """The stats of the last part of every (attempt, rank) in ``parts_url`` (footers only)."""
     fs, base = fsspec.core.url_to_fs(parts_url, **dict(storage_options or {}))
-    paths = _part_paths(fs, base)
     stats: dict[tuple[str, int], tuple[int, dict[str, Any]]] = {}
-    for path in paths:
+    for path in _part_paths(fs, base):
         with fs.open(path, "rb") as f:
             meta = json.loads((pq.ParquetFile(f).schema_arrow.metadata or {})[STATS_KEY])
         seq = int(path.rsplit("-", 1)[-1].split(".")[0])
         who = (meta["attempt"], int(meta["rank"]))
         if who not in stats or stats[who][0] < seq:
             stats[who] = (seq, meta["stats"])
+    return {k: v for k, (_, v) in stats.items()}
+
+
+def merged_parts(parts_url: str, schema: pa.Schema, storage_options: Mapping[str, Any] | None,
+                 attempt: str | None = None) -> Iterator[pa.Table]:
+    """Every part's rows (of one ``attempt`` when given) in index order, a window of
+    :data:`MERGE_WINDOW` indexes at a time, as ``schema`` plus the index column: a k-way merge of
+    the sorted parts, so memory is a batch per part plus a window, never the whole table."""
+    fs, base = fsspec.core.url_to_fs(parts_url, **dict(storage_options or {}))
+    files = [fs.open(path, "rb") for path in _part_paths(fs, base, attempt)]
+    try:
+        yield from _merged_windows([pq.ParquetFile(f) for f in files], schema.append(pa.field(INDEX_COLUMN, pa.int64())))
+    finally:
+        for f in files:
+            f.close()
+
+
+def remove_parts(parts_url: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Delete the staging folder (after its rows are committed elsewhere)."""
+    fs, base = fsspec.core.url_to_fs(parts_url, **dict(storage_options or {}))
+    if fs.exists(base):
+        fs.rm(base, recursive=True)
+
+
+def compact_parts(parts_url: str, results_url: str, schema: pa.Schema,
+                  storage_options: Mapping[str, Any] | None) -> Compacted:
+    """Merge every part into the shard's one results file in manifest order (:func:`merged_parts`),
+    commit it atomically, then delete the staging folder. A crash before the commit leaves the
+    parts: the re-run finds every request done and compacts again."""
+    stats = part_stats(parts_url, storage_options)
     sink = AtomicSink(results_url, storage_options)
     ttft: list[float] = []
     tpot: list[float] = []
     rows = 0
-    files = [fs.open(path, "rb") for path in paths]
     try:
         out = _CountingFile(sink)
         with pq.ParquetWriter(out, schema, compression="zstd") as writer:
-            for table in _merged_windows([pq.ParquetFile(f) for f in files], schema):
-                ttft += [v for v in table.column("ttft_s").to_pylist() if v is not None]
-                tpot += [v for v in table.column("tpot_s").to_pylist() if v is not None]
+            for window in merged_parts(parts_url, schema, storage_options):
+                table = window.select(schema.names)
+                ttft += pc.drop_null(table.column("ttft_s")).to_numpy().tolist()
+                tpot += pc.drop_null(table.column("tpot_s")).to_numpy().tolist()
                 rows += table.num_rows
                 writer.write_table(table)
         sink.commit()
     except BaseException:
         sink.abort()
         raise
-    finally:
-        for f in files:
-            f.close()
-    if fs.exists(base):
-        fs.rm(base, recursive=True)
-    return Compacted(out.written, rows, {k: v for k, (_, v) in stats.items()}, ttft, tpot)
+    remove_parts(parts_url, storage_options)
+    return Compacted(out.written, rows, stats, ttft, tpot)
 
 
 def _merged_windows(parts: list[pq.ParquetFile], schema: pa.Schema) -> Iterator[pa.Table]:
-    """The parts' rows in manifest-index order, a window of indexes at a time (``schema``'s columns)."""
+    """The parts' rows in index order, a window of indexes at a time (``schema``'s columns)."""
     batches = [p.iter_batches(batch_size=256) for p in parts]
     heads: list[pa.Table | None] = [None] * len(parts)
 

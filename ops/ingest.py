@@ -48,7 +48,9 @@ from kvbatch.io.batch_requests import (
     ChatRequest,
     RejectedRow,
     parse_request_line,
+    read_line_blocks,
     read_requests,
+    warn_unknown_fields,
 )
 from kvbatch.io.prompt_table import (
     PROMPTS_SCHEMA,
@@ -56,6 +58,7 @@ from kvbatch.io.prompt_table import (
     reject_record,
     request_record,
 )
+from kvbatch.io.request_columns import parse_block
 
 # Spill files of (row, custom_id) for the duplicate search; a 10M-row dataset puts ~600k ids in each.
 DUPLICATE_PARTITIONS = 16
@@ -251,6 +254,13 @@ class IdSpill:
         if len(self._rows) >= self.batch_rows:
             self._flush()
 
+    def add_columns(self, rows: pa.Array, custom_ids: pa.Array) -> None:
+        """Many pairs at once (the columnar ingest's block)."""
+        self._flush()
+        if len(rows):
+            self._rows, self._ids = rows.to_pylist(), custom_ids.to_pylist()
+            self._flush()
+
     def _path(self, part: int) -> str:
         return os.path.join(self.folder, f"ids-{part:03d}.parquet")
 
@@ -303,6 +313,33 @@ def _split_outcomes(batch: pa.RecordBatch, dup_rows: np.ndarray, dup_first: np.n
     return prompts, rejects
 
 
+def _outcomes_columnar(url: str, outcomes: TableStream, ids: IdSpill, default_max_tokens: int,
+                       storage_options: Mapping[str, Any] | None, block_lines: int = 8192) -> int:
+    """Every line of a JSONL file as an outcome row, a block of lines at a time: the rows
+    :func:`~kvbatch.io.request_columns.parse_block` proves valid, and the others parsed one by
+    one, merged back into line order. Returns the line count."""
+    warned: set[str] = set()
+    line_no = 1
+    for lines in read_line_blocks(url, block_lines=block_lines, storage_options=storage_options):
+        valid, slow = parse_block(lines, line_no, default_max_tokens=default_max_tokens)
+        block = valid.append_column("field", pa.nulls(valid.num_rows, pa.string())).append_column(
+            "reason", pa.nulls(valid.num_rows, pa.string())).cast(OUTCOME_SCHEMA)
+        if len(slow):
+            items = [parse_request_line(lines[i], line_no + int(i), default_max_tokens=default_max_tokens)
+                     for i in slow]
+            for item in items:
+                warn_unknown_fields(url, item, warned)
+            records = [reject_record(i) if isinstance(i, RejectedRow) else request_record(i) for i in items]
+            block = pa.concat_tables([block, pa.Table.from_pylist(records, OUTCOME_SCHEMA)])
+            block = block.take(pc.sort_indices(block.column("row")))
+        outcomes.add_table(block)
+        has_id = pc.is_valid(block.column("custom_id"))
+        ids.add_columns(pc.filter(block.column("row"), has_id).combine_chunks(),
+                        pc.filter(block.column("custom_id"), has_id).combine_chunks())
+        line_no += len(lines)
+    return line_no - 1
+
+
 def ingest(
     url: str,
     prompts_url: str,
@@ -314,12 +351,16 @@ def ingest(
     storage_options: Mapping[str, Any] | None = None,
     output_storage_options: Mapping[str, Any] | None = None,
     batch_rows: int = 8192,
+    columnar: bool = True,
 ) -> IngestReport:
     """Validate every row of ``url``; stream the valid rows to ``prompts_url`` and the others to
     ``rejects_url`` (both Parquet, ``batch_rows`` rows per row group, each committed atomically;
     an error while reading, such as :class:`~kvbatch.io.batch_requests.InputStreamError` for a
     truncated ``.gz``, commits neither: a shard built from part of a file would pass for all of it).
-    Repeated ids are found through a spill to local temporary files (module docstring)."""
+    Repeated ids are found through a spill to local temporary files (module docstring).
+    ``columnar`` (JSONL): blocks of lines are validated by :mod:`kvbatch.io.request_columns`
+    and only the lines it cannot prove valid are parsed one by one; ``False``: every line is
+    (the reference path; both give the same tables)."""
     report = IngestReport()
     out_opts = output_storage_options if output_storage_options is not None else storage_options
     kind = detect_format(url) if fmt == "auto" else fmt
@@ -328,12 +369,15 @@ def ingest(
         outcomes = TableStream(outcomes_path, OUTCOME_SCHEMA, batch_rows=batch_rows)
         ids = IdSpill(tmp)
         try:
-            for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
-                                     storage_options=storage_options, check_duplicates=False):
-                report.rows += 1
-                outcomes.add(reject_record(item) if isinstance(item, RejectedRow) else request_record(item))
-                if item.custom_id is not None:
-                    ids.add(item.line_no, item.custom_id)
+            if kind == "jsonl" and columnar and not columns:
+                report.rows = _outcomes_columnar(url, outcomes, ids, default_max_tokens, storage_options)
+            else:
+                for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
+                                         storage_options=storage_options, check_duplicates=False):
+                    report.rows += 1
+                    outcomes.add(reject_record(item) if isinstance(item, RejectedRow) else request_record(item))
+                    if item.custom_id is not None:
+                        ids.add(item.line_no, item.custom_id)
         except BaseException:
             outcomes.abort()
             raise

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvbatch.engine.runtime.llm import LLM
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow, reject
 from kvbatch.ops.prompt_tokens import CachedChatEncoder
+
+if TYPE_CHECKING:  # tokenizing steps import this module without torch
+    from kvbatch.engine.runtime.llm import LLM
 
 
 @dataclass

@@ -21,20 +21,21 @@ import pickle
 import tempfile
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import fsspec
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvbatch.engine.models.weights import TokenizerSource, load_tokenizer_source
+from kvbatch.engine.models.weights import TokenizerSource
 from kvbatch.engine.runtime.block_hash import chain_keys, root_key, store_fingerprint
-from kvbatch.engine.runtime.engine_config import EngineConfig
-from kvbatch.engine.runtime.llm import LLM, parse_dtype
+from kvbatch.engine.runtime.engine_config import EngineConfig, dtype_name
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow
 from kvbatch.io.prompt_table import (
@@ -48,8 +49,13 @@ from kvbatch.io.shard_tables import shard_url
 from kvbatch.ops.fingerprint import model_identity
 from kvbatch.ops.ingest import TableStream
 from kvbatch.ops.jobs import Rejected, prompt_ids, tokenize_requests
+from kvbatch.ops.prompt_columns import ColumnarTokenizer
 from kvbatch.ops.prompt_tokens import CachedChatEncoder
-from kvbatch.ops.shard_routing import shard_keys, shard_of
+from kvbatch.ops.shard_routing import DEFAULT_MAX_ROWS_PER_SHARD, shard_index, shard_keys, shard_of, shards_for_rows
+from kvbatch.ops.tokenizer_source_cache import kept_tokenizer_source
+
+if TYPE_CHECKING:  # the shard step tokenizes without torch; a loaded LLM is one thing it accepts
+    from kvbatch.engine.runtime.llm import LLM
 
 SHARD_SCHEMA = pa.schema([
     *PROMPTS_SCHEMA,
@@ -60,7 +66,7 @@ SHARD_SCHEMA = pa.schema([
 
 def kv_fingerprint(model_fingerprint: str, dtype: str, block_size: int) -> str:
     """The KV store's fingerprint of a model's KV layout (the same as ``kvbatch prefill``'s)."""
-    return store_fingerprint(model_fingerprint, str(parse_dtype(dtype)).removeprefix("torch."), block_size)
+    return store_fingerprint(model_fingerprint, dtype_name(dtype), block_size)
 
 
 @dataclass
@@ -81,9 +87,15 @@ class ShardReport:
 def iter_prompt_batches(url: str, *, batch_rows: int = 4096,
                         storage_options: Mapping[str, Any] | None = None) -> Iterator[list[dict[str, Any]]]:
     """The prompts table a record batch at a time (never the whole table in memory)."""
+    for batch in iter_prompt_record_batches(url, batch_rows=batch_rows, storage_options=storage_options):
+        yield batch.to_pylist()
+
+
+def iter_prompt_record_batches(url: str, *, batch_rows: int = 4096,
+                               storage_options: Mapping[str, Any] | None = None) -> Iterator[pa.RecordBatch]:
+    """The prompts table as Arrow record batches of ``batch_rows`` (the columnar path)."""
     with fsspec.open(url, "rb", **dict(storage_options or {})) as f:
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_rows):
-            yield batch.to_pylist()
+        yield from pq.ParquetFile(f).iter_batches(batch_size=batch_rows)
 
 
 # ---------------------------------------------------------------- tokenizing, in order
@@ -140,13 +152,17 @@ class RowTokenizer:
         from the tokenizer files and the kept model identity: no weights are read (but once, to
         fingerprint a model never seen before)."""
         identity = model_identity(model)
-        dtype_name = str(parse_dtype(dtype)).removeprefix("torch.")
-        return cls(load_tokenizer_source(model), engine_config.max_model_len or identity.max_position_embeddings,
-                   root_key(identity.fingerprint, dtype_name, engine_config.block_size), engine_config.block_size)
+        return cls(kept_tokenizer_source(model), engine_config.max_model_len or identity.max_position_embeddings,
+                   root_key(identity.fingerprint, dtype_name(dtype), engine_config.block_size),
+                   engine_config.block_size)
 
     def build(self) -> CachedChatEncoder:
         """The tokenizer, with repeated message text tokenized once (same ids as per row)."""
         return CachedChatEncoder(ChatTokenizer.from_source(self.source))
+
+    def columnar(self) -> ColumnarTokenizer:
+        """The tokenizer for whole record batches (same ids and keys as :meth:`tokenize`)."""
+        return ColumnarTokenizer(self.build(), self.max_model_len, self.kv_root_key, self.block_size)
 
     def tokenize(self, tokenizer: ChatTokenizer | CachedChatEncoder, requests: list[ChatRequest]) -> list[Tokenized | RejectedRow]:
         out: list[Tokenized | RejectedRow] = []
@@ -243,6 +259,13 @@ def default_tokenize_workers() -> int:
     return max(1, min(4, cpus))
 
 
+def sized_shard_count(prompts_url: str, max_rows_per_shard: int = DEFAULT_MAX_ROWS_PER_SHARD, *,
+                      max_shards: int | None = None, storage_options: Mapping[str, Any] | None = None) -> int:
+    """The shard count of a prompts table sized by its data (:func:`shards_for_rows` of the row
+    count in its footer), for :func:`build_shards`' ``num_shards``."""
+    return shards_for_rows(_num_rows(prompts_url, storage_options), max_rows_per_shard, max_shards)
+
+
 def _num_rows(url: str, storage_options: Mapping[str, Any] | None) -> int:
     with fsspec.open(url, "rb", **dict(storage_options or {})) as f:
         return pq.ParquetFile(f).metadata.num_rows
@@ -264,6 +287,7 @@ def build_shards(
     tokenize_workers: int | None = None,
     tokenize_chunk_rows: int = 512,
     pool_min_rows: int = 16384,
+    path: Literal["columnar", "rows"] = "columnar",
 ) -> ShardReport:
     """Tokenize ``prompts_url`` with ``llm`` (a :class:`RowTokenizer`, no weights: what the
     pipeline passes; or a loaded ``LLM``) and write ``<root>/<table>/shard=XXXX/part.parquet`` for every
@@ -275,14 +299,25 @@ def build_shards(
     :func:`default_tokenize_workers`; 1 tokenizes in this process). A table of fewer than
     ``pool_min_rows`` rows is tokenized in this process anyway: workers take ~1.4 s to start
     (spawn, imports, tokenizer build), and on a 2-core machine two workers only pay that back
-    past ~12k rows. Either way the files are identical."""
+    past ~12k rows. Either way the files are identical.
+
+    ``path="columnar"`` (the default) tokenizes whole record batches in this process
+    (:mod:`kvbatch.ops.prompt_columns`: the template rendered once per conversation shape,
+    distinct pieces tokenized together on every core, Arrow columns throughout) and ignores
+    the worker settings; ``"rows"`` is the per-row path above. Both write the same rows."""
     if tokenize_workers is not None and tokenize_workers < 1:
         raise ValueError(f"tokenize_workers must be >= 1, got {tokenize_workers}")
     if tokenize_chunk_rows < 1:
         raise ValueError(f"tokenize_chunk_rows must be >= 1, got {tokenize_chunk_rows}")
+    if path not in ("columnar", "rows"):
+        raise ValueError(f"path must be 'columnar' or 'rows', got {path!r}")
     workers = tokenize_workers or default_tokenize_workers()
     keys = shard_keys(num_shards)
     report = ShardReport(rows_by_shard={k: 0 for k in keys})
+    if path == "columnar":
+        row_tokenizer = llm if isinstance(llm, RowTokenizer) else RowTokenizer.of(llm)
+        return _build_shards_columnar(row_tokenizer, prompts_url, root, keys, report, table=table,
+                                      rejects_url=rejects_url, storage_options=storage_options, batch_rows=batch_rows)
 
     def request_batches() -> Iterator[list[ChatRequest]]:
         for records in iter_prompt_batches(prompts_url, batch_rows=batch_rows, storage_options=storage_options):
@@ -325,4 +360,67 @@ def build_shards(
     for w in writers.values():
         w.commit()
     rejects.commit()
+    return report
+
+
+def _build_shards_columnar(row_tokenizer: RowTokenizer, prompts_url: str, root: str, keys: list[str],
+                           report: ShardReport, *, table: str, rejects_url: str,
+                           storage_options: Mapping[str, Any] | None, batch_rows: int) -> ShardReport:
+    """:func:`build_shards` a record batch at a time: Arrow columns in, Arrow columns out."""
+    tokenizer = row_tokenizer.columnar()
+    num_shards = len(keys)
+    writers = {k: TableStream(shard_url(root, table, k), SHARD_SCHEMA, storage_options=storage_options,
+                              batch_rows=max(256, batch_rows // num_shards)) for k in keys}
+    rejects = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=storage_options, batch_rows=batch_rows)
+    rows_by_shard = np.zeros(num_shards, dtype=np.int64)
+    tokens_by_shard = np.zeros(num_shards, dtype=np.int64)
+    # Parquet encoding and compression run in one background thread (Arrow releases the GIL),
+    # overlapping the next batch's tokenizing; one batch's writes in flight bounds memory.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvbatch-shard-writer")
+    in_flight: Future[None] | None = None
+
+    def write(pieces: list[tuple[TableStream, pa.Table]]) -> None:
+        for writer, piece in pieces:
+            writer.add_table(piece)
+
+    try:
+        for batch in iter_prompt_record_batches(prompts_url, batch_rows=batch_rows, storage_options=storage_options):
+            report.rows += batch.num_rows
+            out = tokenizer.tokenize(batch)
+            for r in out.rejects:
+                report.rejects_by_field[r.field] = report.rejects_by_field.get(r.field, 0) + 1
+            ok_rows = np.flatnonzero(out.ok)
+            shard = shard_index(pc.take(batch.column("custom_id"), pa.array(ok_rows)).to_pylist(), num_shards)
+            order = np.argsort(shard, kind="stable")  # input order kept within each shard
+            rows = ok_rows[order]
+            token_ids, block_keys = out.take(rows)
+            kept = (pa.Table.from_batches([batch]).take(pa.array(rows))
+                    .append_column("prompt_token_ids", token_ids).append_column("block_keys", block_keys))
+            n_tokens = np.asarray(pc.list_value_length(token_ids), dtype=np.int64)
+            rows_by_shard += np.bincount(shard, minlength=num_shards)
+            tokens_by_shard += np.bincount(shard[order], weights=n_tokens, minlength=num_shards).astype(np.int64)
+            bounds = np.searchsorted(shard[order], np.arange(num_shards + 1))
+            pieces = [(writers[k], kept.slice(bounds[s], bounds[s + 1] - bounds[s]))
+                      for s, k in enumerate(keys) if bounds[s + 1] > bounds[s]]
+            if out.rejects:
+                pieces.append((rejects, pa.Table.from_pylist([reject_record(r) for r in out.rejects], REJECTS_SCHEMA)))
+            if in_flight is not None:
+                in_flight.result()
+            in_flight = pool.submit(write, pieces)
+        if in_flight is not None:
+            in_flight.result()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for w in (*writers.values(), rejects):
+            w.abort()
+        raise
+    pool.shutdown(wait=True)
+    for w in writers.values():
+        w.commit()
+    rejects.commit()
+    report.rejected = sum(report.rejects_by_field.values())
+    report.tokenized = int(rows_by_shard.sum())
+    report.prompt_tokens = int(tokens_by_shard.sum())
+    report.rows_by_shard = {k: int(rows_by_shard[s]) for s, k in enumerate(keys)}
+    report.prompt_tokens_by_shard = {k: int(tokens_by_shard[s]) for s, k in enumerate(keys) if rows_by_shard[s]}
     return report

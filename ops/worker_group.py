@@ -19,14 +19,20 @@ each rank takes GPU ``LOCAL_RANK``). A rank of an expert-parallel group loads on
   (:class:`~kvbatch.engine.parallel.eplb.ExpertLoadWindow`); every ``eplb_interval`` steps the counts
   are summed over ranks, :func:`~kvbatch.engine.parallel.eplb.rebalance_experts` places ``E +
   redundant_experts`` slots, and the expert weights move (between steps, on all ranks).
-- Rank 0 gathers every rank's output lines, writes them in input order (the same file a
-  single process writes), and the metrics. An input that breaks part-way ends the output as in
-  one process: every row read before the break answered, then one line saying where it ended.
+- Each rank commits its own output lines, with each row's figures, as part files every
+  ``checkpoint_rows`` lines (:mod:`kvbatch.ops.decode_checkpoint`, as the pipeline's decode does)
+  under ``parts_url``; rows never travel through the process group, only each rank's counts and
+  timings do. Rank 0 then merges the parts in input order into the output (the same file a
+  single process writes) and sums the metrics once, over exactly the rows written, so they equal
+  one process's for any split. An input that breaks part-way ends the output as in one process:
+  every row read before the break answered, then one line saying where it ended.
 
 The spec is the decode worker's (:mod:`kvbatch.ops.decode_worker`) plus: ``command``
 (``"generate"`` with ``input``, or ``"decode"`` with ``manifests``), ``output``, ``errors``,
 ``metrics``, ``model_name``, ``strict`` (generate: reject rows with unknown fields, as
-``--strict`` does), ``report`` (a JSON file rank 0 writes for the launcher), ``eplb_interval``,
+``--strict`` does), ``report`` (a JSON file rank 0 writes for the launcher), ``parts_url`` (the
+ranks' staging folder, default a dot folder beside the output; every rank must reach it, and rank
+0 deletes it at the end), ``checkpoint_rows`` (lines per part, default 256), ``eplb_interval``,
 ``redundant_experts``, ``eplb_window`` (steps of load history, default the interval) and, for
 tests, ``eplb_force`` (``"rotate"``: at each interval move every expert to the next rank instead
 of balancing).
@@ -48,8 +54,89 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+import pyarrow as pa
+
+from kvbatch.io.batch_output import OrderedJsonlWriter, encode_line
+from kvbatch.ops.decode_checkpoint import INDEX_COLUMN, PartWriter, merged_parts, remove_parts
+
 EXIT_OK, EXIT_REJECTS, EXIT_FATAL = 0, 1, 2
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer than this fails the group
+DEFAULT_PART_ROWS = 256  # output rows per part file a rank commits: its memory holds at most this many
+
+# One output row in a rank's part file: the encoded line and the figures the metrics sum (null for
+# a rejected row), keyed by the row's place in the input (``manifest_index``, the part's index).
+GROUP_PART_SCHEMA = pa.schema([
+    ("line", pa.binary()),
+    ("rejected", pa.bool_()),
+    ("reject_field", pa.string()),
+    *[(name, pa.int64()) for name in ("prompt_tokens", "cached_prompt_tokens", "loaded_prompt_tokens",
+                                      "output_tokens", "preemptions", "spec_draft_tokens", "spec_accepted_tokens",
+                                      "spec_target_steps")],
+    ("ttft_s", pa.float64()),
+    ("tpot_s", pa.float64()),
+])
+
+
+# ------------------------------------------------------------------------------------------------
+# A rank's output: part files, not lines gathered to rank 0
+
+
+class RowFigures:
+    """An engine whose :meth:`stream` notes each result's figures (tokens by class, latencies,
+    speculation) under its request id before handing it on, for :class:`RankPartSink` to store
+    beside the line ``run_jobs`` writes for it; everything else is the wrapped engine's."""
+
+    def __init__(self, engine: Any, figures: dict[str, dict[str, Any]]) -> None:
+        self.engine = engine
+        self.figures = figures
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def stream(self, requests: Iterable[Any], max_waiting: int | None = None) -> Iterator[Any]:
+        for result in self.engine.stream(requests, max_waiting):
+            self.figures[result.request_id] = {
+                "prompt_tokens": len(result.prompt_token_ids), "cached_prompt_tokens": result.num_cached_tokens,
+                "loaded_prompt_tokens": result.num_loaded_tokens, "output_tokens": len(result.output_token_ids),
+                "preemptions": result.num_preemptions, "spec_draft_tokens": result.spec_draft_tokens,
+                "spec_accepted_tokens": result.spec_accepted_tokens, "spec_target_steps": result.spec_target_steps,
+                "ttft_s": result.ttft_s, "tpot_s": result.tpot_s}
+            yield result
+
+
+class RankPartSink(OrderedJsonlWriter):
+    """Where ``run_jobs`` puts one rank's output lines: each goes, with its figures, into the rank's
+    part files (:class:`~kvbatch.ops.decode_checkpoint.PartWriter`, a part per ``part_rows`` lines)
+    under its place in the whole input (row ``i`` of rank ``r``'s share is input row ``i * W + r``).
+    Rank 0 merges the parts; no line crosses the process group."""
+
+    def __init__(self, parts_url: str, rank: int, world: int, attempt: str, part_rows: int,
+                 storage_options: dict[str, Any]) -> None:
+        # Not OrderedJsonlWriter.__init__: nothing is written at a URL of its own; run_jobs only
+        # needs put / close / abort and the context manager.
+        self.url = parts_url
+        self.rank, self.world = rank, world
+        self.figures: dict[str, dict[str, Any]] = {}
+        self.rows = 0
+        self._writer = PartWriter(parts_url, GROUP_PART_SCHEMA, rank, attempt, part_rows, storage_options, attempt)
+
+    def _stats(self) -> dict[str, Any]:
+        return {"rows": self.rows}
+
+    def put(self, index: int, obj: Any) -> None:
+        error = obj.get("error")
+        figures = self.figures.pop(str(index), None) if error is None else None
+        assert error is not None or figures is not None, f"no figures noted for answered row {index}"
+        self._writer.add(index * self.world + self.rank, {
+            "line": encode_line(obj), "rejected": error is not None,
+            "reject_field": None if error is None else error.get("field"), **(figures or {})}, self._stats)
+        self.rows += 1
+
+    def close(self) -> None:
+        self._writer.flush(self._stats())
+
+    def abort(self) -> None:
+        """Nothing to undo: parts already committed stay until rank 0 (or the next run) removes them."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,8 +379,8 @@ def _rank_jobs(llm: Any, spec: dict[str, Any], rank: int, world: int, broken: li
 
 
 def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | None = None) -> int:
-    """Run this rank's share; rank 0 writes the output. Returns the exit status."""
-    import fsspec
+    """Run this rank's share, committing its output rows as part files as it goes; rank 0 then
+    merges the parts into the output and writes the metrics. Returns the exit status."""
     import torch.distributed as dist
 
     from kvbatch.engine.parallel.expert_parallel import install
@@ -315,25 +402,54 @@ def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | Non
                                         spec.get("eplb_force"))
                 on_step = balancer.on_step
             engine = LockstepLLM(llm, ep, on_step)
-        sink = f"memory://kvbatch-worker-{uuid.uuid4().hex}/out.jsonl"
+        attempt = _on_rank0(lambda: _fresh_parts(spec), rank, world)  # this run's id; stale parts gone
+        parts_url = group_parts_url(spec)
+        sink = RankPartSink(parts_url, rank, world, attempt, int(spec.get("checkpoint_rows") or DEFAULT_PART_ROWS),
+                            spec.get("storage_options") or {})
         broken: list[Any] = []
-        report = run_jobs(engine, _rank_jobs(llm, spec, rank, world, broken), sink,
+        report = run_jobs(RowFigures(engine, sink.figures), _rank_jobs(llm, spec, rank, world, broken), sink,
                           model_name=spec.get("model_name", "kvbatch"), on_progress=on_progress if rank == 0 else None)
-        fs, path = fsspec.core.url_to_fs(sink)
-        lines = fs.cat_file(path).splitlines(keepends=True)
-        fs.rm(path)
-        mine = {"lines": lines, "report": report, "ep": ep.stats.to_json() if ep else None,
-                "balancer": _balancer_json(balancer, ep), "step_s": getattr(engine, "step_s", []),
-                "step_had_work": getattr(engine, "step_had_work", []),
+        # What travels to rank 0 is this rank's counts and timings, never its rows (those are in its parts).
+        mine = {"rows": sink.rows, "wall_s": report.wall_s, "draft_s": report.draft_s, "step_s_total": report.step_s,
+                "spec_enabled": report.spec_enabled, "ep": ep.stats.to_json() if ep else None,
+                "balancer": _balancer_json(balancer, ep), "step_s": getattr(engine, "step_s", []) if rank == 0 else [],
                 "broken": {"lines_read": broken[0].lines_read, "reason": redact_text(broken[0].reason, broken[0].url),
                            "message": str(broken[0])} if broken else None}
-        parts: list[Any] = [None] * world if rank == 0 else []
-        dist.gather_object(mine, parts if rank == 0 else None, dst=0)
+        ranks: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(mine, ranks if rank == 0 else None, dst=0)
         if rank != 0:
             return EXIT_OK
-        return _write_outputs(spec, parts, world)
+        try:
+            return _write_outputs(spec, ranks, world, parts_url, attempt)
+        finally:
+            remove_parts(parts_url, spec.get("storage_options") or {})
     finally:
         dist.destroy_process_group()
+
+
+def _on_rank0(fn: Callable[[], Any], rank: int, world: int) -> Any:
+    """``fn()`` on rank 0 before any rank goes on; its (small) result on every rank."""
+    import torch.distributed as dist
+
+    box = [fn() if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def group_parts_url(spec: dict[str, Any]) -> str:
+    """Where the ranks write their part files: the spec's ``parts_url`` (the CLI gives a temporary
+    folder), else a dot folder beside the output (folder scans skip dot names)."""
+    if spec.get("parts_url"):
+        return str(spec["parts_url"])
+    head, _, name = str(spec["output"]).rpartition("/")
+    return f"{head}/.{name}.kvbatch-parts" if head else f".{name}.kvbatch-parts"
+
+
+def _fresh_parts(spec: dict[str, Any]) -> str:
+    """Rank 0, before any rank writes: drop parts an earlier, killed run left; a new run id."""
+    remove_parts(group_parts_url(spec), spec.get("storage_options") or {})
+    return uuid.uuid4().hex[:12]
 
 
 def _balancer_json(balancer: LiveBalancer | None, ep: Any) -> dict[str, Any] | None:
@@ -380,48 +496,98 @@ def rank_load_segments(parts: Sequence[dict[str, Any]], world: int) -> list[dict
     return segments
 
 
-def _broken_input(parts: list[dict[str, Any]], world: int) -> dict[str, Any] | None:
-    """Where the group's input broke (the earliest break any rank saw), after cutting every
-    rank's share to the rows before it: every rank reads the same bytes, so they break at the
-    same line, but a read error need not, and the output must have no hole (the metrics still
-    count all that the ranks did)."""
-    breaks = [p["broken"] for p in parts if p.get("broken")]
-    if not breaks:
-        return None
-    first = min(breaks, key=lambda b: b["lines_read"])
-    for r, p in enumerate(parts):
-        p["lines"] = p["lines"][:len(range(r, first["lines_read"], world))]
-    return first
+def _broken_input(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the group's input broke: the earliest break any rank saw. Every rank reads the same
+    bytes, so they break at the same line, but a read error need not, and the output must have no
+    hole: rows from that line on are left out of the output and of every figure."""
+    breaks = [r["broken"] for r in ranks if r.get("broken")]
+    return min(breaks, key=lambda b: b["lines_read"]) if breaks else None
 
 
-def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int) -> int:
-    """Rank 0: every rank's lines in input order (row i came from rank i % W), the metrics.
+class _GroupTotals:
+    """The group's counts, summed once over the committed output rows (a window at a time), so
+    they equal one process's whatever the split, rows a rank read past an earlier break excluded."""
+
+    COUNTS = ("prompt_tokens", "cached_prompt_tokens", "loaded_prompt_tokens", "output_tokens", "preemptions",
+              "spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.succeeded = 0
+        self.sums = dict.fromkeys(self.COUNTS, 0)
+        self.rejects_by_field: dict[str, int] = {}
+        self.ttft_s: list[float] = []
+        self.tpot_s: list[float] = []
+
+    def add(self, window: Any) -> None:
+        # pyarrow compute, not polars: the workers also run on GPU images that carry no polars.
+        import pyarrow.compute as pc
+
+        rejected = window.column("rejected")
+        self.rows += window.num_rows
+        self.succeeded += window.num_rows - int(pc.sum(rejected).as_py() or 0)
+        for c in self.COUNTS:
+            self.sums[c] += int(pc.sum(window.column(c)).as_py() or 0)
+        by_field = window.filter(rejected).group_by("reject_field").aggregate([("rejected", "count")])
+        for field_name, n in zip(by_field.column("reject_field").to_pylist(),
+                                 by_field.column("rejected_count").to_pylist(), strict=True):
+            self.rejects_by_field[field_name] = self.rejects_by_field.get(field_name, 0) + int(n)
+        self.ttft_s += pc.drop_null(window.column("ttft_s")).to_numpy().tolist()
+        self.tpot_s += pc.drop_null(window.column("tpot_s")).to_numpy().tolist()
+
+    def report(self, ranks: list[dict[str, Any]]) -> Any:
+        from kvbatch.ops.batch_report import BatchReport
+
+        report = BatchReport(requests=self.rows, succeeded=self.succeeded, rejected=self.rows - self.succeeded,
+                             rejects_by_field=dict(self.rejects_by_field), ttft_s=self.ttft_s, tpot_s=self.tpot_s,
+                             spec_enabled=any(r["spec_enabled"] for r in ranks),
+                             wall_s=max(r["wall_s"] for r in ranks),  # the ranks run at once: the slowest
+                             draft_s=sum(r["draft_s"] for r in ranks), step_s=sum(r["step_s_total"] for r in ranks))
+        for c in self.COUNTS:
+            setattr(report, c, self.sums[c])
+        return report
+
+
+def _write_outputs(spec: dict[str, Any], ranks: list[dict[str, Any]], world: int, parts_url: str,
+                   attempt: str) -> int:
+    """Rank 0, once every rank committed its parts: the parts merged in input order (row i came
+    from rank i % W) into the output (the same file a single process writes) and the errors file,
+    the figures summed over exactly those rows, the metrics.
 
     An input that broke part-way: the rows read before the break, then one line saying where the
     input ended (as a single process writes it); the metrics and the launcher's report say so
     (``input_broken``), and the exit status is ``EXIT_FATAL`` unless a launcher (``report``)
     reports it, in one line, itself."""
+    import numpy as np
+
     from kvbatch.io.batch_output import JsonlWriter, error_line
     from kvbatch.io.batch_requests import WHOLE_LINE, RejectedRow
-    from kvbatch.ops.batch_report import BatchReport
 
     so = spec.get("storage_options") or {}
-    broken = _broken_input(parts, world)
-    total = sum(len(p["lines"]) for p in parts)
-    for r, p in enumerate(parts):
-        want = len(range(r, total, world))
-        if len(p["lines"]) != want:
-            raise RuntimeError(f"rank {r} returned {len(p['lines'])} lines, expected {want}")
+    broken = _broken_input(ranks)
+    # Without a break every row a rank answered is output; with one, exactly the rows before it.
+    total = sum(r["rows"] for r in ranks) if broken is None else broken["lines_read"]
     marker = None if broken is None else error_line(RejectedRow(
         broken["lines_read"] + 1, None, WHOLE_LINE, f"input ends here, unreadable: {broken['reason']}"))
+    totals = _GroupTotals()
     with JsonlWriter(spec["output"], storage_options=so) as out:
         errors = JsonlWriter(spec["errors"], storage_options=so) if spec.get("errors") else None
         try:
-            for i in range(total):
-                line = parts[i % world]["lines"][i // world]
-                out.write_encoded(line)
-                if errors is not None and json.loads(line).get("error") is not None:
-                    errors.write_encoded(line)
+            for window in merged_parts(parts_url, GROUP_PART_SCHEMA, so, attempt):
+                if broken is not None:
+                    window = window.slice(0, int(np.searchsorted(window.column(INDEX_COLUMN).to_numpy(), total)))
+                index = window.column(INDEX_COLUMN).to_numpy()
+                if not np.array_equal(index, np.arange(totals.rows, totals.rows + len(index))):
+                    raise RuntimeError(f"the ranks' parts miss output row {_first_gap(index, totals.rows)}")
+                # Writing bytes is per line; deciding what goes where is not.
+                for line, is_error in zip(window.column("line").to_pylist(), window.column("rejected").to_pylist(),
+                                          strict=True):
+                    out.write_encoded(line)
+                    if errors is not None and is_error:
+                        errors.write_encoded(line)
+                totals.add(window)
+            if totals.rows != total:
+                raise RuntimeError(f"the ranks' parts hold {totals.rows} output rows, expected {total}")
             if marker is not None:
                 out.write(marker)
                 if errors is not None:
@@ -432,17 +598,7 @@ def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int
             raise
         if errors is not None:
             errors.close()
-    report = BatchReport()
-    for p in parts:
-        r = p["report"]
-        for name in ("requests", "succeeded", "rejected", "prompt_tokens", "cached_prompt_tokens",
-                     "loaded_prompt_tokens", "output_tokens", "preemptions"):
-            setattr(report, name, getattr(report, name) + getattr(r, name))
-        report.ttft_s += r.ttft_s
-        report.tpot_s += r.tpot_s
-        report.wall_s = max(report.wall_s, r.wall_s)
-        for k, v in r.rejects_by_field.items():
-            report.rejects_by_field[k] = report.rejects_by_field.get(k, 0) + v
+    report = totals.report(ranks)
     if marker is not None:  # counted as one process counts it: a rejected row
         report.requests += 1
         report.rejected += 1
@@ -451,8 +607,8 @@ def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int
     metrics["workers"] = world
     if broken is not None:
         metrics["input_broken"] = {"lines_read": broken["lines_read"], "message": broken["message"]}
-    if parts[0]["ep"] is not None:
-        metrics["expert_parallel"] = group_metrics(parts, world)
+    if ranks[0]["ep"] is not None:
+        metrics["expert_parallel"] = group_metrics(ranks, world)
     if spec.get("metrics"):
         with open_url(spec["metrics"], so) as f:
             json.dump(metrics, f, indent=2)
@@ -465,6 +621,13 @@ def _write_outputs(spec: dict[str, Any], parts: list[dict[str, Any]], world: int
               f"in {spec['output']}, whose last line marks where the input ended", file=sys.stderr)
         return EXIT_FATAL
     return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def _first_gap(index: Any, start: int) -> int:
+    for want, got in enumerate(index.tolist(), start):
+        if want != got:
+            return want
+    return start + len(index)
 
 
 def group_metrics(parts: Sequence[dict[str, Any]], world: int) -> dict[str, Any]:

@@ -208,11 +208,14 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_sto
 
 
 class ShardsConfig(dg.Config):
-    """How ``prompt_shards`` tokenizes; the shard files are the same whatever is chosen."""
+    """How ``prompt_shards`` tokenizes; the shard rows are the same whatever is chosen."""
 
+    tokenize_path: Literal["columnar", "rows"] = Field(default="columnar", description=(
+        "columnar: whole record batches in the step's process (template rendered once per "
+        "conversation shape, distinct pieces tokenized on every core); rows: row by row, with workers"))
     tokenize_workers: int | None = Field(default=None, ge=1, description=(
-        "tokenizer processes (1: tokenize in the step's own process). Default: min(4, CPUs); "
-        "tables under 16384 rows are tokenized in-process anyway"))
+        "rows path only: tokenizer processes (1: tokenize in the step's own process). Default: "
+        "min(4, CPUs); tables under 16384 rows are tokenized in-process anyway"))
 
 
 @dg.asset(group_name="kvbatch", deps=[prompts], partitions_def=date_partitions, retry_policy=IO_RETRY,
@@ -229,7 +232,7 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
     # The tokenizer and the kept fingerprint only: no weights are loaded to tokenize.
     report = build_shards(model.row_tokenizer(), day.table("prompts"), day.root, NUM_SHARDS, table=day.folder("shards"),
                           rejects_url=day.table("shard_rejects"), storage_options=opts,
-                          tokenize_workers=config.tokenize_workers)
+                          tokenize_workers=config.tokenize_workers, path=config.tokenize_path)
     return dg.MaterializeResult(metadata={
         "dagster/row_count": report.tokenized,
         "num_shards": NUM_SHARDS,

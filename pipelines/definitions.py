@@ -7,7 +7,10 @@ Resources default from the environment, so one module serves a laptop and a depl
 - ``KVBATCH_S3_ENDPOINT_URL``, ``KVBATCH_S3_REGION``; credentials from ``AWS_ACCESS_KEY_ID`` /
   ``AWS_SECRET_ACCESS_KEY`` (as Dagster ``EnvVar``\\ s: resolved at run time, never shown);
 - ``KVBATCH_MODEL``, ``KVBATCH_DTYPE``; ``KVBATCH_KV_URL`` (default ``<root>/kv``);
-- ``KVBATCH_DECODE_LAUNCHER`` and ``KVBATCH_DECODE_WORLD_SIZE`` (the decode worker group);
+- ``KVBATCH_DECODE_LAUNCHER``, ``KVBATCH_DECODE_WORLD_SIZE`` and ``KVBATCH_DECODE_IMAGE`` (the decode
+  worker group; the image is the pods' with ``launcher=kubernetes``);
+- ``KVBATCH_EXECUTOR``: ``multiprocess`` (default) or ``k8s``, every step a Kubernetes Job
+  (``k8s_job_executor``, the ``kvbatch[k8s]`` extra: see ``executor``);
 - partitions: ``KVBATCH_NUM_SHARDS``, ``KVBATCH_START_DATE``, ``KVBATCH_TIMEZONE`` (see ``partitions``).
 Every value can still be overridden per launch under ``resources:`` in the run config.
 """
@@ -27,6 +30,7 @@ from kvbatch.pipelines.automation import (
     shards_after_ingest,
 )
 from kvbatch.pipelines.batch_api import batch_api_job
+from kvbatch.pipelines.executor import executor_choice, executor_def
 from kvbatch.pipelines.rollup import ROLLUP_ASSETS
 from kvbatch.resources import (
     DecodeClusterResource,
@@ -55,7 +59,8 @@ def default_resources() -> dict:
         "kv_store": KVStoreResource(url=os.environ.get("KVBATCH_KV_URL")),
         "pricing": PricingResource(),
         "decode_cluster": DecodeClusterResource(launcher=os.environ.get("KVBATCH_DECODE_LAUNCHER", "in_process"),
-                                                world_size=int(os.environ.get("KVBATCH_DECODE_WORLD_SIZE", "1"))),
+                                                world_size=int(os.environ.get("KVBATCH_DECODE_WORLD_SIZE", "1")),
+                                                image=os.environ.get("KVBATCH_DECODE_IMAGE")),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
     }
 
@@ -66,4 +71,5 @@ defs = dg.Definitions(
     schedules=[nightly_ingest],
     sensors=[shards_after_ingest, rollup_after_shard, new_dataset_files],
     resources=default_resources(),
+    executor=executor_def(executor_choice()),  # None: Dagster's multiprocess executor
 )

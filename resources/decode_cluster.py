@@ -17,7 +17,7 @@ Every rank also gets ``checkpoint_rows`` (it commits a part file every N results
 resumes from them), ``eplb_interval``/``eplb_window`` (live EPLB) and ``redundant_experts``.
 - ``kubernetes``: one pod per decode group, built by :meth:`DecodeClusterResource.pod_spec`
   (``nvidia.com/gpu`` requests, the torchrun command, ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``),
-  launched with ``dagster_k8s.PipesK8sClient`` (``pip install dagster-k8s`` matching dagster).
+  launched with ``dagster_k8s.PipesK8sClient`` (the ``kvbatch[k8s]`` extra: :mod:`kvbatch.resources.kubernetes`).
 
 Every rank runs the same torchrun-compatible entry point (it reads ``RANK``/``WORLD_SIZE``);
 rank 0 opens Dagster Pipes and reports the materialization. Terminating the run sends SIGINT to
@@ -97,7 +97,8 @@ class DecodeClusterResource(dg.ConfigurableResource):
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be < nnodes={self.nnodes}")
         if self.launcher == "kubernetes" and not self.image:
-            raise ValueError("launcher 'kubernetes' needs an image (a container with kvbatch installed)")
+            raise ValueError("launcher 'kubernetes' needs an image (a container with kvbatch installed; "
+                             "KVBATCH_DECODE_IMAGE in the code location's environment)")
         if self.launcher == "kubernetes" and self.nnodes != 1:
             raise ValueError("launcher 'kubernetes' runs one pod per group: nnodes must be 1")
         return self
@@ -196,11 +197,9 @@ class DecodeClusterResource(dg.ConfigurableResource):
         spec = {**spec, "engine": {**(spec.get("engine") or {}), "device": self.worker_device()},
                 **self.worker_options()}
         if self.launcher == "kubernetes":
-            try:
-                from dagster_k8s import PipesK8sClient
-            except ImportError as e:
-                raise RuntimeError("launcher 'kubernetes' needs dagster-k8s (pip install dagster-k8s, the "
-                                   "release matching dagster)") from e
+            from kvbatch.resources.kubernetes import require_dagster_k8s
+
+            PipesK8sClient = require_dagster_k8s("decode_cluster launcher 'kubernetes' (PipesK8sClient)").PipesK8sClient
             # Credentials stay out of the pod spec: the pod gets them from secret_env / its service account.
             spec = {**spec, "storage_options": _without_secrets(spec.get("storage_options") or {}),
                     "kv_store": {**spec["kv_store"],

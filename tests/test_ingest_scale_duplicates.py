@@ -37,8 +37,8 @@ def _expected(url: str, fmt: str) -> tuple[list[dict], list[dict]]:
     return good, bad
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
-def test_spilled_duplicate_search_equals_the_one_pass_reader(tmp_path, monkeypatch, fmt):
+@pytest.mark.parametrize(("fmt", "columnar"), [("jsonl", True), ("jsonl", False), ("parquet", True)])
+def test_spilled_duplicate_search_equals_the_one_pass_reader(tmp_path, monkeypatch, fmt, columnar):
     rows = _rows(3000, seed=3 if fmt == "jsonl" else 4)
     if fmt == "jsonl":
         src = tmp_path / "in.jsonl"
@@ -53,8 +53,10 @@ def test_spilled_duplicate_search_equals_the_one_pass_reader(tmp_path, monkeypat
     calls = []
     real = ingest_module.read_dataset
     monkeypatch.setattr(ingest_module, "read_dataset", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    report = ingest(str(src), str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"), batch_rows=500)
-    assert [kw["check_duplicates"] for kw in calls] == [False]  # the reader keeps no id set
+    report = ingest(str(src), str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"), batch_rows=500,
+                    columnar=columnar)
+    # The per-row reader keeps no id set; the columnar JSONL path does not use it (nor any set).
+    assert [kw["check_duplicates"] for kw in calls] == ([] if fmt == "jsonl" and columnar else [False])
 
     good, bad = _expected(str(src), fmt)
     unit = "line" if fmt == "jsonl" else "row"

@@ -166,3 +166,13 @@ def test_dagster_definitions_load_without_torch():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_ingest_and_shard_steps_import_without_torch():
+    """Ingest and shard tokenize; importing torch would add seconds to every shard process."""
+    code = ("import sys, kvbatch.ops.ingest, kvbatch.ops.shards, kvbatch.engine.models.weights\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -233,7 +233,16 @@ def test_failed_ingest_keeps_the_previous_commit(tmp_path, monkeypatch):
                 raise OSError("connection reset")
             yield item
 
+    real_blocks = ingest_mod.read_line_blocks
+
+    def dying_blocks(*a, **kw):  # the columnar JSONL path reads blocks of lines instead
+        for n, block in enumerate(real_blocks(*a, **{**kw, "block_lines": 8})):
+            if n == 2:
+                raise OSError("connection reset")
+            yield block
+
     monkeypatch.setattr(ingest_mod, "read_dataset", dying)
+    monkeypatch.setattr(ingest_mod, "read_line_blocks", dying_blocks)
     with pytest.raises(OSError):
         ingest(src, str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"), batch_rows=8)
     assert (tmp_path / "p.parquet").read_bytes() == before

@@ -86,8 +86,10 @@ def _shard_files(root: Path) -> dict[str, bytes]:
 
 
 def _build(llm: LLM, prompts: str, out: Path, **kw) -> shards.ShardReport:
+    """The per-row path (the one with workers); the columnar default is held to it in
+    tests/test_shard_columnar.py."""
     return build_shards(llm, prompts, str(out), NUM_SHARDS, rejects_url=str(out / "shard_rejects.parquet"),
-                        batch_rows=700, **kw)
+                        batch_rows=700, path="rows", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +211,17 @@ def test_small_tables_and_one_worker_stay_in_process(llm, prompts, tmp_path, mon
     monkeypatch.setattr(shards, "tokenized_in_pool", no_pool)
     assert _build(llm, prompts, tmp_path / "a", tokenize_workers=1, pool_min_rows=0).tokenize_workers == 1
     assert _build(llm, prompts, tmp_path / "b", tokenize_workers=4).tokenize_workers == 1  # < pool_min_rows
+
+
+def test_the_columnar_default_writes_the_rows_of_the_per_row_path(llm, prompts, sequential, tmp_path):
+    """With a template that refuses some conversations (so it reads content: nothing is
+    spliced) and prompts past the context window, the default path writes the same rows."""
+    seq_out, seq_report = sequential
+    report = build_shards(llm, prompts, str(tmp_path), NUM_SHARDS, rejects_url=str(tmp_path / "shard_rejects.parquet"),
+                          batch_rows=700)
+    assert report.to_json() == seq_report.to_json()
+    for name in _shard_files(seq_out):
+        assert pq.read_table(tmp_path / name).equals(pq.read_table(seq_out / name)), name
 
 
 def test_worker_count_is_validated(llm, prompts, tmp_path):

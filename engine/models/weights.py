@@ -19,15 +19,17 @@ import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import fsspec
 import numpy as np
-import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: tokenizing steps read only
+    import torch  # the tokenizer metadata here and should not pay torch's seconds of import
 
 __all__ = [
     "BUNDLED_MODELS",
@@ -158,13 +160,17 @@ def resolve_model(model: str) -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], filename)
 
 
-def load_checkpoint(model: str, dtype: torch.dtype = torch.float32,
+def load_checkpoint(model: str, dtype: torch.dtype | None = None,
                     experts: Mapping[int, Sequence[int]] | None = None) -> Checkpoint:
     """Load a GGUF file or an HF folder from a path or fsspec URL, with tensors cast to `dtype`.
 
     ``experts`` (HF folders with MoE layers): layer index -> the logical experts to keep; every
     other expert's weights are read once (for the fingerprint, one expert at a time, through
-    safetensors slices) and dropped, so resident memory follows the experts kept."""
+    safetensors slices) and dropped, so resident memory follows the experts kept. ``dtype``
+    defaults to float32."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     source = resolve_model(model)
     fs, path = _open_location(source)
     if experts is not None:
@@ -217,6 +223,8 @@ def checkpoint_fingerprint(config: dict[str, Any], tensors: dict[str, torch.Tens
     and a different dtype gives a different one. Nothing process-specific (paths, dict order,
     hash seeds) enters it.
     """
+    import torch
+
     names = sorted(tensors)
     weights = hashlib.blake2b(digest_size=32)
     for name in names:
@@ -272,6 +280,7 @@ def _load_hf_experts(fs: fsspec.AbstractFileSystem, path: str, source: str, dtyp
     The fingerprint is computed as for a whole load, over the same names, shapes and bytes in
     the same order, streaming each expert's bytes (cast to ``dtype``) through the hash, so every
     rank and a single process agree on the cache keys."""
+    import torch
     from safetensors import SafetensorError, safe_open
 
     if not isinstance(fs, LocalFileSystem):
@@ -465,6 +474,8 @@ def _fuse_experts(tensors: dict[str, torch.Tensor], source: str) -> dict[str, to
     Checkpoints already fused pass through. The fingerprint is taken afterwards, so the same
     weights in either layout give the same cache keys.
     """
+    import torch
+
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -581,6 +592,7 @@ def _read_gguf(
     path: str, source: str, dtype: torch.dtype
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], TokenizerSource]:
     import gguf
+    import torch
 
     reader = _gguf_reader(path, source)
     metadata = _gguf_metadata(reader)

@@ -12,6 +12,20 @@ from typing import Any
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
+# The weight and cache dtypes by the names the CLI and configs accept -> torch's name for each.
+# Kept torch-free: a tokenizing step needs the name (it is part of every KV key), not torch.
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16"}
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch's name (``float32``) of a dtype given by name (``fp32``) or as a ``torch.dtype``."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r} (use fp32 or bf16)")
+        return DTYPE_NAMES[dtype]
+    return str(dtype).removeprefix("torch.")
+
 
 class DeviceUnavailableError(ValueError):
     """The requested device does not exist on this machine; the message is one line naming it."""

@@ -18,7 +18,7 @@ from kvbatch.engine.models.factory import build_model
 from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_checkpoint
 from kvbatch.engine.runtime.block_hash import chain_keys, root_key
 from kvbatch.engine.runtime.block_manager import BlockManager
-from kvbatch.engine.runtime.engine_config import EngineConfig, default_dtype_name, resolve_device
+from kvbatch.engine.runtime.engine_config import DTYPE_NAMES, EngineConfig, default_dtype_name, resolve_device
 from kvbatch.engine.runtime.kv_connector import BlockStore, KVConnector
 from kvbatch.engine.runtime.model_runner import ModelRunner
 from kvbatch.engine.runtime.sampler import (
@@ -37,8 +37,7 @@ from kvbatch.engine.speculative.verifier import VerifyRow, verify_batch
 from kvbatch.engine.text.stop_checker import StopChecker
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 
 
 def configure_matmul(device: torch.device, precision: str) -> None:
