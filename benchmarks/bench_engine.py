@@ -45,6 +45,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,12 +61,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks.workloads` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.timing import Stopwatch, Timed
+from benchmarks.timing import Stopwatch, Timed, profile_decode_steps
 from benchmarks.workloads import WorkloadPrompt, chat_workload, default_datasets_dir
-from kvbatch.engine.models.kernel_choice import cpu_identity
+from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.kernel_choice import choose_kernels, cpu_identity, dense_shapes
 from kvbatch.engine.models.weights import Checkpoint, load_checkpoint, resolve_model
 from kvbatch.engine.runtime.engine_config import EngineConfig
-from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest, parse_dtype
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 
@@ -219,6 +221,21 @@ def stream_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def kernel_choice_at_load(ckpt: Checkpoint, variant: str, linear: str) -> dict[str, Any]:
+    """What the load-time kernel measurement costs on this machine: ``choose_kernels`` as
+    ``build_model`` calls it, with an empty cache (a temporary folder), so it always measures."""
+    dtype, weights = split_variant(variant)
+    with tempfile.TemporaryDirectory() as cache_dir:
+        t0 = time.perf_counter()
+        choice = choose_kernels(parse_dtype(dtype), dense_shapes(ckpt.tensors),
+                                num_layers=ModelConfig.from_hf(ckpt.config).num_layers, linear=linear,
+                                weights=weights, cache_dir=cache_dir)
+        wall_s = time.perf_counter() - t0
+    return {"variant": variant, "source": choice.source, "wall_s": wall_s, "timed_calls": choice.timed_calls,
+            "kinds": list(choice.fmt.bucket_kinds) or [choice.fmt.kind],
+            "timings_ms": {k: [None if math.isinf(t) else t for t in v] for k, v in choice.timings_ms.items()}}
+
+
 def decode_weight_bytes(llm: LLM) -> int:
     """Bytes one decode step streams from the weights: every dense projection and the LM head
     as the engine holds them (fp32, bf16 or int8 plus scales); the embedding is one row."""
@@ -278,6 +295,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads (default: the cores this process may use)")
     p.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    p.add_argument("--step-profile", type=int, default=0, metavar="STEPS",
+                   help="instead of the comparison: where a decode step's time goes, over STEPS steps at batch 1 "
+                        "and at --max-num-seqs, per kvbatch variant (benchmarks/timing.py StepProfile)")
     args = p.parse_args(argv)
     quick = {"requests": 8, "max_tokens": 16, "hf_batch_size": 4, "b1_prompts": 2, "repeats": 1,
              "eot_requests": 16, "eot_max_tokens": 32}
@@ -288,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if args.step_profile < 0:
+        p.error("--step-profile must be >= 0")
     for key in ("requests", "max_tokens", "hf_batch_size", "b1_prompts", "repeats", "hf_repeats", "threads",
                 "eot_requests", "eot_max_tokens"):
         if getattr(args, key) < 1:
@@ -339,6 +361,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Stopwatch() as sw:
         ckpt = load_checkpoint(args.model)
     log(f"kvbatch checkpoint loaded in {sw.timed.wall_s:.1f}s")
+    choices = [kernel_choice_at_load(ckpt, d, args.linear) for d in args.dtypes]
+    for c in choices:
+        log(f"kernel choice {c['variant']}, uncached: {c['source']} in {c['wall_s'] * 1e3:.0f} ms "
+            f"({c['timed_calls']} timed calls) -> {'/'.join(c['kinds'])}")
     tokenizer = ChatTokenizer.from_checkpoint(ckpt)
     ids = [tokenizer.encode_chat(p.messages) for p in prompts]
     wl = workload_stats(prompts, ids, args.hf_batch_size)
@@ -469,7 +495,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "transformers": __import__("transformers").__version__, "machine": platform.machine(),
             "cpus_usable": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "model_path": gguf_path, "cpu_model": cpu_model, "cpu_simd_flags": simd, "cpu_flags": flags,
-            "stream_bandwidth_gbs": bandwidth,
+            "stream_bandwidth_gbs": bandwidth, "kernel_choice_at_load": choices,
         },
         "workload": wl,
         "rows": [
@@ -491,6 +517,9 @@ def print_report(report: dict[str, Any]) -> None:
           f"torch {env['torch']}, transformers {env['transformers']}")
     print(f"CPU: {env['cpu_model']}; SIMD flags: {' '.join(env['cpu_simd_flags']) or 'none of ' + ', '.join(SIMD_FLAGS)}; "
           f"streaming-read bandwidth {env['stream_bandwidth_gbs']:.1f} GB/s")
+    for c in env["kernel_choice_at_load"]:
+        print(f"kernel choice at load ({c['variant']}, empty cache): {c['source']}, {c['wall_s'] * 1e3:.0f} ms, "
+              f"{c['timed_calls']} timed calls -> per bucket (1, 2-8, 9-64, 65+ rows) {'/'.join(c['kinds'])}")
     print(f"workload: {wl['requests']} chat requests ({', '.join(f'{v} {k}' for k, v in wl['by_source'].items())}), "
           f"{wl['with_shared_system_prompt']} sharing a ~300-token system prompt; prompt tokens "
           f"{wl['prompt_tokens']} (min {wl['prompt_tokens_min']}, median {wl['prompt_tokens_median']:g}, "
@@ -531,8 +560,40 @@ def print_report(report: dict[str, Any]) -> None:
               f"outputs identical token for token{where}")
 
 
+def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Per kvbatch variant, batch 1 and batch ``--max-num-seqs``: the decode step's wall time split
+    by part (the engine's own functions, timed where they are called); printed as it goes."""
+    torch.set_num_threads(args.threads)
+    cpu_model, flags = cpu_identity()
+    print(f"step profile — {args.model}, {args.threads} threads, torch {torch.__version__}; CPU: {cpu_model}; "
+          f"SIMD flags: {' '.join(f for f in SIMD_FLAGS if f in flags)}")
+    ckpt = load_checkpoint(args.model)
+    tokenizer = ChatTokenizer.from_checkpoint(ckpt)
+    prompts = [tokenizer.encode_chat(p.messages) for p in chat_workload(args.datasets, args.max_num_seqs)]
+    report: dict[str, Any] = {"cpu_model": cpu_model, "threads": args.threads, "steps": args.step_profile,
+                              "profiles": []}
+    for variant in args.dtypes:
+        llm = make_llm(ckpt, variant, args)
+        linear = f"{llm.model.linear.kind} {'/'.join(llm.model.linear.bucket_kinds)}".strip()
+        for batch in dict.fromkeys((1, args.max_num_seqs)):
+            ms, table = profile_decode_steps(llm, prompts[:batch], args.step_profile)
+            print(f"\nkvbatch {variant}, batch {batch} ({linear}; {args.step_profile} decode steps): "
+                  f"{ms:.1f} ms per step")
+            for part, part_ms, share in table:
+                print(f"  {part:<58} {part_ms:9.2f} ms {share:7.1%}")
+            report["profiles"].append({"variant": variant, "batch": batch, "linear": linear, "step_ms": ms,
+                                       "parts": [{"part": p, "ms": m, "share": f} for p, m, f in table]})
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.step_profile:
+        report = run_step_profile(args)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        return 0
     report = run(args)
     print_report(report)
     if args.json:

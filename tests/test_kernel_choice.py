@@ -80,8 +80,9 @@ def test_the_cache_is_reused_and_invalidated_when_the_key_changes(tmp_path, monk
     timer = fake_timer({ONEDNN: [3.0, 1.0, 1.0, 1.0], BLAS: [1.0, 6.0, 9.0, 20.0]}, calls)
     first = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer)
     assert first.source == "measured"
-    # BLAS lost 8 rows 6x: its 64- and 256-row buckets are not timed (a slow kernel costs load time)
-    assert calls == [(ONEDNN, 1), (BLAS, 1), (ONEDNN, 8), (BLAS, 8), (ONEDNN, 64), (ONEDNN, 256)]
+    # Two rounds where both kernels run (one sample may be a spike); BLAS lost 8 rows 6x: its 64-
+    # and 65+-row buckets are not timed (a slow kernel costs load time), and oneDNN alone once.
+    assert calls == [(ONEDNN, 1), (BLAS, 1)] * 2 + [(ONEDNN, 8), (BLAS, 8)] * 2 + [(ONEDNN, 64), (ONEDNN, kc.BUCKET_ROWS[3])]
     files = list(tmp_path.glob("kernels-*.json"))
     assert [str(f) for f in files] == [first.cache_path]
     stored = json.loads(files[0].read_text())
@@ -92,13 +93,91 @@ def test_the_cache_is_reused_and_invalidated_when_the_key_changes(tmp_path, monk
     # Another CPU (or flags), other shapes, another torch: each is a new key, measured afresh.
     monkeypatch.setattr(kc, "cpu_identity", lambda: ("Some Other CPU", ["avx512f"]))
     other = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer)
-    assert other.source == "measured" and len(calls) == 12
+    assert other.source == "measured" and len(calls) == 20
     monkeypatch.undo()
     monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
     assert kc.choose_kernels(torch.float32, SHAPES[:2], num_layers=2, cache_dir=tmp_path, timer=timer).source == "measured"
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     assert kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path, timer=timer).source == "measured"
     assert len(list(tmp_path.glob("kernels-*.json"))) == 4
+
+
+def test_the_measurement_settings_are_the_documented_ones():
+    # docs/performance.md states these: rows per bucket, 2-5 rounds, a 1.5x lead, an 80 ms budget,
+    # at most 40 timed calls for fp32's two kernels.
+    assert kc.BUCKET_ROWS == (1, 8, 64, 128) and kc.CACHE_VERSION == 2
+    assert (kc._MIN_ROUNDS, kc._ROUNDS, kc._CLEAR_LEAD, kc._BUCKET_BUDGET_S) == (2, 5, 1.5, 0.08)
+    assert 2 * len(kc.BUCKET_ROWS) * kc._ROUNDS == 40
+
+
+@needs_onednn
+def test_timed_calls_are_bounded_and_a_clear_lead_stops_early():
+    bound = 2 * len(kc.BUCKET_ROWS) * kc._ROUNDS
+    # A close race in every bucket, calls cheap: each bucket takes all its rounds, and no more.
+    close: list = []
+    kc.measure([ONEDNN, BLAS], torch.float32, SHAPES, 2, fake_timer({ONEDNN: [1.0] * 4, BLAS: [1.1] * 4}), close)
+    assert len(close) == bound
+    # Just as close, but each call costs 30 ms: the bucket's time budget ends it after the minimum.
+    costly: list = []
+    kc.measure([ONEDNN, BLAS], torch.float32, SHAPES, 2, fake_timer({ONEDNN: [30.0] * 4, BLAS: [33.0] * 4}), costly)
+    assert len(costly) == 2 * kc._MIN_ROUNDS * len(kc.BUCKET_ROWS)
+    # oneDNN 4x ahead in every bucket: the minimum rounds, then BLAS is dropped (and from 64 rows
+    # on not timed at all: hopeless after losing 8 rows by more than 3x).
+    clear: list = []
+    kc.measure([ONEDNN, BLAS], torch.float32, SHAPES, 2, fake_timer({ONEDNN: [1.0] * 4, BLAS: [4.0] * 4}), clear)
+    assert clear == [(ONEDNN, 1), (BLAS, 1)] * kc._MIN_ROUNDS + [(ONEDNN, 8), (BLAS, 8)] * kc._MIN_ROUNDS + [
+        (ONEDNN, 64), (ONEDNN, kc.BUCKET_ROWS[3])]
+
+
+@needs_onednn
+def test_one_slow_sample_does_not_decide_a_bucket():
+    # BLAS's first timed call at one row is a spike (another process took the core); its second is
+    # its real speed, twice oneDNN's. A one-sample early stop would have dropped it.
+    seen: dict = {}
+
+    def timer(kind, rows, run):
+        run()
+        n = seen[kind, rows] = seen.get((kind, rows), 0) + 1
+        if kind == BLAS:
+            return (10.0 if n == 1 and rows == 1 else 1.0) / 1e3
+        return 2.0 / 1e3
+
+    timings = kc.measure([ONEDNN, BLAS], torch.float32, SHAPES, 2, timer)
+    assert kc.pick(timings)[0] == BLAS
+    assert timings[BLAS][0] == 1.0
+
+
+@needs_onednn
+def test_no_timed_call_is_a_kernels_first_call_at_its_row_count(monkeypatch):
+    # The first call at a row count builds oneDNN primitives and touches fresh memory: timing it
+    # once reported oneDNN 30x slower than it runs. Every (kernel, rows) is warmed up first.
+    invoked: set = set()
+    real_call = LinearFormat.__call__
+
+    def recording_call(self, x, w, b=None, batch_invariant=False):
+        invoked.add((self.kind, x.shape[0]))
+        return real_call(self, x, w, b, batch_invariant)
+
+    monkeypatch.setattr(LinearFormat, "__call__", recording_call)
+    warm_before_timed = []
+
+    def timer(kind, rows, run):
+        warm_before_timed.append((kind, rows) in invoked)
+        return kc.one_call(kind, rows, run)
+
+    kc.measure([ONEDNN, BLAS], torch.float32, SHAPES, 2, timer)
+    assert warm_before_timed and all(warm_before_timed)
+
+
+@needs_onednn
+def test_a_real_measurement_reports_its_timed_calls(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
+    choice = kc.choose_kernels(torch.float32, SHAPES, num_layers=2, cache_dir=tmp_path)  # the default timer
+    assert choice.source == "measured"
+    assert 2 * kc._MIN_ROUNDS <= choice.timed_calls <= 2 * len(kc.BUCKET_ROWS) * kc._ROUNDS
+    stored = json.loads(next(tmp_path.glob("kernels-*.json")).read_text())
+    assert stored["timed_calls"] == choice.timed_calls and stored["key"]["version"] == kc.CACHE_VERSION == 2
+    assert all(len(v) == len(kc.BUCKET_ROWS) for v in choice.timings_ms.values())
 
 
 @needs_onednn

@@ -7,6 +7,16 @@ model's own shapes at one row count per bucket (1, 2-8, 9-64, 65+), and each buc
 fastest. The weights measured are at most the model's own size and up to ``_STREAM_BYTES``, more
 than a last-level cache holds, so decode's memory-bound passes are measured as memory-bound.
 
+The measurement is sized to take a few hundred milliseconds of CPU time: the weights are one layer's random
+values copied (not drawn again) as often as streaming needs; every kernel is warmed up at each row
+count before it is timed (the first call at a row count creates oneDNN primitives and touches
+fresh buffers, which once made a slow first call pass for the kernel's speed); then the candidates
+are timed in rounds, one call each, and from the second round on a candidate more than
+``_CLEAR_LEAD`` times slower than the leader is not timed again in that bucket (a single sample
+can be a spike on a shared machine), and no new round starts once the bucket's timed calls add up
+to ``_BUCKET_BUDGET_S``. At most ``_ROUNDS`` rounds per bucket, so the number of timed calls is
+bounded by candidates x buckets x ``_ROUNDS`` whatever the machine.
+
 The result is cached as JSON in ``$KVBATCH_CACHE_DIR`` (default ``~/.cache/kvbatch``), one file
 per key: CPU model and flags, torch version, thread count, dtype, weight format and shapes; a
 changed key is a new file, so a new torch, CPU or model is measured afresh. A bucket keeps the
@@ -42,15 +52,24 @@ from kvbatch.engine.models.linear import (
     linear_override,
     onednn_available,
 )
-from kvbatch.engine.models.quant import DEQUANT, INT8PACK, int8_linear, quantize_int8
+from kvbatch.engine.models.quant import DEQUANT, INT8PACK, Int8Weight, int8_linear, quantize_int8
 
 LINEAR_CHOICES = ("auto", ONEDNN, BLAS)
 WEIGHT_CHOICES = ("full", "int8")  # full: the compute dtype; int8: weight-only int8
-BUCKET_ROWS = (1, 8, 64, 256)  # the row count each bucket of BUCKET_BOUNDS is measured at
-CACHE_VERSION = 1
+# The row count each bucket of BUCKET_BOUNDS is measured at. The open bucket (prefill chunks) at
+# 128 rows: compute-bound already there, and 256 would double the costliest calls of the measurement.
+BUCKET_ROWS = (1, 8, 64, 128)
+# 2: timings without the first call's warm-up (version 1 could report a warm-up as the speed).
+CACHE_VERSION = 2
 _STREAM_BYTES = 48 << 20  # measured weights: past a 32 MB L3, as the model's are
 _SWITCH_GAIN = 0.10
-_SLOW_CALL_S = 0.02
+# Timed calls per candidate and bucket: at least _MIN_ROUNDS (one sample can be a spike on a shared
+# machine), at most _ROUNDS, and no new round once the bucket's timed calls add up to
+# _BUCKET_BUDGET_S (cheap one-row calls get more samples than costly many-row ones).
+_MIN_ROUNDS = 2
+_ROUNDS = 5
+_BUCKET_BUDGET_S = 0.08
+_CLEAR_LEAD = 1.5  # slower than the leader by this factor after _MIN_ROUNDS: not timed again in the bucket
 _HOPELESS = 3.0  # a candidate this many times slower than the best in a bucket is not timed further
 _STREAMED_BUCKETS = 2  # buckets 1 and 2-8 are memory-bound: measured over _STREAM_BYTES
 _LAYER_PREFIX = "model.layers.0."
@@ -67,22 +86,15 @@ class KernelChoice:
     source: str  # measured | cache | forced | env | static
     timings_ms: dict[str, list[float]] = field(default_factory=dict)  # kind -> ms per bucket
     cache_path: str | None = None
+    timed_calls: int = 0  # timer calls the measurement made (0 unless source is measured)
+    measure_s: float = 0.0  # wall seconds the measurement took, weights made included
 
 
-def best_of_three(kind: str, rows: int, run: Callable[[], object]) -> float:
-    """The default timer: one warm-up call, then the fastest of three (the machine may be shared);
-    just the warm-up when it took over ``_SLOW_CALL_S`` (repeating a call that slow would blow the
-    load-time budget, and at that length one call is a fair measure)."""
+def one_call(kind: str, rows: int, run: Callable[[], object]) -> float:
+    """The default timer: the wall time of one call (warm-up and repeats are the caller's)."""
     t0 = time.perf_counter()
     run()
-    best = time.perf_counter() - t0
-    if best > _SLOW_CALL_S:
-        return best
-    for _ in range(3):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return time.perf_counter() - t0
 
 
 def cpu_identity() -> tuple[str, list[str]]:
@@ -160,24 +172,31 @@ def candidate_format(kind: str, dtype: torch.dtype) -> LinearFormat:
 
 
 def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tuple[int, int]], num_layers: int,
-            timer: Timer = best_of_three) -> dict[str, list[float]]:
+            timer: Timer = one_call, calls: list[tuple[str, int]] | None = None) -> dict[str, list[float]]:
     """ms per bucket for each candidate, multiplying random weights of ``shapes``: up to
-    ``_STREAM_BYTES`` of them (at most ``num_layers`` copies) for the memory-bound small buckets,
-    one layer's worth from 9 rows up (compute-bound there, and the most expensive to time)."""
+    ``_STREAM_BYTES`` of them (at most ``num_layers`` copies of one layer) for the memory-bound
+    small buckets, one layer's worth from 9 rows up (compute-bound there, and the most expensive
+    to time). ``calls`` (when given) receives ``(kind, rows)`` of every timed call."""
     g = torch.Generator().manual_seed(0)
     layer_bytes = sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
     copies = max(1, min(num_layers, _STREAM_BYTES // max(layer_bytes, 1)))
-    plain = [torch.randn(o, i, generator=g).to(dtype) for _ in range(copies) for o, i in shapes]
-    inputs = {rows: {i: torch.randn(rows, i, generator=g).to(dtype) for _, i in shapes} for rows in BUCKET_ROWS}
-    prepared = {kind: [(candidate_format(kind, dtype).prepare(w), w.shape[1]) for w in plain] for kind in candidates}
+    # One layer drawn at random; the other copies are clones: memory to stream, not new numbers
+    # (a copy costs less than drawing random values).
+    layer = [torch.empty(o, i).uniform_(-1, 1, generator=g).to(dtype) for o, i in shapes]
+    inputs = {rows: {i: torch.empty(rows, i).uniform_(-1, 1, generator=g).to(dtype) for _, i in shapes}
+              for rows in BUCKET_ROWS}
+    prepared: dict[str, list] = {}
+    for kind in candidates:
+        fmt = candidate_format(kind, dtype)
+        first = [(fmt.prepare(w), w.shape[1]) for w in layer]
+        prepared[kind] = first + [(_copy_prepared(w), in_f) for _ in range(copies - 1) for w, in_f in first]
     timings: dict[str, list[float]] = {kind: [] for kind in candidates}
     for b, rows in enumerate(BUCKET_ROWS):
-        for kind in candidates:
-            # Lost the previous bucket by far: more rows will not save it. (Not from bucket 1 on:
-            # one row takes other kernels, matrix-vector ones, than two or more.)
-            if b > 1 and _hopeless(timings, kind, b - 1):
-                timings[kind].append(math.inf)
-                continue
+        # Lost the previous bucket by far: more rows will not save it. (Not from bucket 1 on:
+        # one row takes other kernels, matrix-vector ones, than two or more.)
+        live = [k for k in candidates if not (b > 1 and _hopeless(timings, k, b - 1))]
+        runs = {}
+        for kind in live:
             fmt = candidate_format(kind, dtype)
             ws = prepared[kind] if b < _STREAMED_BUCKETS else prepared[kind][:len(shapes)]
 
@@ -185,8 +204,38 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
                 for w, in_f in ws:
                     fmt(xs[in_f], w)
 
-            timings[kind].append(timer(kind, rows, run) * 1e3)
+            runs[kind] = run
+            for w, in_f in ws[:len(shapes)]:  # warm-up: one layer, untimed
+                fmt(inputs[rows][in_f], w)
+        best = dict.fromkeys(candidates, math.inf)
+        spent = 0.0  # seconds of timed calls in this bucket, as the timer reports them
+        for r in range(_ROUNDS):
+            for kind in live:
+                took = timer(kind, rows, runs[kind])
+                best[kind] = min(best[kind], took)
+                spent += took
+                if calls is not None:
+                    calls.append((kind, rows))
+            if r + 1 >= _MIN_ROUNDS:
+                leader = min(best[k] for k in live)
+                live = [k for k in live if best[k] <= _CLEAR_LEAD * leader]
+                if spent >= _BUCKET_BUDGET_S:
+                    break
+            if len(live) == 1:  # nothing left to compare it with
+                break
+        for kind in candidates:
+            timings[kind].append(best[kind] * 1e3)
     return timings
+
+
+def _copy_prepared(w: object) -> object:
+    """Another copy of a prepared weight, in the same layout (clone where it is a plain or an
+    opaque oneDNN tensor; an int8 weight clones its parts)."""
+    if isinstance(w, torch.Tensor):
+        return w.clone()
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.q.clone(), w.scale.clone(), w.scale_bf16.clone())
+    raise TypeError(f"cannot copy a prepared weight of type {type(w).__name__}")
 
 
 def _hopeless(timings: Mapping[str, Sequence[float]], kind: str, b: int) -> bool:
@@ -242,7 +291,7 @@ def _write_cache(path: Path, data: Mapping[str, Any]) -> None:
 def choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], *, num_layers: int = 1,
                    linear: str = "auto", weights: str = "full", batch_invariant: bool = False,
                    device: torch.device | str = "cpu", cache_dir: Path | str | None = None,
-                   timer: Timer = best_of_three) -> KernelChoice:
+                   timer: Timer = one_call) -> KernelChoice:
     """The projection format for a model whose layers multiply ``shapes``.
 
     ``linear``: ``auto`` (measure, or the ``KVBATCH_LINEAR`` override when set), or ``onednn`` /
@@ -280,8 +329,12 @@ def choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], *, num
     if cached is not None:
         return KernelChoice(format_from_kinds(cached["kinds"], dtype, weights), "cache",
                             cached.get("timings_ms", {}), str(path))
-    timings = measure(candidates, dtype, shapes, num_layers, timer)
+    t0 = time.perf_counter()
+    calls: list[tuple[str, int]] = []
+    timings = measure(candidates, dtype, shapes, num_layers, timer, calls)
     kinds = pick(timings)
-    _write_cache(path, {"key": key, "kinds": list(kinds),
+    measure_s = time.perf_counter() - t0
+    _write_cache(path, {"key": key, "kinds": list(kinds), "timed_calls": len(calls), "measure_s": measure_s,
                         "timings_ms": {k: [None if math.isinf(t) else t for t in v] for k, v in timings.items()}})
-    return KernelChoice(format_from_kinds(kinds, dtype, weights), "measured", timings, str(path))
+    return KernelChoice(format_from_kinds(kinds, dtype, weights), "measured", timings, str(path),
+                        len(calls), measure_s)
