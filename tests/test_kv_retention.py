@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from kvbatch.cli.main import main
 from kvbatch.io.kv_object_tier import ObjectLayout
 from kvbatch.io.kv_store import KVStore, KVStoreConfig, kv_gc
+from tests.concurrency import run_at_once
 
 FP = "retention-test-fp"
 DAY = 86400.0
@@ -91,21 +91,7 @@ def test_a_gc_that_dies_while_folding_loses_no_use(two_nights, monkeypatch):
 
 
 def test_two_gcs_at_once_keep_every_use(two_nights):
-    barrier = threading.Barrier(2)
-    outs, errors = [], []
-
-    def gc() -> None:
-        barrier.wait()
-        try:
-            outs.append(kv_gc(str(two_nights), None, None, unused_s=3 * DAY))
-        except Exception as exc:  # noqa: BLE001 - the assertion below reports it
-            errors.append(exc)
-
-    threads = [threading.Thread(target=gc) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    outs, errors = run_at_once(lambda: kv_gc(str(two_nights), None, None, unused_s=3 * DAY))
     assert not errors and len(outs) == 2
     assert all(t is not None for t, _ in store(two_nights).get_many(keys(chain("system"))))
     # Whatever each folded, a later gc still sees the use.

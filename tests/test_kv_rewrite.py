@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvbatch.cli.main import main
 from kvbatch.io.kv_compaction import compact_index
 from kvbatch.io.kv_object_tier import ObjectLayout, RetryPolicy, UsageFile, gc_objects
 from kvbatch.io.kv_store import KVStore, KVStoreConfig, kv_gc, kv_stats
+from tests.concurrency import run_at_once
 
 FP = "rewrite-test-fp"
 DAY = 86400.0
@@ -267,21 +267,7 @@ def test_any_usage_any_crash_point_keeps_every_used_block(used, crash_at, grace_
 def test_two_gcs_rewriting_at_once_keep_every_used_block(tmp_path):
     url = str(tmp_path / "kv")
     chains, locations = night_one_then_two(url, None, used=[0])
-    barrier = threading.Barrier(2)
-    outs, errors = [], []
-
-    def gc() -> None:
-        barrier.wait()
-        try:
-            outs.append(kv_gc(url, None, None, unused_s=3 * DAY, rewrite_grace_s=0))
-        except Exception as exc:  # noqa: BLE001 - the assertion below reports it
-            errors.append(exc)
-
-    threads = [threading.Thread(target=gc) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    outs, errors = run_at_once(lambda: kv_gc(url, None, None, unused_s=3 * DAY, rewrite_grace_s=0))
     assert not errors and len(outs) == 2
     assert all_used_readable(url, None, chains, [0], locations)
     # Two copies at most; a later gc keeps the newer, and the chain once.
