@@ -17,6 +17,7 @@ from kvbatch.engine.parallel.eplb import (
     Placement,
     balance_report,
     balancedness,
+    bucket_counts,
     expert_load_records,
     identity_placement,
     pack,
@@ -278,6 +279,31 @@ def test_window_save_round_trips_into_the_simulator(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Replica routing
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=200), st.integers(10, 14))
+def test_bucket_counts_equal_bincount(ids, buckets):
+    t = torch.tensor(ids, dtype=torch.long)
+    assert torch.equal(bucket_counts(t, buckets), torch.bincount(t, minlength=buckets))
+
+
+def test_replica_choice_and_load_window_count_without_bincount(monkeypatch):
+    """bincount reads ids.max() on the host (a device sync per MoE layer on CUDA); routing and the
+    load window count with a scatter-add instead, padding (-1) dropped."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.bincount called (a host sync on CUDA)")
+
+    load = torch.tensor([[8.0, 1.0, 1.0, 1.0]])
+    p = rebalance_experts(load, 6, 1, 1, 2)
+    ids = torch.tensor([[0, 1], [0, 2], [-1, 3], [0, 0]])
+    expected = replica_choice(ids, p, 0)
+    win = ExpertLoadWindow(num_layers=1, num_experts=4, window_steps=3)
+    monkeypatch.setattr(torch, "bincount", refuse)
+    assert torch.equal(replica_choice(ids, p, 0), expected)
+    win.observe(0, ids)
+    win.end_step()
+    assert win.load()[0].tolist() == [4, 1, 1, 1]
 
 
 @PROPS

@@ -357,6 +357,13 @@ def _keep_better_than_load_blind(load: Tensor, phy2log: Tensor, num_experts: int
 # Routing tokens to replicas
 
 
+def bucket_counts(ids: Tensor, buckets: int) -> Tensor:
+    """``torch.bincount(ids, minlength=buckets)`` for ids in ``[0, buckets)``, on the ids' device
+    without a host read: bincount sizes its output from ``ids.max()``, one device-to-host sync per
+    call on CUDA, once per MoE layer here; a scatter-add into a fixed-size tensor needs none."""
+    return torch.zeros(buckets, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def replica_choice(topk_ids: Tensor, placement: Placement, layer_idx: int, offset: int = 0) -> Tensor:
     """LongTensor like ``topk_ids`` [T, k]: the physical slot serving each (token, expert) pair.
 
@@ -372,7 +379,7 @@ def replica_choice(topk_ids: Tensor, placement: Placement, layer_idx: int, offse
     valid = flat >= 0
     keyed = torch.where(valid, flat, num_experts)  # padding sorts last, into its own bucket
     sorted_ids, order = torch.sort(keyed, stable=True)
-    per_expert = torch.bincount(keyed, minlength=num_experts + 1)
+    per_expert = bucket_counts(keyed, num_experts + 1)
     starts = torch.cumsum(per_expert, 0) - per_expert
     nth_sorted = torch.arange(flat.numel(), device=flat.device) - starts[sorted_ids]
     nth = torch.empty_like(nth_sorted).scatter_(0, order, nth_sorted)
@@ -411,9 +418,9 @@ class ExpertLoadWindow:
             raise ValueError(f"layer_idx {layer_idx} outside [0, {self.num_layers})")
         if not self._step_open or (self._last_layer is not None and layer_idx <= self._last_layer):
             self._open_step(topk_ids.device)
-        ids = topk_ids.reshape(-1)
-        ids = ids[ids >= 0].long()  # -1 marks padding
-        counts = torch.bincount(ids, minlength=self.num_experts)[: self.num_experts]
+        ids = topk_ids.reshape(-1).long()
+        ids = torch.where(ids >= 0, ids, self.num_experts)  # -1 marks padding: its own bucket, dropped
+        counts = bucket_counts(ids, self.num_experts + 1)[: self.num_experts]
         self._steps[-1][layer_idx] += counts
         self._total[layer_idx] += counts
         self._last_layer = layer_idx

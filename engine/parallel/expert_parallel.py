@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from kvbatch.engine.models.moe import MoELayerWeights
-from kvbatch.engine.parallel.eplb import Placement, identity_placement, replica_choice
+from kvbatch.engine.parallel.eplb import Placement, bucket_counts, identity_placement, replica_choice
 from kvbatch.kernels import dispatch as K
 
 IDLE = -1  # header layer of a rank that only serves other ranks' rows this round
@@ -196,9 +196,7 @@ class ExpertParallelCompute:
             dest = torch.div(slots, self.per_rank, rounding_mode="floor")
             # Rows grouped by destination rank, then by slot, so each receiver gets runs per slot.
             send_order = torch.argsort(slots, stable=True)
-            # Counted on the device (bincount would read the ids' maximum back to size its output).
-            send_counts = torch.zeros(W, dtype=torch.long, device=dest.device).scatter_add_(
-                0, dest, torch.ones_like(dest))
+            send_counts = bucket_counts(dest, W)  # on the device: bincount would read the host
         else:
             T, k = 0, 0
             send_counts = torch.zeros(W, dtype=torch.long, device=dev)
