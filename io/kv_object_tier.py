@@ -1319,30 +1319,53 @@ class UsageSeen:
         return max(m.created_s, self.whole.get(k, 0.0), self.blocks.get(k, {}).get(offset, 0.0))
 
 
+USAGE_RELISTS = 8  # listings of the usage files one gc makes while another gc keeps folding them
+
+
 def read_usage(layout: ObjectLayout, retry: RetryPolicy) -> UsageSeen:
-    """Every usage file of the store, merged (latest use wins); invalid ones counted and left alone."""
+    """Every usage file of the store, merged (latest use wins); invalid ones counted and left alone.
+
+    A file listed but gone when read was folded by a gc running at the same time, and its content
+    is in the fold that gc wrote *before* deleting it, but that fold may postdate this listing: so
+    the folder is listed again and the files not read yet are read, until a pass loses none. A gc
+    that went on without the fold would see a used segment as unused and delete it."""
     seen = UsageSeen()
-    for fpid, name in retry.call(layout.list_usage, "list usage"):
-        path = layout.usage_path(fpid, name)
-        try:
-            usage = UsageFile.from_json(retry.call(lambda p=path: layout.get(p), f"read {path}"), path)
-        except FileNotFoundError:
-            continue  # folded by another gc meanwhile: its content is in the folded file
-        except IndexInvalid as exc:
-            seen.invalid += 1
-            log.warning("kv gc: invalid usage file skipped: %s", exc)
-            continue
-        seen.files.append(path)
-        for pack, t in usage.last_used.items():
-            k = (fpid, pack)
-            seen.segments[k] = max(seen.segments.get(k, 0.0), t)
-            if pack not in usage.blocks:
-                seen.whole[k] = max(seen.whole.get(k, 0.0), t)
-        for pack, offs in usage.blocks.items():
-            mine = seen.blocks.setdefault((fpid, pack), {})
-            for offset, t in offs.items():
-                mine[offset] = max(mine.get(offset, 0.0), t)
-    return seen
+    read: set[tuple[str, str]] = set()
+    for _ in range(USAGE_RELISTS):
+        lost = False
+        for fpid, name in retry.call(layout.list_usage, "list usage"):
+            if (fpid, name) in read:
+                continue
+            read.add((fpid, name))
+            lost |= not _read_usage_file(layout, retry, seen, fpid, name)
+        if not lost:
+            return seen
+    raise RuntimeError(f"kv gc: usage files kept vanishing across {USAGE_RELISTS} listings (another gc "
+                       "folding them?); nothing was deleted, run gc again")
+
+
+def _read_usage_file(layout: ObjectLayout, retry: RetryPolicy, seen: UsageSeen, fpid: str, name: str) -> bool:
+    """Merge one usage file into ``seen``; False if it was gone (folded by another gc meanwhile)."""
+    path = layout.usage_path(fpid, name)
+    try:
+        usage = UsageFile.from_json(retry.call(lambda p=path: layout.get(p), f"read {path}"), path)
+    except FileNotFoundError:
+        return False
+    except IndexInvalid as exc:
+        seen.invalid += 1
+        log.warning("kv gc: invalid usage file skipped: %s", exc)
+        return True
+    seen.files.append(path)
+    for pack, t in usage.last_used.items():
+        k = (fpid, pack)
+        seen.segments[k] = max(seen.segments.get(k, 0.0), t)
+        if pack not in usage.blocks:
+            seen.whole[k] = max(seen.whole.get(k, 0.0), t)
+    for pack, offs in usage.blocks.items():
+        mine = seen.blocks.setdefault((fpid, pack), {})
+        for offset, t in offs.items():
+            mine[offset] = max(mine.get(offset, 0.0), t)
+    return True
 
 
 @dataclass

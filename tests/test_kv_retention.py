@@ -90,6 +90,27 @@ def test_a_gc_that_dies_while_folding_loses_no_use(two_nights, monkeypatch):
     assert all(t is not None for t, _ in store(two_nights).get_many(keys(chain("system"))))
 
 
+def test_a_gc_whose_usage_file_another_gc_folds_meanwhile_keeps_the_use(two_nights, monkeypatch):
+    """The race the test below hits now and then, made certain: gc B lists the usage files, then gc A
+    folds them (writes its fold, deletes the originals) before B reads them. B must find A's fold."""
+    real_get = ObjectLayout.get
+    inner: list[dict] = []
+
+    def get(self, path):
+        if "/usage/" in path and not inner:
+            inner.append({})  # once, and not inside the inner gc
+            inner[0] = kv_gc(str(two_nights), None, None, unused_s=3 * DAY)
+        return real_get(self, path)
+
+    monkeypatch.setattr(ObjectLayout, "get", get)
+    outer = kv_gc(str(two_nights), None, None, unused_s=3 * DAY)
+    assert inner[0]["usage_files_folded"] == 1 and inner[0]["packs_unused"] == 1
+    # The outer gc scanned the index before the inner one ran: it still counts the one-off segment
+    # (already gone), and must keep the system prompt's.
+    assert outer["packs_unused"] == 1 and outer["packs_kept"] == 1
+    assert all(t is not None for t, _ in store(two_nights).get_many(keys(chain("system"))))
+
+
 def test_two_gcs_at_once_keep_every_use(two_nights):
     outs, errors = run_at_once(lambda: kv_gc(str(two_nights), None, None, unused_s=3 * DAY))
     assert not errors and len(outs) == 2
