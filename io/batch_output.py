@@ -379,6 +379,31 @@ class AtomicSink:
             pass
 
 
+class ParquetSinkFile:
+    """The file-like face pyarrow's ParquetWriter needs (write, tell, flush, close) over an
+    :class:`AtomicSink`, counting the bytes written. Closing it does not commit: the writer closes
+    its stream when it finishes, and the sink is committed (or aborted) separately."""
+
+    def __init__(self, sink: AtomicSink) -> None:
+        self._sink = sink
+        self.bytes_written = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        data = bytes(data)
+        self._sink.write(data)
+        self.bytes_written += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.bytes_written
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
 class JsonlWriter:
     """Writes dicts as JSONL lines in the order given; the file appears only on a clean close.
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvbatch.io.batch_output import AtomicSink
+from kvbatch.io.batch_output import AtomicSink, ParquetSinkFile
 from kvbatch.io.shard_tables import write_json
 
 DEFAULT_CHECKPOINT_ROWS = 256  # a part per 256 results: at most that much work lost, few small objects
@@ -207,7 +207,7 @@ def compact_parts(parts_url: str, results_url: str, schema: pa.Schema,
     tpot: list[float] = []
     rows = 0
     try:
-        out = _CountingFile(sink)
+        out = ParquetSinkFile(sink)
         with pq.ParquetWriter(out, schema, compression="zstd") as writer:
             for window in merged_parts(parts_url, schema, storage_options):
                 table = window.select(schema.names)
@@ -220,7 +220,7 @@ def compact_parts(parts_url: str, results_url: str, schema: pa.Schema,
         sink.abort()
         raise
     remove_parts(parts_url, storage_options)
-    return Compacted(out.written, rows, stats, ttft, tpot)
+    return Compacted(out.bytes_written, rows, stats, ttft, tpot)
 
 
 def _merged_windows(parts: list[pq.ParquetFile], schema: pa.Schema) -> Iterator[pa.Table]:
@@ -253,27 +253,3 @@ def _merged_windows(parts: list[pq.ParquetFile], schema: pa.Schema) -> Iterator[
                     break
         window = pa.concat_tables(pieces).sort_by(INDEX_COLUMN)
         yield window.select(schema.names).cast(schema)
-
-
-class _CountingFile:
-    """The minimal writable file pyarrow's ParquetWriter needs, over an :class:`AtomicSink`."""
-
-    def __init__(self, sink: AtomicSink) -> None:
-        self._sink = sink
-        self.written = 0
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        data = bytes(data)
-        self._sink.write(data)
-        self.written += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.written
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True  # the sink commits; closing the Parquet writer must not

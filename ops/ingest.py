@@ -43,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvbatch.io.batch_output import AtomicSink
+from kvbatch.io.batch_output import AtomicSink, ParquetSinkFile
 from kvbatch.io.batch_requests import (
     ChatRequest,
     RejectedRow,
@@ -168,29 +168,6 @@ def read_dataset(
     raise ValueError(f"unknown dataset format {fmt!r} (use auto, jsonl or parquet)")
 
 
-class _CountingSink:
-    """The file-like face pyarrow's writer needs (write, tell, flush, closed) over an AtomicSink."""
-
-    def __init__(self, sink: AtomicSink) -> None:
-        self._sink = sink
-        self.bytes_written = 0
-        self.closed = False
-
-    def write(self, data: bytes) -> int:
-        self._sink.write(bytes(data))
-        self.bytes_written += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.bytes_written
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:  # the writer closes its stream; the sink is committed separately
-        self.closed = True
-
-
 class TableStream:
     """Rows in, one Parquet file out, written a row group at a time and visible at ``url`` only
     on :meth:`commit` (an exception before that leaves the previous commit, as ``write_table``)."""
@@ -202,7 +179,7 @@ class TableStream:
         self.rows = 0
         self._pending: list[dict[str, Any]] = []
         self._sink = AtomicSink(url, storage_options)
-        self._file = _CountingSink(self._sink)
+        self._file = ParquetSinkFile(self._sink)
         self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
 
     def add(self, record: dict[str, Any]) -> None:
