@@ -30,13 +30,14 @@ install-test: $(VENV)/.installed-test
 # is launched into the workspace's code location (`dagster job launch -w workspace.yaml`, with the
 # default run coordinator: no daemon needed) and waited for; a run that fails stops the demo.
 # The date partitions start a week before the demo's date (KVBATCH_START_DATE), so the UI shows
-# the demo's days rather than a year of empty ones.
+# the demo's days rather than a year of empty ones. The day gets ceil(rows / DEMO_ROWS_PER_SHARD)
+# shards (200 / 50: 4), the count prompt_shards writes to shards/date=D/_shard_count.json.
 DEMO_ABS   = $(abspath $(DEMO))
-DEMO_SHARDS ?= 4
+DEMO_ROWS_PER_SHARD ?= 50
 DEMO_ROWS  ?= 200
 DEMO_DATE  ?= $(shell date -u +%F)
 DEMO_START ?= $(shell date -u -d "$(DEMO_DATE) -6 days" +%F)
-DEMO_ENV   = DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_NUM_SHARDS=$(DEMO_SHARDS) KVBATCH_TIMEZONE=UTC KVBATCH_START_DATE=$(DEMO_START)
+DEMO_ENV   = DAGSTER_HOME=$(DEMO_ABS)/dagster_home KVBATCH_ROOT=$(DEMO_ABS)/data KVBATCH_MAX_ROWS_PER_SHARD=$(DEMO_ROWS_PER_SHARD) KVBATCH_TIMEZONE=UTC KVBATCH_START_DATE=$(DEMO_START)
 LAUNCH     = $(DEMO_ENV) $(BIN)/dagster job launch -w workspace.yaml -l kvbatch
 NEW_RUN_ID = $$($(BIN)/python -c 'import uuid; print(uuid.uuid4())')
 WAIT_RUN   = $(DEMO_ENV) $(BIN)/python -m kvbatch.pipelines.automation
@@ -47,7 +48,9 @@ demo: install
 	$(BIN)/kvbatch sample-data --output $(DEMO)/requests.jsonl --requests $(DEMO_ROWS)
 	id=$(NEW_RUN_ID) && $(LAUNCH) -j kvbatch_ingest --run-id $$id --tags '{"dagster/partition": "$(DEMO_DATE)"}' \
 		--config-json '{"ops": {"prompts": {"config": {"url": "$(DEMO_ABS)/requests.jsonl"}}}}' && $(WAIT_RUN) $$id
-	for shard in $$(seq -f "%04g" 0 $$(($(DEMO_SHARDS) - 1))); do \
+	n=$$($(BIN)/python -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_shards"])' \
+		$(DEMO_ABS)/data/shards/date=$(DEMO_DATE)/_shard_count.json) && \
+	for shard in $$(seq -f "%04g" 0 $$(($$n - 1))); do \
 		id=$(NEW_RUN_ID) && $(LAUNCH) -j kvbatch_shard --run-id $$id \
 			--tags "{\"dagster/partition\": \"$(DEMO_DATE)|$$shard\"}" && $(WAIT_RUN) $$id || exit 1; \
 	done

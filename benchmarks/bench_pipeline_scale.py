@@ -24,7 +24,8 @@ printed: the rate after start-up, from the first row on, and the start-up second
 
 Every shard step gets ``ModelResource().row_tokenizer()`` (the tokenizer and the kept
 fingerprint, no weights); the fingerprint and the tokenizer are kept by a warm-up before any
-timing (each is computed once per model, not per run). 8 shards. The per-row and baseline runs
+timing (each is computed once per model, not per run). Shards as the pipeline sizes them:
+``shards_for_rows(rows, --max-rows-per-shard)`` (10,000 by default: 10 at 100k rows, 100 at 1M). The per-row and baseline runs
 at 1M rows are skipped by default (many minutes on 2 cores); ``--baseline-max-rows`` sets it.
 Prints the CPU (lscpu) and the load average next to the figures: the machine may be shared.
 """
@@ -40,13 +41,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvbatch.ops.shard_routing import DEFAULT_MAX_ROWS_PER_SHARD, shards_for_rows
+
 REPO = Path(__file__).resolve().parent.parent
-NUM_SHARDS = 8
 
 # The child's program: point the editable install at ROOT, then run one stage and print its report.
 CHILD = r"""
 import json, sys, time
-root, stage, impl, src, out = sys.argv[1:6]
+root, stage, impl, src, out, num_shards = sys.argv[1:7]
 for mod in list(sys.modules.values()):
     mapping = getattr(mod, "MAPPING", None)
     if getattr(mod, "__name__", "").startswith("__editable___kvbatch") and isinstance(mapping, dict):
@@ -65,7 +67,7 @@ else:
     kw = {} if impl == "baseline" else {"path": "columnar" if impl == "columnar" else "rows"}
     tokenizer = ModelResource().row_tokenizer()
     t1 = time.perf_counter()
-    rep = build_shards(tokenizer, out + "/prompts.parquet", out, 8, rejects_url=out + "/shard_rejects.parquet", **kw)
+    rep = build_shards(tokenizer, out + "/prompts.parquet", out, int(num_shards), rejects_url=out + "/shard_rejects.parquet", **kw)
     result = {"rows": rep.rows, "tokenized": rep.tokenized, "workers": rep.tokenize_workers}
 import kvbatch.ops.ingest as m
 result["code"] = m.__file__
@@ -88,11 +90,11 @@ def tree_rss(proc) -> int:
     return total
 
 
-def run_stage(root: Path, stage: str, impl: str, src: str, out: Path) -> dict:
+def run_stage(root: Path, stage: str, impl: str, src: str, out: Path, num_shards: int) -> dict:
     import psutil
 
     t0 = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), stage, impl, src, str(out)],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), stage, impl, src, str(out), str(num_shards)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watched, peak = psutil.Process(child.pid), 0
     while child.poll() is None:
@@ -137,6 +139,8 @@ def main() -> int:
                     help="skip the per-row and baseline runs above this size")
     ap.add_argument("--workdir", default=None, help="where datasets and outputs go (default: a temp folder)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--max-rows-per-shard", type=int, default=DEFAULT_MAX_ROWS_PER_SHARD,
+                    help="the shard count of each size, as prompt_shards sizes it (default %(default)s)")
     args = ap.parse_args()
     print(cpu(), flush=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-pipeline-"))
@@ -151,18 +155,19 @@ def main() -> int:
         if not data.exists():
             subprocess.run([str(Path(sys.executable).parent / "kvbatch"), "sample-data", "--output", str(data),
                             "--requests", str(n)], check=True, stdout=subprocess.DEVNULL)
+        shards = shards_for_rows(n, args.max_rows_per_shard)
         impls = [("columnar", REPO)] + ([("rows", REPO), ("baseline", base)] if n <= args.baseline_max_rows else [])
         for impl, root in impls:
             out = work / f"out-{impl}-{n}"
             out.mkdir(exist_ok=True)
             before = load()
-            ing = run_stage(root, "ingest", impl, str(data), out)
-            shard = run_stage(root, "shard", impl, str(data), out)
+            ing = run_stage(root, "ingest", impl, str(data), out, shards)
+            shard = run_stage(root, "shard", impl, str(data), out, shards)
             both = n / (ing["wall_s"] + shard["wall_s"])
-            row = {"rows": n, "impl": impl, "ingest": ing, "shard": shard, "ingest_plus_shard_rows_per_s": round(both),
+            row = {"rows": n, "shards": shards, "impl": impl, "ingest": ing, "shard": shard, "ingest_plus_shard_rows_per_s": round(both),
                    "load_before": before, "load_after": load()}
             rows.append(row)
-            print(f"{impl:8s} {n:>9,} rows: ingest {ing['rows_per_s']:>7,} rows/s peak {ing['peak_rss_mb']:>5} MB | "
+            print(f"{impl:8s} {n:>9,} rows, {shards:,} shards: ingest {ing['rows_per_s']:>7,} rows/s peak {ing['peak_rss_mb']:>5} MB | "
                   f"shard {shard['rows_per_s']:>7,} rows/s peak {shard['peak_rss_mb']:>5} MB "
                   f"(workers {shard['workers']}) | ingest+shard {round(both):>7,} rows/s | after start-up: ingest "
                   f"{ing['rows_per_s_after_startup']:,}, shard {shard['rows_per_s_after_startup']:,} rows/s (start-up "

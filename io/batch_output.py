@@ -27,6 +27,7 @@ import math
 import os
 import re
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -296,15 +297,20 @@ class AtomicSink:
     any work, with :class:`OutputError` naming the URL (and so do failed writes and commits).
     """
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, *, spool: bool = False) -> None:
+        # spool: an object-store output is written to a local temp file and uploaded whole at
+        # commit, instead of through the filesystem's write buffer (s3fs keeps up to a
+        # multipart block, 5-50 MB, in memory per open file): what a step holding a thousand
+        # outputs open at once (the shard writer) needs to stay bounded in memory.
+        self._spool_path: str | None = None
         try:
-            self._open(url, storage_options)
+            self._open(url, storage_options, spool)
         except OutputError:
             raise
         except Exception as exc:  # noqa: BLE001 - any opener's failure is one message naming the output
             raise _output_error(url, exc) from exc
 
-    def _open(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+    def _open(self, url: str, storage_options: Mapping[str, Any] | None, spool: bool) -> None:
         fs, path = url_to_fs(url, **dict(storage_options or {}))
         self.url = url
         self._fs = fs
@@ -325,6 +331,13 @@ class AtomicSink:
             remove_stale_temps(path)
             self._tmp = _temp_name(path)
             self._file: IO[bytes] = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        elif spool:
+            handle, self._spool_path = tempfile.mkstemp(prefix="kvbatch-spool-", suffix=".part",
+                                                        dir=os.environ.get("KVBATCH_SPOOL_DIR") or None)
+            self._file = os.fdopen(handle, "wb")
+            self._transactional = bool(protocols & _TRANSACTIONAL_PROTOCOLS)
+            if not self._transactional:
+                self._tmp = _temp_name(path)
         elif protocols & _TRANSACTIONAL_PROTOCOLS:
             self._transactional = True
             self._file = fs.open(path, "wb", autocommit=False)
@@ -352,7 +365,16 @@ class AtomicSink:
             self._file.flush()
             os.fsync(self._file.fileno())
         self._file.close()
-        if self._transactional:
+        if self._spool_path is not None:
+            # One upload of the finished file: on S3 an object appears only when its (multipart)
+            # upload completes, so a reader sees the old object or the new one, never a part.
+            try:
+                self._fs.put_file(self._spool_path, self._path if self._transactional else self._tmp)
+                if not self._transactional:
+                    self._fs.mv(self._tmp, self._path)
+            finally:
+                os.remove(self._spool_path)
+        elif self._transactional:
             self._file.commit()  # type: ignore[attr-defined]
         elif isinstance(self._fs, LocalFileSystem):
             assert self._tmp is not None
@@ -368,7 +390,9 @@ class AtomicSink:
         except Exception:  # noqa: BLE001 - the original error matters more
             pass
         try:
-            if self._transactional:
+            if self._spool_path is not None:
+                os.remove(self._spool_path)  # nothing was uploaded yet
+            elif self._transactional:
                 self._file.discard()  # type: ignore[attr-defined]
             elif isinstance(self._fs, LocalFileSystem):
                 assert self._tmp is not None

@@ -45,7 +45,7 @@ from kvbatch.io.prompt_table import (
     reject_record,
     request_record,
 )
-from kvbatch.io.shard_tables import shard_url
+from kvbatch.io.shard_tables import join, shard_url
 from kvbatch.ops.fingerprint import model_identity
 from kvbatch.ops.ingest import TableStream
 from kvbatch.ops.jobs import Rejected, prompt_ids, tokenize_requests
@@ -271,6 +271,26 @@ def _num_rows(url: str, storage_options: Mapping[str, Any] | None) -> int:
         return pq.ParquetFile(f).metadata.num_rows
 
 
+def remove_shards_from(root: str, table: str, first: int, *,
+                       storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Delete every ``<root>/<table>/shard=K`` folder with K >= ``first``; the keys removed.
+
+    A day re-sharded into fewer shards leaves the higher shards of the earlier run behind, and
+    nothing would ever re-run them: their rows are in the new shards now, so a reader of the
+    whole day (the rollup, ``read_shards``) would count them twice."""
+    fs, base = fsspec.core.url_to_fs(join(root, table), **dict(storage_options or {}))
+    base = base.rstrip("/")
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)]
+    except FileNotFoundError:
+        return []
+    keys = [n.removeprefix("shard=") for n in names if n.startswith("shard=")]
+    stale = sorted(k for k in keys if k.isdigit() and int(k) >= first)
+    for key in stale:
+        fs.rm(f"{base}/shard={key}", recursive=True)
+    return stale
+
+
 # ---------------------------------------------------------------- sharding
 
 
@@ -332,8 +352,10 @@ def build_shards(
     else:
         rows = tokenized_in_process(llm, request_batches())
 
+    # Every shard's file is open until the end: spooled, so each costs a local file, not an
+    # object-store upload buffer in memory (a night has a thousand shards).
     writers = {k: TableStream(shard_url(root, table, k), SHARD_SCHEMA, storage_options=storage_options,
-                              batch_rows=max(256, batch_rows // num_shards)) for k in keys}
+                              batch_rows=max(256, batch_rows // num_shards), spool=True) for k in keys}
     rejects = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=storage_options, batch_rows=batch_rows)
     try:
         with closing(rows):  # stops the worker pool on an error too
@@ -363,14 +385,29 @@ def build_shards(
     return report
 
 
+# Each record batch is split into one row group per shard: batches are read large enough that a
+# shard's row group has about this many rows, up to MAX_COLUMNAR_BATCH_ROWS rows in memory.
+MIN_ROW_GROUP_ROWS = 64
+MAX_COLUMNAR_BATCH_ROWS = 65_536
+
+
+def columnar_batch_rows(batch_rows: int, num_shards: int) -> int:
+    """Rows per record batch of the columnar shard step: at least ``batch_rows``, more when many
+    shards would otherwise get row groups of a few rows each (1,000 shards from 4,096-row batches:
+    4 rows a row group), bounded so a batch stays a few hundred MB at most."""
+    return max(batch_rows, min(MAX_COLUMNAR_BATCH_ROWS, MIN_ROW_GROUP_ROWS * num_shards))
+
+
 def _build_shards_columnar(row_tokenizer: RowTokenizer, prompts_url: str, root: str, keys: list[str],
                            report: ShardReport, *, table: str, rejects_url: str,
                            storage_options: Mapping[str, Any] | None, batch_rows: int) -> ShardReport:
     """:func:`build_shards` a record batch at a time: Arrow columns in, Arrow columns out."""
     tokenizer = row_tokenizer.columnar()
     num_shards = len(keys)
+    # Every shard's file is open until the end: spooled, so each costs a local file, not an
+    # object-store upload buffer in memory (a night has a thousand shards).
     writers = {k: TableStream(shard_url(root, table, k), SHARD_SCHEMA, storage_options=storage_options,
-                              batch_rows=max(256, batch_rows // num_shards)) for k in keys}
+                              batch_rows=max(256, batch_rows // num_shards), spool=True) for k in keys}
     rejects = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=storage_options, batch_rows=batch_rows)
     rows_by_shard = np.zeros(num_shards, dtype=np.int64)
     tokens_by_shard = np.zeros(num_shards, dtype=np.int64)
@@ -384,7 +421,8 @@ def _build_shards_columnar(row_tokenizer: RowTokenizer, prompts_url: str, root: 
             writer.add_table(piece)
 
     try:
-        for batch in iter_prompt_record_batches(prompts_url, batch_rows=batch_rows, storage_options=storage_options):
+        for batch in iter_prompt_record_batches(prompts_url, batch_rows=columnar_batch_rows(batch_rows, num_shards),
+                                                storage_options=storage_options):
             report.rows += batch.num_rows
             out = tokenizer.tokenize(batch)
             for r in out.rejects:

@@ -8,10 +8,19 @@ Wiring only: each asset calls a plain-Python step in ``kvbatch.ops`` and reports
 
     prompts/date=D/part.parquet, rejects/date=D/...            every input row, valid or rejected
     shards/date=D/shard=XXXX/part.parquet, shard_rejects/...   tokenized rows by hash of custom_id
+    shards/date=D/_shard_count.json                            the date's shard count n and what chose it
     manifests/date=D/shard=XXXX/manifests.jsonl                prefill -> decode hand-off (KV in <kv url>)
     results/date=D/shard=XXXX/part.parquet                     one row per request
     decode_parts/date=D/shard=XXXX/part-*.parquet              decode's checkpoints, gone once results commit
     cost_metrics/date=D/shard=XXXX/part.parquet                one row per shard
+
+A date has n shards (``prompt_shards`` chooses n from its row count) out of a fixed range of
+``KVBATCH_MAX_SHARDS`` keys: the (date, shard) assets of a shard >= n do nothing (no
+materialization, no table, the run succeeds; downstream steps are skipped) and say so in the
+log and in an observation of the asset. They are written with ``output_required=False``, and the
+two with checks as single-asset ``multi_asset(can_subset=True)``: an ``@asset`` with check specs
+fails its step when it yields nothing (its check outputs stay required), while a subsettable
+one leaves the checks planned, which the UI shows as skipped.
 
 Metadata: numbers under stable keys with their unit in the name (``_s``, ``_mib``, ``_pct``,
 ``_usd``, ``_per_s``) and at a readable precision, so the UI plots them across partitions;
@@ -20,8 +29,10 @@ rather than recorded as 0.
 """
 
 
+import inspect
 import math
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import dagster as dg
@@ -29,10 +40,18 @@ from pydantic import Field
 
 from kvbatch.io.shard_tables import read_json, read_table, write_table
 from kvbatch.ops.metrics import ProgressMeter
+from kvbatch.ops.shard_routing import (
+    DEFAULT_MAX_ROWS_PER_SHARD,
+    SHARD_COUNT_FILE,
+    ShardCount,
+    read_shard_count,
+    shards_for_rows,
+    write_shard_count,
+)
 from kvbatch.pipelines.checks import DECODE_CHECKS, PROMPTS_CHECKS, SHARD_SLO_CHECK, SLOConfig, slo_check_result
 from kvbatch.pipelines.layout import DayLayout
 from kvbatch.pipelines.partitions import (
-    NUM_SHARDS,
+    MAX_SHARDS,
     check_date,
     date_partitions,
     date_shard_partitions,
@@ -207,8 +226,19 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_sto
                               metadata={"duplicates": dup, "duplicate_ids_preview": dg.MetadataValue.json(dup_ids[:20])})
 
 
+MAX_ROWS_PER_SHARD_ENV = "KVBATCH_MAX_ROWS_PER_SHARD"
+# Every (date, shard) table: what a re-sharded day must not keep for shards it no longer has.
+SHARD_TABLES = ("shards", "manifests", "prefill_stats", "decode_parts", "results", "decode_stats", "cost_metrics")
+
+
 class ShardsConfig(dg.Config):
-    """How ``prompt_shards`` tokenizes; the shard rows are the same whatever is chosen."""
+    """How ``prompt_shards`` splits and tokenizes. The shard count follows the data; the shard rows
+    are the same whichever tokenize path is chosen."""
+
+    max_rows_per_shard: int = Field(
+        default=int(os.environ.get(MAX_ROWS_PER_SHARD_ENV, DEFAULT_MAX_ROWS_PER_SHARD)), ge=1, description=(
+            "a date gets ceil(valid rows / this) shards (at most KVBATCH_MAX_SHARDS); hash routing makes a "
+            f"shard about this size. Default: {MAX_ROWS_PER_SHARD_ENV}, else {DEFAULT_MAX_ROWS_PER_SHARD}"))
 
     tokenize_path: Literal["columnar", "rows"] = Field(default="columnar", description=(
         "columnar: whole record batches in the step's process (template rendered once per "
@@ -223,19 +253,34 @@ class ShardsConfig(dg.Config):
 def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, object_store: ObjectStoreResource,
                   model: ModelResource):
     """The day's valid prompts tokenized (exactly as a sequential run would) and split by a stable
-    hash of ``custom_id`` into the shard partitions: ``shards/date=D/shard=XXXX/part.parquet`` with
-    messages, sampling params, prompt token ids and prefix block keys. Rows the chat template
-    refuses or that exceed the context window go to ``shard_rejects/date=D/part.parquet``."""
-    from kvbatch.ops.shards import build_shards
+    hash of ``custom_id`` into n shards, n = ceil(valid rows / max_rows_per_shard):
+    ``shards/date=D/shard=XXXX/part.parquet`` with messages, sampling params, prompt token ids and
+    prefix block keys, and n in ``shards/date=D/_shard_count.json``. Rows the chat template refuses
+    or that exceed the context window go to ``shard_rejects/date=D/part.parquet``."""
+    from kvbatch.ops.shards import build_shards, remove_shards_from
 
     day, opts = _day(context, object_store), object_store.storage_options()
+    rows = _row_count(day.table("prompts"), opts)  # the valid rows
+    count = ShardCount(day.date, shards_for_rows(rows, config.max_rows_per_shard, MAX_SHARDS), rows,
+                       config.max_rows_per_shard, MAX_SHARDS)
     # The tokenizer and the kept fingerprint only: no weights are loaded to tokenize.
-    report = build_shards(model.row_tokenizer(), day.table("prompts"), day.root, NUM_SHARDS, table=day.folder("shards"),
-                          rejects_url=day.table("shard_rejects"), storage_options=opts,
+    report = build_shards(model.row_tokenizer(), day.table("prompts"), day.root, count.num_shards,
+                          table=day.folder("shards"), rejects_url=day.table("shard_rejects"), storage_options=opts,
                           tokenize_workers=config.tokenize_workers, path=config.tokenize_path)
+    # The count first, then the clean-up: a crash between them leaves higher shards that are
+    # already outside the count (no-ops), and the re-run removes them.
+    write_shard_count(count, day.table("shards", SHARD_COUNT_FILE), storage_options=opts)
+    stale = {t: remove_shards_from(day.root, day.folder(t), count.num_shards, storage_options=opts)
+             for t in SHARD_TABLES}
+    removed = sorted({k for keys in stale.values() for k in keys})
+    if removed:
+        context.log.info(f"{day.date} now has {count.num_shards} shards: removed the tables of shards "
+                         f"{removed[0]}..{removed[-1]} left by an earlier run")
     return dg.MaterializeResult(metadata={
         "dagster/row_count": report.tokenized,
-        "num_shards": NUM_SHARDS,
+        "num_shards": count.num_shards,
+        "max_rows_per_shard": count.max_rows_per_shard,
+        "stale_shards_removed": len(removed),
         "prompt_tokens": report.prompt_tokens,
         "rejected_rows": report.rejected,
         "shards": table_metadata({"shard": "string", "rows": "int", "prompt_tokens": "int"}, [
@@ -243,6 +288,7 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
              "prompt_tokens": int(report.prompt_tokens_by_shard.get(k, 0))}
             for k in sorted(set(report.rows_by_shard) | set(report.prompt_tokens_by_shard))]),
         "shards_url": dg.MetadataValue.path(day.root + "/" + day.folder("shards")),
+        "shard_count_url": dg.MetadataValue.path(day.table("shards", SHARD_COUNT_FILE)),
         **_rejects_metadata(_head(day.table("shard_rejects"), opts, REJECTS_SHOWN)),
     })
 
@@ -254,15 +300,71 @@ def _kv(object_store: ObjectStoreResource, model: ModelResource, kv_store: KVSto
 SHARD_DEPS_ON_DAY = dg.AssetDep(prompt_shards, partition_mapping=shard_to_date)
 
 
+def _beyond_its_day(context: dg.AssetExecutionContext, day: DayLayout, shard: str,
+                    opts: dict) -> dg.AssetObservation | None:
+    """None when ``shard`` is one of its date's n shards. Otherwise this (date, shard) has nothing
+    to do: logged, and returned as an observation of the asset (its Events tab says why) for the
+    step to yield instead of a materialization. Fails at once, naming the date, when that
+    date has no shard count yet (its prompt_shards has not run)."""
+    url = day.table("shards", SHARD_COUNT_FILE)
+    count = read_shard_count(url, storage_options=opts)
+    if count is None:
+        raise dg.Failure(allow_retries=False, description=(
+            f"date {day.date} has no shards yet ({url} does not exist): materialize prompts and prompt_shards "
+            f"for {day.date} (the kvbatch_ingest job) before its (date, shard) partitions; a day sharded "
+            "before shard counts were written needs its prompt_shards re-run"))
+    if count.has(shard):
+        return None
+    reason = (f"shard {shard} is not one of the {count.num_shards} shards of {day.date} ({count.rows} rows at "
+              f"max_rows_per_shard={count.max_rows_per_shard}): nothing to do, no table written")
+    context.log.info(reason)
+    return dg.AssetObservation(asset_key=context.asset_key, partition=context.partition_key,
+                               metadata={"skipped": reason, "num_shards": count.num_shards})
+
+
+def shard_asset_with_checks(*, deps: list, check_specs: list[dg.AssetCheckSpec], kinds: set[str],
+                            retry_policy: dg.RetryPolicy, pool: str | None = None
+                            ) -> Callable[[Callable], dg.AssetsDefinition]:
+    """A (date, shard) asset with checks that may materialize nothing (a shard beyond its day).
+
+    ``@asset(output_required=False)`` is not enough there: its check outputs stay required, so a
+    step that yields no materialization fails (DagsterStepOutputNotFoundError). A single-asset
+    ``multi_asset(can_subset=True)`` makes every output optional; the step must then yield only
+    what the run selected (:func:`_selected`). The docstring is the asset's description."""
+    def wrap(fn: Callable) -> dg.AssetsDefinition:
+        spec = dg.AssetSpec(fn.__name__, deps=deps, partitions_def=date_shard_partitions, group_name="kvbatch",
+                            kinds=kinds, owners=OWNERS, description=inspect.cleandoc(fn.__doc__ or ""))
+        return dg.multi_asset(name=fn.__name__, specs=[spec], check_specs=check_specs, can_subset=True,
+                              retry_policy=retry_policy, pool=pool)(fn)
+    return wrap
+
+
+def _selected(context: dg.AssetExecutionContext, asset: str, events):
+    """The events of a subsettable asset's step that its run selected: the materialization always
+    (the step refuses to run without it), a check result only when that check is selected."""
+    if not context.selected_asset_keys:  # its checks alone (context.asset_key would raise)
+        raise dg.Failure(allow_retries=False, description=(
+            f"the checks of {asset} run inside its materialization: select the asset"))
+    selected = {key.name for key in context.selected_asset_check_keys}
+    for event in events:
+        if not (isinstance(event, dg.AssetCheckResult) and event.check_name not in selected):
+            yield event
+
+
 @dg.asset(group_name="kvbatch", deps=[SHARD_DEPS_ON_DAY], partitions_def=date_shard_partitions,
-          retry_policy=STEP_RETRY, pool="gpu", kinds={"pytorch", "python"}, owners=OWNERS)
+          retry_policy=STEP_RETRY, pool="gpu", kinds={"pytorch", "python"}, owners=OWNERS, output_required=False)
 def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                kv_store: KVStoreResource):
     """The (date, shard)'s prompt KV blocks in the tiered KV store (each block once, under its
-    content key, shared across days) and the decode manifests, ``manifests/date=D/shard=XXXX/manifests.jsonl``."""
+    content key, shared across days) and the decode manifests, ``manifests/date=D/shard=XXXX/manifests.jsonl``.
+    A shard beyond its date's shard count materializes nothing."""
     from kvbatch.ops.results import prefill_shard
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
+    skipped = _beyond_its_day(context, day, shard, opts)
+    if skipped is not None:
+        yield skipped
+        return
     llm = model.load(_kv(object_store, model, kv_store))
     rows = _row_count(day.shard("shards", shard), opts)
     stats = prefill_shard(llm, day.shard("shards", shard), day.shard("manifests", shard, "manifests.jsonl"),
@@ -270,7 +372,7 @@ def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResou
                           storage_options=opts, progress=ProgressMeter("prefill", rows, context.log.info))
     conn = stats["connector"]
     wall = stats["wall_s"]
-    return dg.MaterializeResult(metadata={
+    yield dg.MaterializeResult(metadata={
         "requests": stats["requests"],
         "prompt_tokens": stats["prompt_tokens"],
         "prompt_tokens_computed": stats["prompt_tokens_computed"],
@@ -291,13 +393,8 @@ def _row_count(url: str, opts: dict) -> int:
         return pq.ParquetFile(f).metadata.num_rows
 
 
-@dg.asset(
-    group_name="kvbatch", deps=[prefill_kv], partitions_def=date_shard_partitions, retry_policy=STEP_RETRY,
-    pool="gpu",
-    check_specs=DECODE_CHECKS,
-    kinds={"pytorch", "python", "parquet"},
-    owners=OWNERS,
-)
+@shard_asset_with_checks(deps=[prefill_kv], check_specs=DECODE_CHECKS, kinds={"pytorch", "python", "parquet"},
+                         retry_policy=STEP_RETRY, pool="gpu")
 def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                    kv_store: KVStoreResource, decode_cluster: DecodeClusterResource,
                    pipes_subprocess_client: dg.PipesSubprocessClient):
@@ -307,10 +404,22 @@ def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreR
     a subprocess, ``world_size`` ranks under torchrun, or a Kubernetes pod).
     Written as it goes: every rank commits a part file every ``checkpoint_rows`` results
     (``decode_parts/...``), and a retry after a crash resumes from them; the shard's file is then
-    committed whole: a re-run replaces the shard, a crash leaves the last good commit."""
+    committed whole: a re-run replaces the shard, a crash leaves the last good commit. A shard
+    beyond its date's shard count materializes nothing (its checks are skipped)."""
+    yield from _selected(context, "decode_results", _decode_results(
+        context, object_store, model, kv_store, decode_cluster, pipes_subprocess_client))
+
+
+def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
+                    kv_store: KVStoreResource, decode_cluster: DecodeClusterResource,
+                    pipes_subprocess_client: dg.PipesSubprocessClient):
     from kvbatch.ops.results import decode_shard
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
+    skipped = _beyond_its_day(context, day, shard, opts)
+    if skipped is not None:
+        yield skipped
+        return
     manifests = day.shard("manifests", shard, "manifests.jsonl")
     results_url = day.shard("results", shard)
     stats_url = day.shard("decode_stats", shard, "stats.json")
@@ -397,17 +506,27 @@ def _decode_checks(p: dict):
                               metadata={"over_limit": len(p["over_limit"]), "ids_preview": preview("over_limit")})
 
 
-@dg.asset(group_name="kvbatch", deps=[decode_results], partitions_def=date_shard_partitions, retry_policy=IO_RETRY,
-          check_specs=[SHARD_SLO_CHECK], kinds={"python", "parquet"}, owners=OWNERS)
+@shard_asset_with_checks(deps=[decode_results], check_specs=[SHARD_SLO_CHECK], kinds={"python", "parquet"},
+                         retry_policy=IO_RETRY)
 def cost_metrics(context: dg.AssetExecutionContext, config: SLOConfig, object_store: ObjectStoreResource,
                  pricing: PricingResource, decode_cluster: DecodeClusterResource):
     """One row per (date, shard), ``cost_metrics/date=D/shard=XXXX/part.parquet``: tokens by class,
     dollars and $/Mtok by class and blended, KV cache hits by tier, TTFT/TPOT p50/p95/p99,
     speculative acceptance, expert-load balancedness, device-seconds by stage. The check holds
-    the shard's P95 latencies against the SLO."""
+    the shard's P95 latencies against the SLO. A shard beyond its date's shard count
+    materializes nothing (its check is skipped)."""
+    yield from _selected(context, "cost_metrics", _cost_metrics(context, config, object_store, pricing, decode_cluster))
+
+
+def _cost_metrics(context: dg.AssetExecutionContext, config: SLOConfig, object_store: ObjectStoreResource,
+                  pricing: PricingResource, decode_cluster: DecodeClusterResource):
     from kvbatch.ops.cost import metrics_table, shard_metrics
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
+    skipped = _beyond_its_day(context, day, shard, opts)
+    if skipped is not None:
+        yield skipped
+        return
     row = shard_metrics(read_table(day.shard("results", shard), storage_options=opts),
                         read_json(day.shard("prefill_stats", shard, "stats.json"), storage_options=opts),
                         read_json(day.shard("decode_stats", shard, "stats.json"), storage_options=opts),

@@ -5,7 +5,9 @@
   ``kvbatch_shard``: prefill + decode + metrics. Each for one (date, shard) partition, which is
   what a failed shard re-runs.
 - The whole graph of a day is ``kvbatch_ingest`` for the date, then ``kvbatch_shard`` for each
-  of its (date, shard) partitions, started by ``shards_after_ingest``. (Dagster runs one
+  of its n (date, shard) partitions, started by ``shards_after_ingest``: n is the count that
+  run's ``prompt_shards`` chose from the day's rows, read from that materialization's
+  ``num_shards`` metadata, so shards 0..n-1 are requested and none of the range beyond. (Dagster runs one
   partitions definition per job, and ingest is per date while the rest is per (date, shard):
   one job cannot hold both. In the UI, "Materialize all" over a date range is the same thing
   as a backfill.)
@@ -70,15 +72,33 @@ def nightly_ingest(context: dg.ScheduleEvaluationContext):
 @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[ingest_job], request_job=shard_job,
                       default_status=dg.DefaultSensorStatus.RUNNING,
                       description="After a successful kvbatch_ingest of a date: one kvbatch_shard run per "
-                                  "(date, shard) of that date.")
+                                  "(date, shard) of the n shards its prompt_shards made (shards 0..n-1).")
 def shards_after_ingest(context: dg.RunStatusSensorContext):
-    """After a successful ingest of a date, one ``kvbatch_shard`` run per (date, shard)."""
+    """After a successful ingest of a date, one ``kvbatch_shard`` run per shard that ingest made."""
     run = context.dagster_run
     date = run.tags.get("dagster/partition")
     if not date:
         return dg.SkipReason(f"ingest run {run.run_id} has no date partition")
+    num_shards = shard_count_of_run(context.instance, run.run_id)
+    if num_shards is None:
+        return dg.SkipReason(f"ingest run {run.run_id} of {date} materialized no prompt_shards: no shard to start")
     return [dg.RunRequest(run_key=f"{run.run_id}-{key}", partition_key=key, tags={"kvbatch/ingest_run": run.run_id})
-            for key in date_shard_keys(date)]
+            for key in date_shard_keys(date, num_shards)]
+
+
+def shard_count_of_run(instance: dg.DagsterInstance, run_id: str) -> int | None:
+    """The ``num_shards`` of ``prompt_shards`` as that run materialized it, or None if it did not.
+
+    Read from the run's own event log rather than the date's ``_shard_count.json``: the sensor
+    then needs no object-store access (or credentials) in the daemon, and a later re-ingest of the
+    same date, which may change the count, cannot change what this run's requests cover."""
+    found = None
+    conn = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+    for record in conn.records:
+        mat = record.event_log_entry.asset_materialization
+        if mat is not None and mat.asset_key == prompt_shards.key and "num_shards" in mat.metadata:
+            found = int(mat.metadata["num_shards"].value)
+    return found
 
 
 @dg.run_status_sensor(run_status=dg.DagsterRunStatus.SUCCESS, monitored_jobs=[shard_job, decode_job],

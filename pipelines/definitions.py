@@ -11,7 +11,10 @@ Resources default from the environment, so one module serves a laptop and a depl
   worker group; the image is the pods' with ``launcher=kubernetes``);
 - ``KVBATCH_EXECUTOR``: ``multiprocess`` (default) or ``k8s``, every step a Kubernetes Job
   (``k8s_job_executor``, the ``kvbatch[k8s]`` extra: see ``executor``);
-- partitions: ``KVBATCH_NUM_SHARDS``, ``KVBATCH_START_DATE``, ``KVBATCH_TIMEZONE`` (see ``partitions``).
+- partitions: ``KVBATCH_MAX_SHARDS`` (the shard keys, default 1024), ``KVBATCH_START_DATE``,
+  ``KVBATCH_TIMEZONE`` (see ``partitions``); ``KVBATCH_MAX_ROWS_PER_SHARD`` (default 10000), the
+  default of ``prompt_shards``' ``max_rows_per_shard``: a date gets ceil(rows / it) shards.
+  ``KVBATCH_NUM_SHARDS`` is refused (the count follows the data now).
 Every value can still be overridden per launch under ``resources:`` in the run config.
 """
 

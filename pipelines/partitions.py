@@ -5,9 +5,13 @@
   the run config and lands in the date partition it is launched for (see ``PromptsConfig``).
   Today's partition exists already (``end_offset=1``), so a file that lands today, or an ad-hoc
   run, can be processed at once.
-- ``shard``: a fixed number of hash buckets of ``custom_id``. The count is fixed per deployment
-  (``KVBATCH_NUM_SHARDS``, default 8) because a row's shard is ``sha256(custom_id) mod count``:
-  changing it reshuffles every row, so it is a deployment setting read once at import.
+- ``shard``: a fixed, wide range of keys, ``0000`` .. ``KVBATCH_MAX_SHARDS - 1`` (default 1024
+  keys, read once at import). A date uses only its first n of them: ``prompt_shards`` chooses
+  n = ceil(valid rows / max_rows_per_shard) and routes a row to ``sha256(custom_id) mod n``, so
+  the count follows each day's data while the partitions definition never changes. The
+  (date, shard) assets of a shard >= n materialize nothing (see ``assets``), and
+  ``shards_after_ingest`` requests only 0..n-1. ``KVBATCH_NUM_SHARDS`` (the old fixed count) is
+  refused at import, so a deployment that still sets it learns at once that it no longer applies.
 
 ``prompts`` and ``prompt_shards`` are partitioned by date only (one ingest and one tokenization
 pass per dataset); ``prefill_kv``, ``decode_results`` and ``cost_metrics`` by date x shard, so a
@@ -20,17 +24,42 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Mapping
 
 import dagster as dg
 
-from kvbatch.ops.shard_routing import shard_keys
+from kvbatch.ops.shard_routing import MAX_SHARD_KEYS, shard_keys
 
-NUM_SHARDS = int(os.environ.get("KVBATCH_NUM_SHARDS", "8"))
+MAX_SHARDS_ENV, OLD_NUM_SHARDS_ENV = "KVBATCH_MAX_SHARDS", "KVBATCH_NUM_SHARDS"
+DEFAULT_MAX_SHARDS = 1024
+
+
+def max_shards_from_env(environ: Mapping[str, str]) -> int:
+    """The width of the shard range (``KVBATCH_MAX_SHARDS``, default 1024). ``KVBATCH_NUM_SHARDS``
+    set at all is an error: a fixed count silently ignored would shard every day differently
+    from what its operator asked for."""
+    if OLD_NUM_SHARDS_ENV in environ:
+        raise ValueError(
+            f"{OLD_NUM_SHARDS_ENV} is no longer read: a date's shard count now follows its data, "
+            f"ceil(valid rows / max_rows_per_shard) (prompt_shards' run config, or KVBATCH_MAX_ROWS_PER_SHARD, "
+            f"default 10000), within {MAX_SHARDS_ENV} shard keys (default {DEFAULT_MAX_SHARDS}). "
+            f"Unset {OLD_NUM_SHARDS_ENV}; to get about N shards a day, set max_rows_per_shard to rows / N")
+    raw = environ.get(MAX_SHARDS_ENV, str(DEFAULT_MAX_SHARDS))
+    try:
+        width = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_SHARDS_ENV}={raw!r} is not an integer") from None
+    if not 1 <= width <= MAX_SHARD_KEYS:
+        raise ValueError(f"{MAX_SHARDS_ENV}={width} is outside 1..{MAX_SHARD_KEYS} (four-digit shard keys)")
+    return width
+
+
+MAX_SHARDS = max_shards_from_env(os.environ)
 START_DATE = os.environ.get("KVBATCH_START_DATE", "2026-01-01")
 TIMEZONE = os.environ.get("KVBATCH_TIMEZONE", "UTC")
 DATE_KEY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
-shard_partitions = dg.StaticPartitionsDefinition(shard_keys(NUM_SHARDS))
+shard_partitions = dg.StaticPartitionsDefinition(shard_keys(MAX_SHARDS))
 date_partitions = dg.DailyPartitionsDefinition(start_date=START_DATE, timezone=TIMEZONE, end_offset=1)
 date_shard_partitions = dg.MultiPartitionsDefinition({"date": date_partitions, "shard": shard_partitions})
 
@@ -45,9 +74,11 @@ def date_shard_key(date: str, shard: str) -> dg.MultiPartitionKey:
     return dg.MultiPartitionKey({"date": date, "shard": shard})
 
 
-def date_shard_keys(date: str) -> list[dg.MultiPartitionKey]:
-    """Every (date, shard) key of one day, in shard order."""
-    return [date_shard_key(date, s) for s in shard_partitions.get_partition_keys()]
+def date_shard_keys(date: str, num_shards: int) -> list[dg.MultiPartitionKey]:
+    """The (date, shard) keys of a day of ``num_shards`` shards (0..num_shards-1), in shard order."""
+    if not 1 <= num_shards <= MAX_SHARDS:
+        raise ValueError(f"{date} has {num_shards} shards; the shard range has {MAX_SHARDS} ({MAX_SHARDS_ENV})")
+    return [date_shard_key(check_date(date), s) for s in shard_keys(num_shards)]
 
 
 def split_date_shard(key: str | dg.MultiPartitionKey) -> tuple[str, str]:

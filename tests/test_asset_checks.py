@@ -20,7 +20,7 @@ import pytest
 from kvbatch.ops.shard_routing import shard_of
 from kvbatch.pipelines.assets import decode_results, prefill_kv, prompt_shards, prompts
 from kvbatch.pipelines.layout import DayLayout
-from kvbatch.pipelines.partitions import NUM_SHARDS, date_shard_key, shard_partitions
+from kvbatch.pipelines.partitions import date_shard_key
 from kvbatch.resources import (
     DecodeClusterResource,
     KVStoreResource,
@@ -32,11 +32,14 @@ from tests.tiny_models import build_tiny_chat_model
 
 DATE = "2026-11-29"
 MAX_TOKENS = 3
-SHARD = shard_partitions.get_partition_keys()[0]
+SHARD = "0000"
+# The decode tests' six rows at 3 rows per shard: a day of 2 shards (prompt_shards' run config).
+ROWS_PER_SHARD, NUM_SHARDS = 3, 2
 
 
 def _ids_in_shard(n: int) -> list[str]:
-    """``n`` custom_ids that all hash to ``SHARD``, so one (date, shard) holds every row."""
+    """``n`` custom_ids that all hash to ``SHARD`` of a ``NUM_SHARDS``-shard day, so one (date,
+    shard) holds every row."""
     ids = [f"q{i:03d}" for i in range(64 * NUM_SHARDS) if shard_of(f"q{i:03d}", NUM_SHARDS) == int(SHARD)]
     assert len(ids) >= n
     return ids[:n]
@@ -68,6 +71,22 @@ def _meta(check: dg.AssetCheckEvaluation) -> dict:
 
 
 # ---------------------------------------------------------------- prompts (no model needed)
+
+
+def _ingest_repeating_rows(monkeypatch, start: int, length: int) -> None:
+    """Make the real ingest write rows [start, start + length) of its prompts table a second time:
+    an ingest that lost its duplicate check, the only honest way to see ``unique_custom_ids`` fail."""
+    import kvbatch.ops.ingest as ingest_module
+
+    real = ingest_module.ingest
+
+    def ingest_without_duplicate_check(url, prompts_url, *args, **kwargs):
+        report = real(url, prompts_url, *args, **kwargs)
+        table = pq.read_table(prompts_url)
+        pq.write_table(pa.concat_tables([table, table.slice(start, length)]), prompts_url)
+        return report
+
+    monkeypatch.setattr(ingest_module, "ingest", ingest_without_duplicate_check)
 
 
 def _ingest_prompts(tmp_path: Path, lines: list[str], max_reject_rate: float) -> dict[str, dg.AssetCheckEvaluation]:
@@ -102,23 +121,13 @@ def test_unique_custom_ids_check_fails_when_the_prompts_table_repeats_an_id(tmp_
     (kept in the rejects table), so the check passes. The check guards that ingest invariant on
     the table every later step reads, so the only honest way to see it fail is an ingest that
     lost it: the real ingest, wrapped to write two of its rows a second time."""
-    import kvbatch.ops.ingest as ingest_module
-
     lines = [_line("a"), _line("b"), _line("c"), _line("a")]
     clean = _ingest_prompts(tmp_path / "clean", lines, 0.5)["unique_custom_ids"]
     assert clean.passed and _meta(clean) == {"duplicates": 0, "duplicate_ids_preview": []}
     rejects = pq.read_table(DayLayout(str(tmp_path / "clean" / "data"), DATE).table("rejects")).to_pylist()
     assert [(r["custom_id"], r["field"]) for r in rejects] == [("a", "custom_id")]
 
-    real = ingest_module.ingest
-
-    def ingest_without_duplicate_check(url, prompts_url, *args, **kwargs):
-        report = real(url, prompts_url, *args, **kwargs)
-        table = pq.read_table(prompts_url)
-        pq.write_table(pa.concat_tables([table, table.slice(1, 2)]), prompts_url)
-        return report
-
-    monkeypatch.setattr(ingest_module, "ingest", ingest_without_duplicate_check)
+    _ingest_repeating_rows(monkeypatch, start=1, length=2)
     broken = _ingest_prompts(tmp_path / "broken", lines, 0.5)["unique_custom_ids"]
     assert not broken.passed
     assert _meta(broken) == {"duplicates": 2, "duplicate_ids_preview": ["b", "c"]}
@@ -133,8 +142,6 @@ def test_a_failed_prompts_check_stops_the_shards_of_that_run(tmp_path, monkeypat
     """Blocking checks: with a repeated id in the prompts table, ``prompts`` is recorded, its
     check fails, and ``prompt_shards`` (so no shard, prefill or decode) does not run; clean data
     runs both."""
-    import kvbatch.ops.ingest as ingest_module
-
     tiny = build_tiny_chat_model(tmp_path / "tiny")
     lines = [_line("a"), _line("b"), _line("c")]
     data = tmp_path / "requests.jsonl"
@@ -150,15 +157,7 @@ def test_a_failed_prompts_check_stops_the_shards_of_that_run(tmp_path, monkeypat
     assert clean.success
     assert _materialized(clean) == {"prompts", "prompt_shards"}
 
-    real = ingest_module.ingest
-
-    def ingest_without_duplicate_check(url, prompts_url, *args, **kwargs):
-        report = real(url, prompts_url, *args, **kwargs)
-        table = pq.read_table(prompts_url)
-        pq.write_table(pa.concat_tables([table, table.slice(0, 1)]), prompts_url)
-        return report
-
-    monkeypatch.setattr(ingest_module, "ingest", ingest_without_duplicate_check)
+    _ingest_repeating_rows(monkeypatch, start=0, length=1)
     broken = run(tmp_path / "broken")
     assert not broken.success
     assert _materialized(broken) == {"prompts"}
@@ -179,9 +178,10 @@ def prefilled(tmp_path_factory) -> tuple[dict, DayLayout, list[str]]:
     data = base / "requests.jsonl"
     data.write_text("\n".join(_line(i) for i in ids) + "\n")
     resources = _resources(base / "data", tiny)
-    config = {"ops": {"prompts": {"config": {"url": str(data)}}}}
-    assert dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE,
-                          run_config=config).success
+    config = {"ops": {"prompts": {"config": {"url": str(data)}},
+                      "prompt_shards": {"config": {"max_rows_per_shard": ROWS_PER_SHARD}}}}
+    res = dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE, run_config=config)
+    assert res.asset_materializations_for_node("prompt_shards")[0].metadata["num_shards"].value == NUM_SHARDS
     assert dg.materialize([prefill_kv], resources=resources, partition_key=date_shard_key(DATE, SHARD),
                           selection=[prefill_kv]).success
     return resources, DayLayout(str(base / "data"), DATE), ids

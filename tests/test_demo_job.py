@@ -5,7 +5,7 @@ kvbatch.ops.demo_report``) run as subprocesses, and what a user would look
 at is checked against the tables they wrote.
 
 The Makefile is the one source of truth: the commands are what ``make -n demo`` prints, with
-only its variables overridden (the demo folder, rows, shards, date and the venv's bin folder),
+only its variables overridden (the demo folder, rows, rows per shard, date and the venv's bin folder),
 so a change to the recipe is a change to what this test runs."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from tests.tiny_models import build_tiny_chat_model
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the venv this suite runs in: its kvbatch, dagster and python
-DATE, ROWS, SHARDS = "2026-11-29", 16, 2
+DATE, ROWS, ROWS_PER_SHARD = "2026-11-29", 16, 8
+SHARDS = 2  # ceil(16 / 8): the demo's day gets as many shards as its rows need
 
 
 def demo_commands(demo: Path, repo: Path = REPO) -> list[str]:
@@ -39,8 +40,8 @@ def demo_commands(demo: Path, repo: Path = REPO) -> list[str]:
     assert make, "the demo test needs `make` (the Makefile's demo recipe is what it runs)"
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     printed = subprocess.run(
-        [make, "-s", "-n", "-o", "install", "demo", f"DEMO={demo}", f"DEMO_ROWS={ROWS}", f"DEMO_SHARDS={SHARDS}",
-         f"DEMO_DATE={DATE}", f"BIN={BIN}"],
+        [make, "-s", "-n", "-o", "install", "demo", f"DEMO={demo}", f"DEMO_ROWS={ROWS}",
+         f"DEMO_ROWS_PER_SHARD={ROWS_PER_SHARD}", f"DEMO_DATE={DATE}", f"BIN={BIN}"],
         cwd=repo, env=env, capture_output=True, text=True, timeout=60, check=True).stdout
     commands, pending = [], ""
     for line in printed.splitlines():
@@ -114,7 +115,8 @@ def test_make_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     steps = demo_steps(commands)
     for c in commands[steps[1]:steps[2] + 1]:
         assert all(f"{k}=" in c for k in ("DAGSTER_HOME", "KVBATCH_ROOT")), c
-        assert f"KVBATCH_NUM_SHARDS={SHARDS}" in c and "KVBATCH_TIMEZONE=UTC" in c, c
+        assert f"KVBATCH_MAX_ROWS_PER_SHARD={ROWS_PER_SHARD}" in c and "KVBATCH_TIMEZONE=UTC" in c, c
+        assert "KVBATCH_NUM_SHARDS" not in c, c
 
     # The recipe sets where things go; the model is the one thing the demo leaves to the
     # environment. Nothing else of this process's environment may steer the run.

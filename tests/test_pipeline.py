@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbatch.io.shard_tables import read_shards
+from kvbatch.ops.shard_routing import shard_keys
 from kvbatch.pipelines.assets import (
     ASSETS,
     cost_metrics,
@@ -35,11 +36,7 @@ from kvbatch.pipelines.automation import (
 )
 from kvbatch.pipelines.definitions import defs
 from kvbatch.pipelines.layout import DayLayout
-from kvbatch.pipelines.partitions import (
-    date_shard_key,
-    date_shard_keys,
-    shard_partitions,
-)
+from kvbatch.pipelines.partitions import date_shard_key, date_shard_keys
 from kvbatch.resources import (
     DecodeClusterResource,
     KVStoreResource,
@@ -54,6 +51,8 @@ DAGSTER = str(Path(sys.executable).with_name("dagster"))
 SYSTEM = "You answer questions about a small bakery. Be brief and polite, and never invent prices. " * 2
 SHARD_ASSETS = [prefill_kv, decode_results, cost_metrics]
 DATE, OTHER_DATE = "2026-11-29", "2026-11-28"
+# The 14 valid rows at 3 rows per shard: ceil(14 / 3) = 5 shards a date (the run config says so).
+ROWS_PER_SHARD, NUM_SHARDS = 3, 5
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +113,14 @@ def _reference(tiny: Path, tmp_path: Path) -> dict[str, tuple[str, int]]:
     return ref
 
 
+def _ingest_config(data: str) -> dict:
+    return {"ops": {"prompts": {"config": {"url": data, "max_reject_rate": 0.5}},
+                    "prompt_shards": {"config": {"max_rows_per_shard": ROWS_PER_SHARD}}}}
+
+
 def _ingest(resources: dict, data: str, date: str = DATE, instance=None):
     return dg.materialize([prompts, prompt_shards], resources=resources, partition_key=date, instance=instance,
-                          run_config={"ops": {"prompts": {"config": {"url": data, "max_reject_rate": 0.5}}}})
+                          run_config=_ingest_config(data))
 
 
 def _path(url: str) -> str:
@@ -139,13 +143,14 @@ def test_whole_graph_on_loopback_s3(tiny, dataset, tmp_path):
     rejects = pq.read_table(fs.open(_path(day.table("rejects")))).to_pylist()
     assert sorted((r["row"], r["field"]) for r in rejects) == [(4, "temperature"), (8, "$"), (17, "custom_id")]
 
-    for key in date_shard_keys(DATE):
+    assert res.asset_materializations_for_node("prompt_shards")[0].metadata["num_shards"].value == NUM_SHARDS
+    for key in date_shard_keys(DATE, NUM_SHARDS):
         r = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=key, instance=instance,
                            selection=SHARD_ASSETS)
         assert r.success
         assert all(c.passed for c in r.get_asset_check_evaluations())
     materialized = instance.get_materialized_partitions(decode_results.key)
-    assert materialized == {str(k) for k in date_shard_keys(DATE)}
+    assert materialized == {str(k) for k in date_shard_keys(DATE, NUM_SHARDS)}
 
     results = read_shards(root, day.folder("results"), storage_options=opts)
     assert sorted(results.column("custom_id").to_pylist()) == [f"r{i:02d}" for i in range(14)]
@@ -183,7 +188,7 @@ def test_rerun_of_one_date_shard_replaces_it_and_nothing_else(tiny, dataset):
     resources = _resources(tiny, root, opts)
     assert _ingest(resources, data).success
     assert _ingest(resources, data, date=OTHER_DATE).success
-    keys = shard_partitions.get_partition_keys()[:3]
+    keys = shard_keys(NUM_SHARDS)[:3]
     done = [(DATE, k) for k in keys] + [(OTHER_DATE, keys[1])]
     for date, key in done:
         assert dg.materialize(SHARD_ASSETS, resources=resources, partition_key=date_shard_key(date, key),
@@ -325,7 +330,7 @@ def _cli_env(tmp_path: Path, tiny: Path) -> dict:
     home = tmp_path / "dagster_home"
     home.mkdir(exist_ok=True)
     env = dict(os.environ, DAGSTER_HOME=str(home), KVBATCH_ROOT=str(tmp_path / "data"), KVBATCH_MODEL=str(tiny),
-               KVBATCH_NUM_SHARDS="2", PYTHONPATH=str(REPO))
+               KVBATCH_MAX_ROWS_PER_SHARD="7", PYTHONPATH=str(REPO))  # 14 rows: 2 shards
     return env
 
 
@@ -370,14 +375,13 @@ def test_day_runs_ingest_then_every_shard_of_the_date(tiny, tmp_path):
     instance = dg.DagsterInstance.ephemeral()
     local_defs = dg.Definitions(assets=ASSETS, jobs=JOBS, resources=resources)
     ingest = local_defs.resolve_job_def("kvbatch_ingest").execute_in_process(
-        partition_key=DATE, instance=instance,
-        run_config={"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}})
+        partition_key=DATE, instance=instance, run_config=_ingest_config(str(data)))
     assert ingest.success
     ctx = dg.build_run_status_sensor_context(sensor_name="shards_after_ingest", dagster_instance=instance,
                                              dagster_run=ingest.dagster_run,
                                              dagster_event=ingest.get_run_success_event())
     requests = shards_after_ingest(ctx)
-    assert [r.partition_key for r in requests] == [str(k) for k in date_shard_keys(DATE)]
+    assert [r.partition_key for r in requests] == [f"{DATE}|{i:04d}" for i in range(NUM_SHARDS)]
     key = requests[2].partition_key
     res = local_defs.resolve_job_def("kvbatch_shard").execute_in_process(partition_key=key, instance=instance)
     assert res.success
@@ -399,7 +403,7 @@ def _pipes_resources(tiny: Path, root: str, cluster: DecodeClusterResource) -> d
 
 
 def _largest_shard(day: DayLayout) -> str:
-    return max(shard_partitions.get_partition_keys(), key=lambda k: pq.read_table(day.shard("shards", k)).num_rows)
+    return max(shard_keys(NUM_SHARDS), key=lambda k: pq.read_table(day.shard("shards", k)).num_rows)
 
 
 def _decode_largest_shard(tiny, tmp_path: Path, cluster: DecodeClusterResource):

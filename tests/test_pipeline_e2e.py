@@ -60,8 +60,9 @@ def _env(tmp_path: Path, tiny: Path) -> dict:
         "run_coordinator:\n  module: dagster._core.run_coordinator\n  class: DefaultRunCoordinator\n"
         "telemetry:\n  enabled: false\n")
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    # The webserver test's 8 valid rows at 4 rows per shard: its launched ingest makes 2 shards.
     return dict(os.environ, DAGSTER_HOME=str(home), KVBATCH_ROOT=str(tmp_path / "data"), KVBATCH_MODEL=str(tiny),
-                KVBATCH_NUM_SHARDS="2", PYTHONPATH=pythonpath, DAGSTER_DISABLE_TELEMETRY="1")
+                KVBATCH_MAX_ROWS_PER_SHARD="4", PYTHONPATH=pythonpath, DAGSTER_DISABLE_TELEMETRY="1")
 
 
 def _results(root: Path) -> list[str]:
@@ -317,15 +318,16 @@ def _prepare(tmp_path: Path, tiny: Path, n: int) -> tuple[dict, Path, list[str],
     data.write_text("\n".join(lines) + "\n")
     resources = {"object_store": ObjectStoreResource(url=str(root)), "model": ModelResource(model=str(tiny)),
                  "kv_store": KVStoreResource(), "decode_cluster": DecodeClusterResource()}
+    # n rows at n / 2 rows per shard: two shards (the decode subprocess takes their URLs only).
     assert dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE, run_config={
-        "ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}).success
+        "ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}},
+                "prompt_shards": {"config": {"max_rows_per_shard": n // 2}}}}).success
     day = DayLayout(str(root), DATE)
-    # The shard count here is this process's KVBATCH_NUM_SHARDS (read at import); the decode
-    # subprocess takes the shard's URLs only, so it does not depend on it. Use the first two shards.
     all_shards = sorted(p.name.split("=")[1] for p in (root / "shards" / f"date={DATE}").glob("shard=*"))
     every = [c for k in all_shards for c in pq.read_table(day.shard("shards", k)).column("custom_id").to_pylist()]
     assert sorted(every) == valid
-    shards = all_shards[:2]
+    assert len(all_shards) == 2
+    shards = all_shards
     for key in shards:
         assert dg.materialize([prefill_kv], resources=resources, partition_key=date_shard_key(DATE, key)).success
     expected = {k: sorted(pq.read_table(day.shard("shards", k)).column("custom_id").to_pylist()) for k in shards}

@@ -19,6 +19,7 @@ import pytest
 from kvbatch.io.shard_tables import write_json, write_table
 from kvbatch.ops.cost import CLASSES
 from kvbatch.ops.results import RESULTS_SCHEMA
+from kvbatch.ops.shard_routing import SHARD_COUNT_FILE, ShardCount, write_shard_count
 from kvbatch.pipelines.assets import cost_metrics
 from kvbatch.pipelines.automation import rollup_after_shard, wait_for_run
 from kvbatch.pipelines.layout import DayLayout
@@ -45,6 +46,9 @@ def _write_shard(day: DayLayout, shard: str, *, n: int, ttft_s: float, wall_s: f
                 "connector": {"prompt_tokens_served_by_tier": {"object": 48 * n},
                               "kv_bytes_read_by_tier": {"object": 10 ** 6 * n}, "object_requests": {"GET": 2 * n}}},
                day.shard("decode_stats", shard, "stats.json"))
+    # What prompt_shards writes beside the shards: the day has these shards (the others are no-ops).
+    write_shard_count(ShardCount(day.date, num_shards=len(SHARDS), rows=2 * len(SHARDS), max_rows_per_shard=2,
+                                 max_shards=1024), day.table("shards", SHARD_COUNT_FILE))
 
 
 def _resources(root: Path) -> dict:

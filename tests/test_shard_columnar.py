@@ -11,6 +11,7 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -213,6 +214,15 @@ def test_shard_index_is_shard_of_for_a_column():
     assert shard_index(ids, 7).tolist() == [shard_of(c, 7) for c in ids]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(max_size=40), max_size=30), st.integers(1, 10_000))
+def test_shard_index_equals_shard_of_for_any_ids_and_count(ids, num_shards):
+    # The column form reads the digests' first 8 bytes with numpy; a row must land where
+    # shard_of (the definition) puts it, for any text (surrogates included) and range width.
+    got = shard_index(ids, num_shards)
+    assert got.dtype == np.int64 and got.tolist() == [shard_of(c, num_shards) for c in ids]
+
+
 def test_build_shards_columnar_writes_the_rows_of_the_per_row_path(row_tokenizer, tmp_path):
     rng = random.Random(3)
     words = ["the", "a", "book", "tent", "boot", "order", "refund", "ship", "winter", "zipper", "camp", "trail",
@@ -238,3 +248,46 @@ def test_build_shards_columnar_writes_the_rows_of_the_per_row_path(row_tokenizer
     assert reports["columnar"].rejected >= 18 and reports["columnar"].tokenized == 900 - reports["columnar"].rejected
     for f in sorted((tmp_path / "rows").rglob("*.parquet")):
         assert pq.read_table(f).equals(pq.read_table(tmp_path / "columnar" / f.relative_to(tmp_path / "rows"))), f
+
+
+def test_columnar_batches_grow_with_the_shard_count_up_to_a_bound():
+    from kvbatch.ops.shards import MAX_COLUMNAR_BATCH_ROWS, MIN_ROW_GROUP_ROWS, columnar_batch_rows
+
+    assert columnar_batch_rows(4096, 8) == 4096  # few shards: the caller's batch
+    assert columnar_batch_rows(4096, 1000) == MIN_ROW_GROUP_ROWS * 1000  # a night's shards: 64-row groups
+    assert columnar_batch_rows(4096, 10_000) == MAX_COLUMNAR_BATCH_ROWS  # never more in memory
+
+
+def test_build_shards_on_s3_spools_locally_and_writes_the_local_files(row_tokenizer, tmp_path, s3, monkeypatch):
+    # Every shard file is open until the end of the step: on S3 each is written to a local spool
+    # file and uploaded at commit, so no shard holds an upload buffer in memory. The objects
+    # equal the files the same step writes locally, and no spool file is left behind.
+    url, opts, fs = s3
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setenv("KVBATCH_SPOOL_DIR", str(spool))
+    rows = [{"custom_id": f"s3-{i:04d}", "messages": [{"role": "user", "content": f"question {i % 7}"}]}
+            for i in range(120)]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = str(tmp_path / "prompts.parquet")
+    ingest(str(tmp_path / "in.jsonl"), prompts, str(tmp_path / "rejects.parquet"))
+    import kvbatch.ops.ingest as ingest_module
+
+    opened: dict[str, bool] = {}
+
+    class RecordingSink(ingest_module.AtomicSink):
+        def __init__(self, url, storage_options, *, spool=False):
+            opened[url] = spool
+            super().__init__(url, storage_options, spool=spool)
+
+    monkeypatch.setattr(ingest_module, "AtomicSink", RecordingSink)
+    local = build_shards(row_tokenizer, prompts, str(tmp_path / "local"), 5,
+                         rejects_url=str(tmp_path / "local" / "shard_rejects.parquet"))
+    remote = build_shards(row_tokenizer, prompts, url, 5, rejects_url=url + "/shard_rejects.parquet",
+                          storage_options=opts)
+    assert remote == local and list(spool.iterdir()) == []
+    shard_files = [u for u in opened if u.startswith(url + "/shards/")]
+    assert len(shard_files) == 5 and all(opened[u] for u in shard_files)
+    for k in range(5):
+        with fs.open(f"{url}/shards/shard={k:04d}/part.parquet", "rb") as f:
+            assert pq.read_table(f).equals(pq.read_table(tmp_path / "local" / "shards" / f"shard={k:04d}" / "part.parquet"))

@@ -167,7 +167,7 @@ def test_ui_check_script_reads_the_pages_in_headless_chromium(ui, tmp_path):
 
     from kvbatch.pipelines.automation import wait_for_run
     from kvbatch.pipelines.layout import DayLayout
-    from kvbatch.pipelines.partitions import shard_partitions
+    from kvbatch.ops.shard_routing import shard_keys
     from tests.test_pipeline import _rows
     from tests.tiny_models import build_tiny_chat_model
 
@@ -184,10 +184,12 @@ def test_ui_check_script_reads_the_pages_in_headless_chromium(ui, tmp_path):
         run = wait_for_run(run_id, ui["instance"], poll_s=1.0, timeout_s=600)
         assert run.status == dg.DagsterRunStatus.SUCCESS, (job, partition, run.status)
 
+    # The 14 valid rows at 5 rows per shard: a day of 3 shards.
     launch("kvbatch_ingest", date, "--config-json",
-           json.dumps({"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}))
+           json.dumps({"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}},
+                               "prompt_shards": {"config": {"max_rows_per_shard": 5}}}}))
     day = DayLayout(str(ui["root"]), date)
-    shard = max(shard_partitions.get_partition_keys(), key=lambda k: pq.read_table(day.shard("shards", k)).num_rows)
+    shard = max(shard_keys(3), key=lambda k: pq.read_table(day.shard("shards", k)).num_rows)
     launch("kvbatch_shard", f"{date}|{shard}")
     launch("kvbatch_rollup", date)
     shots = tmp_path / "shots"
