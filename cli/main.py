@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 EXIT_OK, EXIT_REJECTS, EXIT_FATAL = 0, 1, 2
@@ -98,6 +98,12 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
                         "steps from the observed loads (0: never)")
     p.add_argument("--redundant-experts", type=int, default=0, metavar="R",
                    help="extra expert slots for replicas of hot experts (experts + R must divide by --workers)")
+    p.add_argument("--checkpoint-rows", type=_positive_int, default=256, metavar="N",
+                   help="with --workers > 1: each rank commits its answers every N rows, so a killed run loses "
+                        "at most N per rank (default 256)")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --workers > 1: a re-run of the same command after a kill keeps the rows the killed "
+                        "run committed and answers only the rest (default on; --no-resume answers every row)")
 
 
 def _store_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -108,16 +114,21 @@ def _store_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--store-disk-gb", type=float, default=20.0)
 
 
+def _result_args(p: argparse.ArgumentParser) -> None:
+    """The outputs of a run that answers requests (generate, decode)."""
+    p.add_argument("--output", required=True, help="result JSONL, one line per request in input order")
+    p.add_argument("--errors", default=None, help="also write the rejected rows here")
+    p.add_argument("--metrics", default=None, help="write run metrics (JSON) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbatch", description="Batch LLM inference with a reusable KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run an OpenAI Batch JSONL file through a model")
     _engine_args(g)
     g.add_argument("--input", required=True, help="request JSONL (OpenAI Batch format), local path or fsspec URL")
-    g.add_argument("--output", required=True, help="result JSONL, one line per request in input order")
-    g.add_argument("--errors", default=None, help="also write the rejected rows here")
-    g.add_argument("--metrics", default=None, help="write run metrics (JSON) here")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _result_args(g)
     g.add_argument("--strict", action="store_true",
                    help="reject rows with fields this reader does not know (such as a typo, max_token) instead of "
                         "ignoring them with a warning once per field name")
@@ -139,10 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(dc)
     _store_args(dc, required=True)
     dc.add_argument("--manifests", required=True, help="manifests written by `kvbatch prefill`")
-    dc.add_argument("--output", required=True, help="result JSONL, one line per request in input order")
-    dc.add_argument("--errors", default=None, help="also write the rejected rows here")
-    dc.add_argument("--metrics", default=None, help="write run metrics (JSON) here")
-    dc.add_argument("--no-progress", action="store_true")
+    _result_args(dc)
     _spec_args(dc)
     _worker_args(dc)
     dc.set_defaults(func=cmd_decode)
@@ -246,6 +254,11 @@ def _check_distinct(args: argparse.Namespace, inputs: tuple[str, ...], outputs: 
             raise _SamePath(f"--{other} and --{flag} name the same path {url}")
 
 
+class _CannotRun(Exception):
+    """The run cannot start or finish: one ``kvbatch: error:`` line and exit 2, said by ``main``
+    once the command's ``with`` blocks have unwound (its unfinished outputs discarded)."""
+
+
 class _Outputs:
     """The outputs of one run, opened before the model loads (opening is the writability check:
     a directory, a read-only filesystem or a missing permission fails here, naming the path)
@@ -268,11 +281,19 @@ class _Outputs:
         self._metrics_done = False
         stack.callback(self._abort_metrics)
 
-    def write_metrics(self, metrics: dict) -> None:
-        if self.metrics is not None:
+    def write_metrics(self, metrics: dict, committed: str) -> None:
+        """``--metrics``, written after the main output: a failure says where that output is
+        (``committed``)."""
+        from kvbatch.io.batch_output import OutputError
+
+        if self.metrics is None:
+            return
+        try:
             self.metrics.write((json.dumps(metrics, indent=2) + "\n").encode())
             self._metrics_done = True
             self.metrics.commit()
+        except OutputError as exc:
+            raise _CannotRun(f"{exc} ({committed})") from None
 
     def _abort_metrics(self) -> None:
         if self.metrics is not None and not self._metrics_done:
@@ -285,28 +306,61 @@ class _Outputs:
             self.errors.abort()
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _open_run(args: argparse.Namespace, stack: contextlib.ExitStack, outputs: tuple[str, ...],
+              main: str = "output", strict: bool = False) -> tuple[_Outputs, Any]:
+    """Before the model loads (generate, prefill): no two of the run's files at one path, every
+    output opened (the writability check), the input opened and its first line read; a failure
+    is one line naming the path. Returns the outputs and the request stream (closed on leaving)."""
     from kvbatch.io.batch_output import OutputError
     from kvbatch.io.batch_requests import InputStreamError, read_requests
+
+    try:
+        _check_distinct(args, ("input",), outputs)
+        opened = _Outputs(args, stack, main=main)
+        requests = read_requests(args.input, strict=strict)
+    except (_SamePath, OutputError, InputStreamError) as exc:
+        raise _CannotRun(_input_error_text(exc, args.input)) from None
+    stack.callback(requests.close)
+    return opened, requests
+
+
+def _load_or_fail(args: argparse.Namespace) -> Any:
+    """The engine of ``args``; any load failure (a missing or corrupt model, an unsupported
+    architecture) is one line."""
+    try:
+        return _load_llm(args)
+    except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
+        raise _CannotRun(_load_error(exc)) from None
+
+
+def _run_step(bar: Any, incomplete: type[Exception], step: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """``step()`` (generate's or prefill's run), its progress ``bar`` closed after. An input that
+    broke part-way (``incomplete``, which carries the report: every row before the break is
+    answered and committed) gives the report and the error; an unwritable output is one line."""
+    from kvbatch.io.batch_output import OutputError
+
+    try:
+        return step(), None
+    except incomplete as exc:
+        return exc.report, exc  # type: ignore[attr-defined]
+    except OutputError as exc:
+        raise _CannotRun(str(exc)) from None
+    finally:
+        bar.close()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     from kvbatch.ops.batch_generate import IncompleteInput, run_jobs
     from kvbatch.ops.jobs import tokenize_requests
 
     with contextlib.ExitStack() as stack:
         # Everything that can fail in a second fails before the model loads.
-        try:
-            _check_distinct(args, ("input",), ("output", "errors", "metrics"))
-            outputs = _Outputs(args, stack)
-            requests = read_requests(args.input, strict=args.strict)
-        except (_SamePath, OutputError, InputStreamError) as exc:
-            return _fail(_input_error_text(exc, args.input))
+        outputs, requests = _open_run(args, stack, ("output", "errors", "metrics"), strict=args.strict)
         if args.workers > 1:  # the ranks open their own input and outputs: this was the check
             requests.close()
             outputs.close_unused()
             return _run_worker_group(args, "generate")
-        try:
-            llm = _load_llm(args)
-        except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
-            return _fail(_load_error(exc))
+        llm = _load_or_fail(args)
         _say_loaded(args, llm)
         bar = _progress_bar(args, "requests")
 
@@ -315,22 +369,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if rejected:
                 bar.set_postfix(rejected=rejected, refresh=False)
 
-        incomplete: IncompleteInput | None = None
-        try:
-            report = run_jobs(llm, tokenize_requests(llm, requests), outputs.output, errors_url=outputs.errors,
-                              model_name=args.model, on_progress=progress)
-        except IncompleteInput as exc:
-            incomplete, report = exc, exc.report
-        except OutputError as exc:
-            return _fail(str(exc))
-        finally:
-            bar.close()
+        report, incomplete = _run_step(bar, IncompleteInput, lambda: run_jobs(
+            llm, tokenize_requests(llm, requests), outputs.output, errors_url=outputs.errors, model_name=args.model,
+            on_progress=progress))
         metrics = report.to_json()
         _add_store_metrics(llm, metrics)
-        try:
-            outputs.write_metrics(metrics)
-        except OutputError as exc:  # the results are committed already: say so
-            return _fail(f"{exc} (the results were written to {args.output})")
+        outputs.write_metrics(metrics, f"the results were written to {args.output}")
     if incomplete is not None:
         return _fail(_incomplete_text(incomplete, args.input, report.requests - 1, args.output, "answered in"))
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; "
@@ -379,6 +423,9 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
                    **_device_config(args), **({"device": "cuda"} if args.device.startswith("cuda") else {})},
         "output": args.output, "errors": args.errors, "metrics": args.metrics, "model_name": args.model,
         "eplb_interval": args.eplb_interval, "redundant_experts": args.redundant_experts,
+        # The ranks' parts go beside the output (worker_group.group_parts_url), where a killed run leaves
+        # them for its re-run to resume from.
+        "checkpoint_rows": args.checkpoint_rows, "resume": args.resume,
     }
     if command == "generate":
         spec["input"] = args.input
@@ -392,7 +439,6 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
         spec["speculative"] = {"method": args.spec, "max_len": args.spec_max_len, "adaptive": args.spec_adaptive}
     with tempfile.TemporaryDirectory(prefix="kvbatch-workers-") as tmp:
         spec["report"] = os.path.join(tmp, "report.json")
-        spec["parts_url"] = os.path.join(tmp, "parts")  # the ranks' part files; gone with tmp, even on failure
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w", encoding="utf-8") as f:
             json.dump(spec, f)
@@ -412,8 +458,10 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
                f"{ep['rebalances']} rebalances" if ep else "")
     loaded = (f"; {m['loaded_prompt_tokens']} of {m['prompt_tokens']} prompt tokens loaded from the store"
               if command == "decode" else "")
-    print(f"{m['succeeded']} succeeded, {m['rejected']} rejected{loaded}; {m['output_tokens']} output tokens in "
-          f"{m['wall_s']:.1f} s on {args.workers} workers ({m['output_tokens_per_s']} tok/s){ep_text} "
+    resumed = (f", {m['resumed_rows']} of the {m['requests']} rows resumed from an earlier run"
+               if m.get("resumed_rows") else "")
+    print(f"{m['succeeded']} succeeded, {m['rejected']} rejected{resumed}{loaded}; {m['output_tokens']} output tokens "
+          f"in {m['wall_s']:.1f} s on {args.workers} workers ({m['output_tokens_per_s']} tok/s){ep_text} "
           f"-> {args.output}", file=sys.stderr)
     return code
 
@@ -431,39 +479,17 @@ def _add_store_metrics(llm: Any, metrics: dict) -> None:
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
-    from kvbatch.io.batch_output import OutputError
-    from kvbatch.io.batch_requests import InputStreamError, read_requests
     from kvbatch.ops.kv_handoff import IncompletePrefill, run_prefill
 
     with contextlib.ExitStack() as stack:
         # As in generate: the input opened and the outputs checked before the model loads.
-        try:
-            _check_distinct(args, ("input",), ("manifests", "metrics"))
-            outputs = _Outputs(args, stack, main="manifests")
-            requests = read_requests(args.input)
-        except (_SamePath, OutputError, InputStreamError) as exc:
-            return _fail(_input_error_text(exc, args.input))
-        stack.callback(requests.close)
-        try:
-            llm = _load_llm(args)
-        except Exception as exc:  # noqa: BLE001 - any load failure is fatal, reported in one line
-            return _fail(_load_error(exc))
+        outputs, requests = _open_run(args, stack, ("manifests", "metrics"), main="manifests")
+        llm = _load_or_fail(args)
         bar = _progress_bar(args, "prefill")
-        incomplete: IncompletePrefill | None = None
-        try:
-            report = run_prefill(llm, requests, outputs.output, model_name=args.model,
-                                 on_progress=lambda n: bar.update(n - bar.n))
-        except IncompletePrefill as exc:
-            incomplete, report = exc, exc.report
-        except OutputError as exc:
-            return _fail(str(exc))
-        finally:
-            bar.close()
+        report, incomplete = _run_step(bar, IncompletePrefill, lambda: run_prefill(
+            llm, requests, outputs.output, model_name=args.model, on_progress=lambda n: bar.update(n - bar.n)))
         metrics = report.to_json()
-        try:
-            outputs.write_metrics(metrics)
-        except OutputError as exc:  # the manifests are committed already: say so
-            return _fail(f"{exc} (the manifests were written to {args.manifests})")
+        outputs.write_metrics(metrics, f"the manifests were written to {args.manifests}")
     if incomplete is not None:
         return _fail(_incomplete_text(incomplete, args.input, report.requests - 1, args.manifests,
                                       "prefilled, their manifests in"))
@@ -497,10 +523,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
             outputs.close_unused()
         except (_SamePath, OutputError) as exc:
             return _fail(str(exc))
-        try:
-            llm = _load_llm(args)
-        except Exception as exc:  # noqa: BLE001
-            return _fail(_load_error(exc))
+        llm = _load_or_fail(args)
         bar = _progress_bar(args, "decode")
         try:
             report = run_decode(llm, args.manifests, args.output, errors_url=args.errors, model_name=args.model,
@@ -515,10 +538,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
             bar.close()
         metrics = report.to_json()
         _add_store_metrics(llm, metrics)
-        try:
-            outputs.write_metrics(metrics)
-        except OutputError as exc:
-            return _fail(f"{exc} (the results were written to {args.output})")
+        outputs.write_metrics(metrics, f"the results were written to {args.output}")
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; {report.loaded_prompt_tokens} of "
           f"{report.prompt_tokens} prompt tokens loaded from the store; {report.output_tokens} output tokens "
           f"in {report.wall_s:.1f} s -> {args.output}", file=sys.stderr)
@@ -687,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     with _warnings_to_stderr(), _signals_unwind():
         try:
             return args.func(args)
+        except _CannotRun as exc:
+            return _fail(str(exc))
         except KeyboardInterrupt:
             print("kvbatch: interrupted (SIGINT); unfinished outputs discarded", file=sys.stderr)
             return EXIT_SIGINT

@@ -58,17 +58,32 @@ def prepare_parts(parts_url: str, key: str, storage_options: Mapping[str, Any] |
     """Make ``parts_url`` hold only parts decoded from ``key``; True when earlier parts are kept
     (a resume). Called once per shard (rank 0) before any rank writes; the key itself is written
     by the first part (:class:`PartWriter`), so a run that commits nothing leaves nothing."""
-    fs, base = fsspec.core.url_to_fs(parts_url, **dict(storage_options or {}))
-    key_path = f"{base.rstrip('/')}/{KEY_NAME}"
-    try:
-        with fs.open(key_path, "rt", encoding="utf-8") as f:
-            if json.load(f).get("manifests") == key:
-                return True
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
-    if fs.exists(base):
-        fs.rm(base, recursive=True)
+    if parts_key(parts_url, storage_options) == key:
+        return True
+    remove_parts(parts_url, storage_options)
     return False
+
+
+def parts_key(parts_url: str, storage_options: Mapping[str, Any] | None) -> str | None:
+    """The key the parts in ``parts_url`` were decoded under (``key.json``); None when there is none."""
+    fs, base = fsspec.core.url_to_fs(parts_url, **dict(storage_options or {}))
+    try:
+        with fs.open(f"{base.rstrip('/')}/{KEY_NAME}", "rt", encoding="utf-8") as f:
+            key = json.load(f).get("manifests")
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        return None
+    return key if isinstance(key, str) else None
+
+
+def parts_count(parts_url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, int]:
+    """How many committed parts ``parts_url`` holds, and their rows (footers only)."""
+    fs, base = fsspec.core.url_to_fs(parts_url, **dict(storage_options or {}))
+    paths = _part_paths(fs, base)
+    rows = 0
+    for path in paths:
+        with fs.open(path, "rb") as f:
+            rows += pq.ParquetFile(f).metadata.num_rows
+    return len(paths), rows
 
 
 def _part_paths(fs: Any, base: str, attempt: str | None = None) -> list[str]:
@@ -89,6 +104,19 @@ def done_indexes(parts_url: str, storage_options: Mapping[str, Any] | None) -> s
         with fs.open(path, "rb") as f:
             done.update(pq.read_table(f, columns=[INDEX_COLUMN]).column(0).to_numpy().tolist())
     return done
+
+
+def done_index_array(parts_url: str, storage_options: Mapping[str, Any] | None, rank: int = 0,
+                     world: int = 1) -> np.ndarray:
+    """The indexes of rank ``rank``'s share (``i % world == rank``) already in a committed part,
+    sorted: a numpy array (8 bytes a row), not a set, for shares of millions of rows."""
+    fs, base = fsspec.core.url_to_fs(parts_url, **dict(storage_options or {}))
+    pieces = [np.empty(0, np.int64)]
+    for path in _part_paths(fs, base):
+        with fs.open(path, "rb") as f:
+            idx = pq.read_table(f, columns=[INDEX_COLUMN]).column(0).to_numpy()
+        pieces.append(idx[idx % world == rank])
+    return np.unique(np.concatenate(pieces))
 
 
 @dataclass

@@ -26,13 +26,17 @@ each rank takes GPU ``LOCAL_RANK``). A rank of an expert-parallel group loads on
   single process writes) and sums the metrics once, over exactly the rows written, so they equal
   one process's for any split. An input that breaks part-way ends the output as in one process:
   every row read before the break answered, then one line saying where it ended.
+- A run killed mid-way (SIGKILL included) leaves its parts; a re-run of the same command keeps
+  them and answers only the rows in none (:mod:`kvbatch.ops.group_resume`: the folder is keyed by
+  the input and the options that change an answer; parts of another run are discarded).
 
 The spec is the decode worker's (:mod:`kvbatch.ops.decode_worker`) plus: ``command``
 (``"generate"`` with ``input``, or ``"decode"`` with ``manifests``), ``output``, ``errors``,
 ``metrics``, ``model_name``, ``strict`` (generate: reject rows with unknown fields, as
 ``--strict`` does), ``report`` (a JSON file rank 0 writes for the launcher), ``parts_url`` (the
 ranks' staging folder, default a dot folder beside the output; every rank must reach it, and rank
-0 deletes it at the end), ``checkpoint_rows`` (lines per part, default 256), ``eplb_interval``,
+0 deletes it once the output is committed), ``checkpoint_rows`` (lines per part, default 256),
+``resume`` (default true: keep the parts an earlier run of the same command left), ``eplb_interval``,
 ``redundant_experts``, ``eplb_window`` (steps of load history, default the interval) and, for
 tests, ``eplb_force`` (``"rotate"``: at each interval move every expert to the next rank instead
 of balancing).
@@ -57,7 +61,15 @@ from typing import Any
 import pyarrow as pa
 
 from kvbatch.io.batch_output import OrderedJsonlWriter, encode_line
-from kvbatch.ops.decode_checkpoint import INDEX_COLUMN, PartWriter, merged_parts, remove_parts
+from kvbatch.ops.decode_checkpoint import (
+    INDEX_COLUMN,
+    PartWriter,
+    done_index_array,
+    merged_parts,
+    part_stats,
+    remove_parts,
+)
+from kvbatch.ops.group_resume import group_key, start_group_parts, unanswered, with_indexes
 
 EXIT_OK, EXIT_REJECTS, EXIT_FATAL = 0, 1, 2
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer than this fails the group
@@ -111,17 +123,19 @@ class RankPartSink(OrderedJsonlWriter):
     Rank 0 merges the parts; no line crosses the process group."""
 
     def __init__(self, parts_url: str, rank: int, world: int, attempt: str, part_rows: int,
-                 storage_options: dict[str, Any]) -> None:
+                 storage_options: dict[str, Any], key: str) -> None:
         # Not OrderedJsonlWriter.__init__: nothing is written at a URL of its own; run_jobs only
         # needs put / close / abort and the context manager.
         self.url = parts_url
         self.rank, self.world = rank, world
         self.figures: dict[str, dict[str, Any]] = {}
         self.rows = 0
-        self._writer = PartWriter(parts_url, GROUP_PART_SCHEMA, rank, attempt, part_rows, storage_options, attempt)
+        self._started = time.perf_counter()
+        self._writer = PartWriter(parts_url, GROUP_PART_SCHEMA, rank, key, part_rows, storage_options, attempt)
 
     def _stats(self) -> dict[str, Any]:
-        return {"rows": self.rows}
+        # in each part's footer: a re-run after a kill counts the killed run's time up to its last part
+        return {"rows": self.rows, "wall_s": round(time.perf_counter() - self._started, 4)}
 
     def put(self, index: int, obj: Any) -> None:
         error = obj.get("error")
@@ -136,7 +150,8 @@ class RankPartSink(OrderedJsonlWriter):
         self._writer.flush(self._stats())
 
     def abort(self) -> None:
-        """Nothing to undo: parts already committed stay until rank 0 (or the next run) removes them."""
+        """Nothing to undo: parts already committed stay for the re-run to resume from (rank 0
+        removes them once the output is committed)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,19 +354,6 @@ def initial_placement(model: Any, world: int, redundant: int) -> Any:
     return identity_placement(model.config.num_layers, num_experts, world, slots)
 
 
-def _my_rows(items: Iterable[Any], rank: int, world: int) -> Iterator[Any]:
-    for i, item in enumerate(items):
-        if i % world == rank:
-            yield item
-
-
-def _renumbered(jobs: Iterable[Any]) -> Iterator[Any]:
-    """Jobs numbered by their place in this rank's share (the rank's output has no gaps)."""
-    for i, job in enumerate(jobs):
-        job.index = i
-        yield job
-
-
 def _until_broken(items: Iterable[Any], broken: list[Any]) -> Iterator[Any]:
     """The rows of a request stream up to where it breaks; the :class:`InputStreamError` is kept
     in ``broken`` instead of raised, so this rank answers its rows read before the break and rank 0
@@ -364,7 +366,10 @@ def _until_broken(items: Iterable[Any], broken: list[Any]) -> Iterator[Any]:
         broken.append(exc)
 
 
-def _rank_jobs(llm: Any, spec: dict[str, Any], rank: int, world: int, broken: list[Any]) -> Iterator[Any]:
+def _rank_jobs(llm: Any, spec: dict[str, Any], rank: int, world: int, done: Any, skipped: list[int],
+               broken: list[Any]) -> Iterator[Any]:
+    """This rank's jobs, less the rows in ``done`` (committed by an earlier run of the same
+    command), each numbered by its place in the rank's share."""
     from kvbatch.io.batch_requests import read_requests
     from kvbatch.ops.jobs import tokenize_requests
     from kvbatch.ops.manifests import manifest_jobs, read_manifests
@@ -372,9 +377,11 @@ def _rank_jobs(llm: Any, spec: dict[str, Any], rank: int, world: int, broken: li
     so = spec.get("storage_options") or {}
     if spec["command"] == "generate":
         rows = read_requests(spec["input"], storage_options=so, strict=bool(spec.get("strict", False)))
-        return tokenize_requests(llm, _my_rows(_until_broken(rows, broken), rank, world))
+        pairs = unanswered(_until_broken(rows, broken), rank, world, done, skipped)
+        return with_indexes(lambda items: tokenize_requests(llm, items), pairs)
     if spec["command"] == "decode":
-        return _renumbered(manifest_jobs(llm, _my_rows(read_manifests(spec["manifests"], so), rank, world)))
+        pairs = unanswered(read_manifests(spec["manifests"], so), rank, world, done, skipped)
+        return with_indexes(lambda items: manifest_jobs(llm, items), pairs)
     raise ValueError(f"unknown worker command {spec['command']!r} (generate or decode)")
 
 
@@ -402,15 +409,20 @@ def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | Non
                                         spec.get("eplb_force"))
                 on_step = balancer.on_step
             engine = LockstepLLM(llm, ep, on_step)
-        attempt = _on_rank0(lambda: _fresh_parts(spec), rank, world)  # this run's id; stale parts gone
+        so = spec.get("storage_options") or {}
         parts_url = group_parts_url(spec)
+        attempt, key = _on_rank0(lambda: _start_parts(spec, llm), rank, world)  # parts of another run gone
+        done = done_index_array(parts_url, so, rank, world)  # this rank's rows an earlier run committed
         sink = RankPartSink(parts_url, rank, world, attempt, int(spec.get("checkpoint_rows") or DEFAULT_PART_ROWS),
-                            spec.get("storage_options") or {})
+                            so, key)
         broken: list[Any] = []
-        report = run_jobs(RowFigures(engine, sink.figures), _rank_jobs(llm, spec, rank, world, broken), sink,
-                          model_name=spec.get("model_name", "kvbatch"), on_progress=on_progress if rank == 0 else None)
+        skipped = [0]
+        jobs = _rank_jobs(llm, spec, rank, world, done, skipped, broken)
+        report = run_jobs(RowFigures(engine, sink.figures), jobs, sink, model_name=spec.get("model_name", "kvbatch"),
+                          on_progress=on_progress if rank == 0 else None)
         # What travels to rank 0 is this rank's counts and timings, never its rows (those are in its parts).
-        mine = {"rows": sink.rows, "wall_s": report.wall_s, "draft_s": report.draft_s, "step_s_total": report.step_s,
+        mine = {"attempt": attempt, "rows": sink.rows, "resumed": skipped[0], "wall_s": report.wall_s,
+                "draft_s": report.draft_s, "step_s_total": report.step_s,
                 "spec_enabled": report.spec_enabled, "ep": ep.stats.to_json() if ep else None,
                 "balancer": _balancer_json(balancer, ep), "step_s": getattr(engine, "step_s", []) if rank == 0 else [],
                 "broken": {"lines_read": broken[0].lines_read, "reason": redact_text(broken[0].reason, broken[0].url),
@@ -419,10 +431,9 @@ def run_rank(spec: dict[str, Any], on_progress: Callable[[int, int], None] | Non
         dist.gather_object(mine, ranks if rank == 0 else None, dst=0)
         if rank != 0:
             return EXIT_OK
-        try:
-            return _write_outputs(spec, ranks, world, parts_url, attempt)
-        finally:
-            remove_parts(parts_url, spec.get("storage_options") or {})
+        code = _write_outputs(spec, ranks, world, parts_url)
+        remove_parts(parts_url, so)  # only once the output is committed: a failed merge keeps them for a re-run
+        return code
     finally:
         dist.destroy_process_group()
 
@@ -438,18 +449,22 @@ def _on_rank0(fn: Callable[[], Any], rank: int, world: int) -> Any:
 
 
 def group_parts_url(spec: dict[str, Any]) -> str:
-    """Where the ranks write their part files: the spec's ``parts_url`` (the CLI gives a temporary
-    folder), else a dot folder beside the output (folder scans skip dot names)."""
+    """Where the ranks write their part files: the spec's ``parts_url``, else a dot folder beside
+    the output (folder scans skip dot names), which outlives a killed run so that its re-run
+    resumes (:mod:`kvbatch.ops.group_resume`)."""
     if spec.get("parts_url"):
         return str(spec["parts_url"])
     head, _, name = str(spec["output"]).rpartition("/")
     return f"{head}/.{name}.kvbatch-parts" if head else f".{name}.kvbatch-parts"
 
 
-def _fresh_parts(spec: dict[str, Any]) -> str:
-    """Rank 0, before any rank writes: drop parts an earlier, killed run left; a new run id."""
-    remove_parts(group_parts_url(spec), spec.get("storage_options") or {})
-    return uuid.uuid4().hex[:12]
+def _start_parts(spec: dict[str, Any], llm: Any) -> tuple[str, str]:
+    """Rank 0, before any rank writes: this run's key, the parts of an earlier run of the same
+    command kept (``resume``, the default) and any others dropped; a new run id beside it."""
+    key = group_key(spec, llm.checkpoint.fingerprint)
+    start_group_parts(group_parts_url(spec), key, spec.get("storage_options") or {},
+                      resume=bool(spec.get("resume", True)))
+    return uuid.uuid4().hex[:12], key
 
 
 def _balancer_json(balancer: LiveBalancer | None, ep: Any) -> dict[str, Any] | None:
@@ -535,24 +550,25 @@ class _GroupTotals:
         self.ttft_s += pc.drop_null(window.column("ttft_s")).to_numpy().tolist()
         self.tpot_s += pc.drop_null(window.column("tpot_s")).to_numpy().tolist()
 
-    def report(self, ranks: list[dict[str, Any]]) -> Any:
+    def report(self, ranks: list[dict[str, Any]], earlier_wall_s: float) -> Any:
         from kvbatch.ops.batch_report import BatchReport
 
         report = BatchReport(requests=self.rows, succeeded=self.succeeded, rejected=self.rows - self.succeeded,
                              rejects_by_field=dict(self.rejects_by_field), ttft_s=self.ttft_s, tpot_s=self.tpot_s,
                              spec_enabled=any(r["spec_enabled"] for r in ranks),
-                             wall_s=max(r["wall_s"] for r in ranks),  # the ranks run at once: the slowest
+                             # the ranks run at once: the slowest; plus killed runs' time to their last part
+                             wall_s=max(r["wall_s"] for r in ranks) + earlier_wall_s,
                              draft_s=sum(r["draft_s"] for r in ranks), step_s=sum(r["step_s_total"] for r in ranks))
         for c in self.COUNTS:
             setattr(report, c, self.sums[c])
         return report
 
 
-def _write_outputs(spec: dict[str, Any], ranks: list[dict[str, Any]], world: int, parts_url: str,
-                   attempt: str) -> int:
-    """Rank 0, once every rank committed its parts: the parts merged in input order (row i came
-    from rank i % W) into the output (the same file a single process writes) and the errors file,
-    the figures summed over exactly those rows, the metrics.
+def _write_outputs(spec: dict[str, Any], ranks: list[dict[str, Any]], world: int, parts_url: str) -> int:
+    """Rank 0, once every rank committed its parts: every part in the folder (this run's and
+    those an earlier, killed run of the same command left) merged in input order into the output
+    (the same file a single process writes) and the errors file, the figures summed over exactly
+    those rows, the metrics.
 
     An input that broke part-way: the rows read before the break, then one line saying where the
     input ended (as a single process writes it); the metrics and the launcher's report say so
@@ -566,18 +582,22 @@ def _write_outputs(spec: dict[str, Any], ranks: list[dict[str, Any]], world: int
     so = spec.get("storage_options") or {}
     broken = _broken_input(ranks)
     # Without a break every row a rank answered is output; with one, exactly the rows before it.
-    total = sum(r["rows"] for r in ranks) if broken is None else broken["lines_read"]
+    total = sum(r["rows"] + r.get("resumed", 0) for r in ranks) if broken is None else broken["lines_read"]
     marker = None if broken is None else error_line(RejectedRow(
         broken["lines_read"] + 1, None, WHOLE_LINE, f"input ends here, unreadable: {broken['reason']}"))
     totals = _GroupTotals()
+    earlier_runs, earlier_wall_s = _earlier_runs(parts_url, so, {r.get("attempt") for r in ranks})
     with JsonlWriter(spec["output"], storage_options=so) as out:
         errors = JsonlWriter(spec["errors"], storage_options=so) if spec.get("errors") else None
         try:
-            for window in merged_parts(parts_url, GROUP_PART_SCHEMA, so, attempt):
+            for window in merged_parts(parts_url, GROUP_PART_SCHEMA, so):
                 if broken is not None:
                     window = window.slice(0, int(np.searchsorted(window.column(INDEX_COLUMN).to_numpy(), total)))
                 index = window.column(INDEX_COLUMN).to_numpy()
                 if not np.array_equal(index, np.arange(totals.rows, totals.rows + len(index))):
+                    twice = index[1:][index[1:] == index[:-1]]
+                    if len(twice):  # two runs writing one output at once: refused, never written twice
+                        raise RuntimeError(f"the ranks' parts hold output row {int(twice[0])} twice")
                     raise RuntimeError(f"the ranks' parts miss output row {_first_gap(index, totals.rows)}")
                 # Writing bytes is per line; deciding what goes where is not.
                 for line, is_error in zip(window.column("line").to_pylist(), window.column("rejected").to_pylist(),
@@ -598,13 +618,15 @@ def _write_outputs(spec: dict[str, Any], ranks: list[dict[str, Any]], world: int
             raise
         if errors is not None:
             errors.close()
-    report = totals.report(ranks)
+    report = totals.report(ranks, earlier_wall_s)
     if marker is not None:  # counted as one process counts it: a rejected row
         report.requests += 1
         report.rejected += 1
         report.rejects_by_field[WHOLE_LINE] = report.rejects_by_field.get(WHOLE_LINE, 0) + 1
     metrics = report.to_json()
     metrics["workers"] = world
+    metrics["resumed_rows"] = sum(r.get("resumed", 0) for r in ranks)  # answered by an earlier run's parts
+    metrics["runs"] = 1 + earlier_runs
     if broken is not None:
         metrics["input_broken"] = {"lines_read": broken["lines_read"], "message": broken["message"]}
     if ranks[0]["ep"] is not None:
@@ -621,6 +643,16 @@ def _write_outputs(spec: dict[str, Any], ranks: list[dict[str, Any]], world: int
               f"in {spec['output']}, whose last line marks where the input ended", file=sys.stderr)
         return EXIT_FATAL
     return EXIT_REJECTS if report.rejected else EXIT_OK
+
+
+def _earlier_runs(parts_url: str, storage_options: dict[str, Any], this_run: set[Any]) -> tuple[int, float]:
+    """How many earlier (killed) runs left parts here, and their wall time up to their last part
+    (each run's slowest rank; parts' footers only)."""
+    walls: dict[str, float] = {}
+    for (attempt, _rank), stats in part_stats(parts_url, storage_options).items():
+        if attempt not in this_run:
+            walls[attempt] = max(walls.get(attempt, 0.0), float(stats.get("wall_s", 0.0)))
+    return len(walls), sum(walls.values())
 
 
 def _first_gap(index: Any, start: int) -> int:

@@ -24,7 +24,7 @@ from tests.tiny_models import build_tiny_chat_model
 def _rank_parts(parts_url: str, rank: int, world: int, rows: int, attempt: str, part_rows: int = 2) -> int:
     """Rank ``rank``'s share of an input of ``rows`` rows through its sink: every 3rd input row is a
     reject, the others a result whose figures name the input row (prompt tokens 10 + row)."""
-    sink = wg.RankPartSink(parts_url, rank, world, attempt, part_rows, {})
+    sink = wg.RankPartSink(parts_url, rank, world, attempt, part_rows, {}, "key")
     with sink:
         for local, row in enumerate(range(rank, rows, world)):
             if row % 3 == 2:
@@ -39,10 +39,10 @@ def _rank_parts(parts_url: str, rank: int, world: int, rows: int, attempt: str, 
     return sink.rows
 
 
-def _rank_info(rows: int, lines_read: int | None) -> dict:
+def _rank_info(rows: int, lines_read: int | None, attempt: str = "run1", resumed: int = 0) -> dict:
     broken = None if lines_read is None else {"lines_read": lines_read, "reason": "truncated", "message": "broken"}
-    return {"rows": rows, "wall_s": 1.0, "draft_s": 0.0, "step_s_total": 0.5, "spec_enabled": False, "ep": None,
-            "balancer": None, "step_s": [], "broken": broken}
+    return {"attempt": attempt, "rows": rows, "resumed": resumed, "wall_s": 1.0, "draft_s": 0.0, "step_s_total": 0.5,
+            "spec_enabled": False, "ep": None, "balancer": None, "step_s": [], "broken": broken}
 
 
 def test_uneven_breaks_merge_and_count_only_the_rows_before_the_earliest(tmp_path):
@@ -53,7 +53,7 @@ def test_uneven_breaks_merge_and_count_only_the_rows_before_the_earliest(tmp_pat
     assert (n0, n1) == (6, 3)  # uneven shares
     spec = {"output": str(tmp_path / "out.jsonl"), "errors": str(tmp_path / "err.jsonl"),
             "metrics": str(tmp_path / "m.json")}
-    code = wg._write_outputs(spec, [_rank_info(n0, 11), _rank_info(n1, 7)], 2, parts, "run1")
+    code = wg._write_outputs(spec, [_rank_info(n0, 11), _rank_info(n1, 7)], 2, parts)
     assert code == wg.EXIT_FATAL  # no launcher report: the group says it broke
     lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [x["custom_id"] for x in lines[:-1]] == [f"c{i}" for i in range(7)]
@@ -75,17 +75,28 @@ def test_a_missing_row_fails_the_merge_naming_it(tmp_path):
     n0 = _rank_parts(parts, 0, 2, 6, "run1")
     spec = {"output": str(tmp_path / "out.jsonl")}
     with pytest.raises(RuntimeError, match="miss output row 1"):  # rank 1 committed nothing
-        wg._write_outputs(spec, [_rank_info(n0, None), _rank_info(3, None)], 2, parts, "run1")
+        wg._write_outputs(spec, [_rank_info(n0, None), _rank_info(3, None)], 2, parts)
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_parts_of_another_run_are_not_merged(tmp_path):
+def test_parts_of_an_earlier_run_are_merged_with_this_runs(tmp_path):
+    """A killed run's parts (the folder's key checked at start: group_resume) and the re-run's
+    hold disjoint rows; the output is all of them, in input order, and names the earlier run."""
     parts = str(tmp_path / "parts")
-    _rank_parts(parts, 0, 1, 4, "old")  # a killed run's parts in the same folder
-    n = _rank_parts(parts, 0, 1, 3, "new")
-    spec = {"output": str(tmp_path / "out.jsonl")}
-    assert wg._write_outputs(spec, [_rank_info(n, None)], 1, parts, "new") == wg.EXIT_REJECTS
-    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+    sink = wg.RankPartSink(parts, 0, 1, "old", 2, {}, "key")
+    for row in (0, 1):
+        sink.figures[str(row)] = dict.fromkeys(wg._GroupTotals.COUNTS, 1) | {"ttft_s": 0.1, "tpot_s": None}
+        sink.put(row, result_line(f"c{row}", row + 1, text="t", finish_reason="stop", prompt_tokens=1,
+                                  completion_tokens=1, model="m"))
+    sink.close()  # rows 0, 1 committed by the killed run
+    new = wg.RankPartSink(parts, 0, 1, "new", 2, {}, "key")
+    with new:
+        new.put(2, error_line(RejectedRow(3, "c2", "body.max_tokens", "bad")))
+    spec = {"output": str(tmp_path / "out.jsonl"), "metrics": str(tmp_path / "m.json")}
+    assert wg._write_outputs(spec, [_rank_info(new.rows, None, "new", resumed=2)], 1, parts) == wg.EXIT_REJECTS
+    assert [json.loads(x)["custom_id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == ["c0", "c1", "c2"]
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert (m["requests"], m["resumed_rows"], m["runs"], m["prompt_tokens"]) == (3, 2, 2, 2)
 
 
 def test_default_parts_folder_is_a_dot_folder_beside_the_output():
