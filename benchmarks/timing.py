@@ -40,8 +40,12 @@ FORWARD_PARTS = (
     ("attention (KV gather, softmax, plan)", "dispatch", "plan_decode"),
     ("attention (KV gather, softmax, plan)", "dispatch", "plan_prefill"),
     ("rms_norm + residual", "dispatch", "rms_norm"),
+    ("rms_norm + residual", "dispatch", "add_rms_norm"),
     ("rotary", "dispatch", "apply_rotary"),
+    ("rotary", "dispatch", "rotary_table"),
+    ("rotary", "dispatch", "rotate_qk"),
     ("KV cache writes", "dispatch", "store_kv"),
+    ("KV cache writes", "dispatch", "store_kv_layer"),
 )
 FORWARD_REST = "forward: rest (embedding, slices, activation, layer loop)"
 HOST_PARTS = (("scheduler", "scheduler", "schedule"), ("step tensors (runner.prepare)", "runner", "prepare"))

@@ -27,6 +27,7 @@ import torch
 from kvbatch.kernels import reference, reference_mla, reference_verify
 
 gather_slots = reference.gather_slots  # index arithmetic only: the Triton kernels do not need it
+slot_major = reference.slot_major  # a view of one layer's cache, for store_kv_layer
 # Bitwise batch-invariant attention for CPU determinism; no Triton twin (on a GPU, invariance
 # would need a kernel with a fixed reduction order, which is future work).
 invariant_attention = reference.invariant_attention
@@ -126,6 +127,48 @@ def store_kv(
     _impl(k_cache).store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` that may add ``residual`` into ``x`` in place (the reference does, see
+    :func:`reference.add_rms_norm`): the caller hands ``x`` over."""
+    impl = _impl(x)
+    if impl is reference:
+        return reference.add_rms_norm(x, weight, eps, residual)
+    return impl.rms_norm(x, weight, eps, residual)
+
+
+def rotary_table(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> reference.RotaryTable | None:
+    """:func:`reference.rotary_table`, once per forward pass, where the reference path will run for
+    tensors like ``x``; None where the kernel will (it reads ``cos_sin`` itself)."""
+    if _impl(x) is not reference:
+        return None
+    return reference.rotary_table(positions, cos_sin)
+
+
+def rotate_qk(qk: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
+              table: reference.RotaryTable | None) -> torch.Tensor:
+    """Rotate the query and key heads of ``qk`` [T, Hq + Hkv, D] in place (``num_q_heads`` = Hq);
+    returns ``qk``. The reference uses ``table`` (:func:`rotary_table` of ``positions``), the
+    Triton kernel ``positions`` and ``cos_sin``."""
+    impl = _impl(qk)
+    if impl is reference:
+        return reference.rotate_qk(qk, table if table is not None else reference.rotary_table(positions, cos_sin))
+    impl.apply_rotary(qk[:, :num_q_heads], qk[:, num_q_heads:], positions, cos_sin)
+    return qk
+
+
+def store_kv_layer(kv: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                   slots_view: torch.Tensor | None = None) -> None:
+    """See :func:`reference.store_kv_layer` (``slots_view`` serves the reference only); the Triton
+    kernel writes K and V of ``kv`` [T, 2, Hkv, D] into ``kv_layer[0]`` and ``kv_layer[1]``."""
+    impl = _impl(kv_layer)
+    if impl is reference:
+        reference.store_kv_layer(kv, kv_layer, slot_mapping, slots_view)
+        return
+    impl.store_kv(kv[:, 0], kv[:, 1], kv_layer[0], kv_layer[1], slot_mapping)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -169,10 +212,11 @@ def prefill_attention(
 
 def plan_decode(x: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                 block_size: int) -> reference.DecodePlan | None:
-    """:func:`reference.plan_decode` where the reference path will run for tensors like ``x``."""
+    """:func:`reference.plan_decode` where the reference path will run for tensors like ``x``
+    (its in-place decode path is fp32 only: a 16-bit model plans the padded path alone)."""
     if _impl(x) is not reference or block_tables.shape[0] == 0:
         return None
-    return reference.plan_decode(block_tables, context_lens, block_size)
+    return reference.plan_decode(block_tables, context_lens, block_size, sparse=x.dtype == torch.float32)
 
 
 def plan_prefill(x: torch.Tensor, block_tables: torch.Tensor, cu_query_lens: torch.Tensor,

@@ -13,10 +13,12 @@ Layouts (shared with the engine and the Triton kernels):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvbatch.kernels import reference_sparse_decode as sparse_decode
 
 
 def rms_norm(
@@ -42,8 +44,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     PyTorch MLP computes)."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: the last axis holds gate and up halves, got odd width {x.shape[-1]}")
-    inter = x.shape[-1] // 2
-    return F.silu(x[..., :inter]) * x[..., inter:]
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)  # one op for both halves
+    return F.silu(gate) * up
 
 
 def apply_rotary(
@@ -82,6 +84,80 @@ def store_kv(
     v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+# ------------------------------------------------------------------ the same, in fewer ops
+# A batch-1 decode step of a 30-layer model runs ~2,000 small ops around its matmuls, and on a CPU
+# each op costs microseconds of dispatch whatever its size. The twins below compute the same bits
+# as ``rms_norm``, ``apply_rotary`` and ``store_kv`` above (tests pin them bit for bit) with about
+# half the ops: in place where the caller hands over its buffer, q and k rotated in one pass over
+# the fused qkv output, K and V written with one ``index_copy_``, and the rotary rows looked up once
+# per forward pass instead of once per layer. The batch-invariant path keeps the functions above.
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm`, bit for bit, adding ``residual`` into ``x`` in place: the caller hands
+    ``x`` over (it becomes the returned new residual) and must not use it otherwise."""
+    if residual is not None:
+        x = x.add_(residual)  # x + residual, the same rounding
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # In fp32, ATen's rms_norm computes what rms_norm above does (mean of squares, + eps,
+        # rsqrt, scale, times weight) in one call from Python, bit for bit (tested). In bf16/fp16
+        # its bits differ from rms_norm's (measured, torch 2.13), so those take the long way.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps), x
+    return rms_norm(x, weight, eps)[0], x
+
+
+@dataclass
+class RotaryTable:
+    """Every token's rotary row for one forward pass, laid out so that rotating ``[T, H, D]`` is
+    ``x * cos + swap_halves(x) * sin``: ``cos`` is ``[T, 1, D]`` = (cos, cos), ``sin`` (-sin, sin),
+    both fp32. ``x1 * cos + x2 * -sin`` rounds exactly as ``x1 * cos - x2 * sin``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rotary_table(positions: torch.Tensor, cos_sin: torch.Tensor) -> RotaryTable:
+    """The :class:`RotaryTable` of ``positions`` ([T] int64) from ``cos_sin`` ([max_positions, D],
+    cos then sin, as :func:`apply_rotary` takes it); the same for every layer."""
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions).float()[:, None, :]
+    cos, sin = cs[..., :half], cs[..., half:]
+    return RotaryTable(torch.cat((cos, cos), dim=-1), torch.cat((sin.neg(), sin), dim=-1))
+
+
+def rotate_qk(qk: torch.Tensor, table: RotaryTable) -> torch.Tensor:
+    """Rotate ``qk`` ([T, Hq + Hkv, D]: the query heads then the key heads, e.g. a view of the
+    fused qkv projection's output) in place, as :func:`apply_rotary` rotates q and k, bit for bit;
+    returns ``qk``. Computed in fp32 and rounded once, like :func:`apply_rotary`."""
+    x = qk if qk.dtype == torch.float32 else qk.float()  # no-op casts still cost a dispatch
+    swapped = torch.roll(x, qk.shape[-1] // 2, -1)  # (x2, x1): a new tensor
+    swapped.mul_(table.sin)
+    if x is qk:
+        torch.add(x * table.cos, swapped, out=qk)
+    else:
+        qk.copy_(x.mul_(table.cos).add_(swapped))
+    return qk
+
+
+def slot_major(kv_layer: torch.Tensor) -> torch.Tensor:
+    """``kv_layer`` [2, num_blocks, block_size, Hkv, D] seen as [num_blocks * block_size, 2, Hkv, D]
+    (a strided view: row s holds slot s's K and V), the layout :func:`store_kv_layer` writes
+    through; the engine makes it once per cache tensor."""
+    return kv_layer.view(2, -1, kv_layer.shape[-2], kv_layer.shape[-1]).transpose(0, 1)
+
+
+def store_kv_layer(kv: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                   slots_view: torch.Tensor | None = None) -> None:
+    """:func:`store_kv` with K and V together: ``kv`` [T, 2, Hkv, D] (K then V of each token, e.g.
+    a view of the fused qkv output) into ``kv_layer`` [2, num_blocks, block_size, Hkv, D] (one
+    layer of the engine's cache) with one ``index_copy_``; ``slots_view``: :func:`slot_major` of
+    ``kv_layer`` when the caller keeps it."""
+    dst = slot_major(kv_layer) if slots_view is None else slots_view
+    dst.index_copy_(0, slot_mapping, kv if kv.dtype == dst.dtype else kv.to(dst.dtype))
+
+
 def gather_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
     """Flat cache slot of every key position ``[B, max_len]`` (positions past a sequence's
     end point at whatever its block table pads with; callers mask them)."""
@@ -91,6 +167,10 @@ def gather_slots(block_tables: torch.Tensor, max_len: int, block_size: int) -> t
 
 
 DECODE_GROUP = 16  # sequences per padded attention call in the CPU decode path
+# From this many decode rows on, CPU fp32 decode attends over the cache in place
+# (kernels/reference_sparse_decode.py); below it the padded path's few ops cost less (measured:
+# benchmarks/bench_decode_attention.py).
+SPARSE_DECODE_MIN_ROWS = 4
 
 
 @dataclass
@@ -107,15 +187,50 @@ class DecodeGroup:
 @dataclass
 class DecodePlan:
     """What :func:`paged_decode_attention` derives from the block tables and context lengths
-    alone, the same for every layer: built once per forward pass by the engine."""
+    alone, the same for every layer: built once per forward pass by the engine.
 
-    groups: list[DecodeGroup]
+    ``slots`` (every context token's cache slot, set where the sparse path may run) serve the
+    sparse path, which builds its pattern for a head layout and cache size on first use and keeps
+    it for the other layers; ``groups`` serve the padded path (worked out at once where ``slots``
+    is None, on first use otherwise: a 16-bit cache takes the padded path whatever the batch)."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    block_size: int
+    slots: torch.Tensor | None = None  # [sum(lens)] int64 cache slots, sequence by sequence
+    _groups: list[DecodeGroup] | None = None
+    _sparse: dict[tuple, sparse_decode.SparseDecode] = field(default_factory=dict)
+
+    @property
+    def groups(self) -> list[DecodeGroup]:
+        if self._groups is None:
+            self._groups = _decode_groups(self.block_tables, self.context_lens, self.block_size)
+        return self._groups
+
+    def sparse(self, num_heads: int, num_kv_heads: int, cache_rows: int,
+               dtype: torch.dtype) -> sparse_decode.SparseDecode:
+        key = (num_heads, num_kv_heads, cache_rows, dtype)
+        if key not in self._sparse:
+            self._sparse[key] = sparse_decode.plan(self.slots, self.context_lens, num_heads, num_kv_heads,
+                                                   cache_rows, dtype)
+        return self._sparse[key]
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodePlan:
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                sparse: bool = True) -> DecodePlan:
+    """``sparse=False``: the padded path whatever the batch (the benchmark's baseline)."""
+    plan = DecodePlan(block_tables, context_lens, block_size)
+    if sparse and block_tables.shape[0] >= SPARSE_DECODE_MIN_ROWS and not block_tables.is_cuda:
+        plan.slots = sparse_decode.sorted_slots(block_tables, context_lens, block_size)
+    else:
+        plan.groups  # noqa: B018 (the padded plan, worked out now, once)
+    return plan
+
+
+def _decode_groups(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeGroup]:
     B = block_tables.shape[0]
     if B <= DECODE_GROUP:
-        return DecodePlan([_decode_group(None, block_tables, context_lens, block_size)])
+        return [_decode_group(None, block_tables, context_lens, block_size)]
     # Sequences of similar length together: each group pads only to its own longest context,
     # which saves most of the padding of a mixed-length batch.
     order = torch.argsort(context_lens, stable=True)
@@ -124,7 +239,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
         idx = order[start:start + DECODE_GROUP]
         groups.append(_decode_group(idx, block_tables.index_select(0, idx), context_lens.index_select(0, idx),
                                     block_size))
-    return DecodePlan(groups)
+    return groups
 
 
 def _decode_group(index: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor,
@@ -154,21 +269,30 @@ def paged_decode_attention(
 
     ``q``: [B, Hq, D] -> [B, Hq, D]. Grouped-query attention: query head ``h`` reads KV head
     ``h // (Hq // Hkv)``. ``slots`` is accepted for the Triton twin (it sizes its grid from it)
-    and unused here. ``workspace``: two reusable buffers of at least
-    ``[B * block_tables.shape[1], block_size, Hkv, D]`` to gather K and V into; gathering whole
-    blocks into memory that is already mapped is several times faster on a CPU than
-    gathering token by token into fresh memory. ``plan``: :func:`plan_decode` of these
-    arguments, when the caller has it (built here otherwise).
+    and unused here. ``plan``: :func:`plan_decode` of these arguments, when the caller has it
+    (built here otherwise).
+
+    Two paths, the same attention up to fp32 rounding. From ``SPARSE_DECODE_MIN_ROWS`` rows on,
+    fp32 tensors on the CPU attend over the cache in place, nothing copied
+    (:mod:`kvbatch.kernels.reference_sparse_decode`). Otherwise (small batches, 16-bit caches)
+    each group of sequences is gathered block by block into ``workspace`` (two reusable buffers
+    of at least ``[B * block_tables.shape[1], block_size, Hkv, D]``; gathering whole blocks into
+    memory that is already mapped is several times faster on a CPU than gathering token by
+    token into fresh memory) for one padded SDPA call.
     """
     B, Hq, D = q.shape
     if B == 0:
         return q.new_empty((0, Hq, D))
     if plan is None:
         plan = plan_decode(block_tables, context_lens, k_cache.shape[1])
-    if len(plan.groups) == 1 and plan.groups[0].index is None:
-        return _decode_group_attention(q, k_cache, v_cache, plan.groups[0], scale, workspace)
+    if plan.slots is not None and sparse_decode.applies(q, k_cache, v_cache):
+        sp = plan.sparse(Hq, k_cache.shape[-2], k_cache.numel() // D, q.dtype)
+        return sparse_decode.attention(q, k_cache, v_cache, sp, scale)
+    groups = plan.groups
+    if len(groups) == 1 and groups[0].index is None:
+        return _decode_group_attention(q, k_cache, v_cache, groups[0], scale, workspace)
     out = torch.empty_like(q)
-    for g in plan.groups:
+    for g in groups:
         out[g.index] = _decode_group_attention(q.index_select(0, g.index), k_cache, v_cache, g, scale, workspace)
     return out
 

@@ -8,6 +8,7 @@ batch-1 decode on a CPU. Every hot operation goes through :mod:`kvbatch.kernels.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,15 @@ def refuse_batch_invariant_moe(config: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"batch-invariant (deterministic) mode is not implemented for mixture-of-experts models: "
             f"{config.model_type} has {len(sparse)} MoE layer(s), the first is layer {sparse[0]}")
+
+
+def lean_ops_enabled() -> bool:
+    """Whether models built now take the lean small-op path (``KVBATCH_LEAN_OPS``, default on;
+    ``0`` restores the per-tensor ops, for before/after measurements)."""
+    value = os.environ.get("KVBATCH_LEAN_OPS", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"KVBATCH_LEAN_OPS must be 0 or 1, not {value!r}")
+    return value not in ("0", "false", "off")
 
 
 @dataclass
@@ -146,6 +156,9 @@ class LlamaModel:
         self.lm_head = take_t("model.embed_tokens.weight" if tied else "lm_head.weight")
         self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
         self.scale = c.head_dim ** -0.5
+        # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).
+        self.lean_ops = lean_ops_enabled()
+        self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]] | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[L, 2 (K, V), num_blocks, block_size, Hkv, D]``; the runner allocates this and the KV
@@ -179,18 +192,27 @@ class LlamaModel:
                                       batch.prefill_context_lens, kv_cache.shape[3], Hq // Hkv)
             if nd:
                 decode_plan = K.plan_decode(h, batch.decode_block_tables, batch.decode_context_lens, kv_cache.shape[3])
+        # The lean path (fewer small ops, the same bits: see _lean_qkv and tests/test_small_ops.py)
+        # everywhere but the batch-invariant mode, which keeps the code it was pinned with; layers
+        # with Qwen3's q/k norms take its norms but rotate and store q and k one by one.
+        lean = self.lean_ops and not self.batch_invariant
+        norm = K.add_rms_norm if lean else K.rms_norm
+        rope = K.rotary_table(h, batch.positions, cos_sin) if lean else None
         for li, lw in enumerate(self.layers[:num_layers]):
-            x, residual = K.rms_norm(h, lw.input_norm, c.rms_norm_eps, residual)
+            x, residual = norm(h, lw.input_norm, c.rms_norm_eps, residual)
             qkv = self._linear(x, lw.qkv, lw.qkv_bias)
-            q = qkv[:, :q_size].view(T, Hq, D)
-            k = qkv[:, q_size:q_size + kv_size].view(T, Hkv, D)
-            v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
-            if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before rotary
-                q = K.rms_norm(q.reshape(T * Hq, D), lw.q_norm, c.rms_norm_eps)[0].view(T, Hq, D)
-                k = K.rms_norm(k.reshape(T * Hkv, D), lw.k_norm, c.rms_norm_eps)[0].view(T, Hkv, D)
-            q, k = K.apply_rotary(q, k, batch.positions, cos_sin)
-            k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
-            K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            if lean and lw.q_norm is None:
+                q, k_cache, v_cache = self._lean_qkv(qkv, li, kv_cache, batch, rope)
+            else:
+                q = qkv[:, :q_size].view(T, Hq, D)
+                k = qkv[:, q_size:q_size + kv_size].view(T, Hkv, D)
+                v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
+                if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before rotary
+                    q = K.rms_norm(q.reshape(T * Hq, D), lw.q_norm, c.rms_norm_eps)[0].view(T, Hq, D)
+                    k = K.rms_norm(k.reshape(T * Hkv, D), lw.k_norm, c.rms_norm_eps)[0].view(T, Hkv, D)
+                q, k = K.apply_rotary(q, k, batch.positions, cos_sin)
+                k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
+                K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
             if self.batch_invariant:
                 attn = K.invariant_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
                                              batch.positions, self.scale)
@@ -208,7 +230,7 @@ class LlamaModel:
                                                  batch.prefill_cu_query_lens, batch.prefill_context_lens,
                                                  self.scale, plan, batch.max_query_len)
             h = self._linear(attn.view(T, q_size), lw.o_proj)
-            x, residual = K.rms_norm(h, lw.post_norm, c.rms_norm_eps, residual)
+            x, residual = norm(h, lw.post_norm, c.rms_norm_eps, residual)
             if lw.is_moe:
                 h = moe_forward(x, self.moe_layers[li], c.moe, li, self.expert_compute, self.routing_observers)
                 continue
@@ -217,5 +239,30 @@ class LlamaModel:
         assert residual is not None
         rows = batch.logits_rows
         # The last residual join, only for the rows whose logits are wanted: one fused add + norm.
-        x, _ = K.rms_norm(h.index_select(0, rows), self.norm, c.rms_norm_eps, residual.index_select(0, rows))
+        x, _ = norm(h.index_select(0, rows), self.norm, c.rms_norm_eps, residual.index_select(0, rows))
         return self._linear(x, self.lm_head).float()
+
+    def _lean_qkv(self, qkv: torch.Tensor, li: int, kv_cache: torch.Tensor, batch: ForwardBatch,
+                  rope: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotary and the cache write of one layer on the fused qkv output [T, (Hq + 2 Hkv) D], in
+        place and in three kernel calls (q and k rotated together, K and V stored together): the
+        same bits as the per-tensor path. Returns q [T, Hq, D] and the layer's K and V caches."""
+        c = self.config
+        T = qkv.shape[0]
+        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size = Hq * D
+        qk = K.rotate_qk(qkv[:, :q_size + Hkv * D].view(T, Hq + Hkv, D), Hq, batch.positions, self.cos_sin, rope)
+        layer, slots, k_cache, v_cache = self._cache_views(kv_cache)[li]
+        K.store_kv_layer(qkv[:, q_size:].view(T, 2, Hkv, D), layer, batch.slot_mapping, slots)
+        return qk[:, :Hq], k_cache, v_cache
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer ``(kv_cache[l], its slot-major view, kv_cache[l, 0], kv_cache[l, 1])``, made
+        once per cache tensor (the runner keeps one for its life) instead of view, select and
+        transpose ops in every layer of every step."""
+        held = self._views
+        if held is None or held[0] is not kv_cache:
+            views = [(kv_cache[li], K.slot_major(kv_cache[li]), kv_cache[li, 0], kv_cache[li, 1])
+                     for li in range(kv_cache.shape[0])]
+            held = self._views = (kv_cache, views)
+        return held[1]

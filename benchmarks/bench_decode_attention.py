@@ -1,0 +1,165 @@
+"""CPU decode attention: the padded gather path against attending over the cache in place.
+
+    python benchmarks/bench_decode_attention.py            # 1 and 2 threads, 64 sequences, 5 rounds
+    python benchmarks/bench_decode_attention.py --quick    # 1 thread, 2 rounds, fewer cases
+
+One "step" is what a decode step of SmolLM2-135M (fp32; 30 layers, 9 query heads over 3 KV heads
+of dim 64, block size 16) spends in decode attention: the plan built once
+(``reference.plan_decode``), then ``paged_decode_attention`` once per layer, each layer over its
+own slice of one ``[L, 2, blocks, 16, 3, 64]`` cache as the engine lays it out.
+
+- *padded*: ``plan_decode(..., sparse=False)``: every sequence's K/V gathered block by block into
+  the engine's reusable workspace, one padded SDPA call per group of 16 sequences (the path
+  before issue 18's change; still the path for small batches and 16-bit caches);
+- *in place*: ``plan_decode(...)`` as the engine calls it (from
+  ``reference.SPARSE_DECODE_MIN_ROWS`` rows on: sampled_addmm, segmented softmax, embedding_bag
+  over the cache, nothing copied).
+
+Context lengths: the prompt lengths of the engine benchmark's 64-request chat workload
+(``chat_workload(None, 64)`` through SmolLM2's chat template, 34-533 tokens; listed below so this
+file needs neither the datasets nor the model), plus ``--new-tokens`` already generated. Requests
+``i`` with ``(i // 4) % 2 == 0`` share the support system prompt: their first 18 blocks are the
+same cache blocks, as the prefix cache leaves them. Every other block is placed at random in the
+cache (decode allocates blocks to many sequences in turn, so a sequence's blocks are scattered).
+
+The two paths alternate within each round (their order swapped every round), so both see the
+same machine load; the ratio is of the medians. The CPU model, its SIMD flags and the load
+average (before and after each table) are printed with every table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from kvbatch.engine.models.kernel_choice import cpu_identity  # noqa: E402
+from kvbatch.kernels import reference as R  # noqa: E402
+
+# chat_workload(None, 64) prompt lengths with SmolLM2-135M-Instruct's tokenizer (2026-12-01).
+PROMPT_LENS = (351, 533, 344, 405, 49, 92, 151, 103, 358, 371, 449, 363, 84, 62, 372, 92, 362, 382, 357, 391,
+               147, 101, 34, 92, 444, 356, 342, 386, 35, 68, 45, 96, 361, 399, 344, 382, 58, 54, 118, 81, 376,
+               347, 517, 374, 39, 243, 63, 66, 459, 350, 355, 374, 89, 71, 41, 109, 372, 348, 357, 366, 108, 196,
+               39, 72)
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+SHARED_BLOCKS = 18  # the support system prompt's full blocks, shared by half the requests
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+class Case:
+    """One step's inputs: a cache of every layer, block tables, context lengths, queries."""
+
+    def __init__(self, lens: list[int], seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        need = [-(-n // BLOCK) for n in lens]
+        shares = [(i // 4) % 2 == 0 and n > SHARED_BLOCKS for i, n in enumerate(need)]
+        private = sum(n - SHARED_BLOCKS if s else n for n, s in zip(need, shares))
+        num_blocks = SHARED_BLOCKS + private + 16
+        perm = torch.randperm(num_blocks, generator=gen)
+        shared, free = perm[:SHARED_BLOCKS], perm[SHARED_BLOCKS:]
+        width = max(need)
+        tables = torch.zeros(len(lens), width, dtype=torch.int32)
+        used = 0
+        for b, (n, s) in enumerate(zip(need, shares)):
+            start = SHARED_BLOCKS if s else 0
+            if s:
+                tables[b, :SHARED_BLOCKS] = shared
+            tables[b, start:n] = free[used:used + n - start]
+            used += n - start
+        self.tables = tables
+        self.lens = torch.tensor(lens, dtype=torch.int32)
+        self.kv = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+        self.q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=gen)
+        shape = (tables.numel(), BLOCK, KV_HEADS, HEAD_DIM)  # the model runner's workspace
+        self.workspace = (torch.zeros(shape), torch.zeros(shape))
+        self.kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 4 * 2  # K and V a layer reads, unpadded
+
+    def step(self, sparse: bool) -> torch.Tensor:
+        """One decode step's attention, every layer; returns the last layer's output."""
+        plan = R.plan_decode(self.tables, self.lens, BLOCK, sparse=sparse)
+        for li in range(LAYERS):
+            out = R.paged_decode_attention(self.q, self.kv[li, 0], self.kv[li, 1], self.tables, self.lens,
+                                           HEAD_DIM ** -0.5, None, self.workspace, plan)
+        return out
+
+
+def interleaved(case: Case, rounds: int) -> tuple[list[float], list[float]]:
+    """Per-round step times (ms) of the padded and the in-place path, alternating."""
+    padded, in_place = [], []
+    case.step(False), case.step(True)  # warm: workspace pages, allocator, thread pool
+    for r in range(rounds):
+        for sparse in ((False, True) if r % 2 == 0 else (True, False)):
+            t = time.perf_counter()
+            case.step(sparse)
+            (in_place if sparse else padded).append((time.perf_counter() - t) * 1e3)
+    return padded, in_place
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_table(title: str, cases: list[tuple[str, list[int]]], rounds: int, threads: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    print(f"\n{title}; {threads} thread(s); load average before {load()}")
+    print(f"  {'case':<34} {'padded ms':>10} {'in place ms':>12} {'ratio':>7} {'max |diff|':>11} {'KV MB/layer':>12}")
+    rows = []
+    for name, lens in cases:
+        case = Case(lens)
+        diff = (case.step(False) - case.step(True)).abs().max().item()
+        padded, in_place = interleaved(case, rounds)
+        p, n = statistics.median(padded), statistics.median(in_place)
+        print(f"  {name:<34} {p:10.1f} {n:12.1f} {p / n:6.2f}x {diff:11.1e} {case.kv_bytes / 1e6:12.1f}")
+        rows.append({"case": name, "threads": threads, "padded_ms": p, "in_place_ms": n, "ratio": p / n,
+                     "max_abs_diff": diff})
+        del case
+    print(f"  load average after {load()}")
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--new-tokens", default="0,128,256", help="tokens generated so far (comma-separated)")
+    p.add_argument("--quick", action="store_true", help="1 thread, 2 rounds, 128 new tokens, a short sweep")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.threads, args.rounds, args.new_tokens = "1", 2, "128"
+    cpu_model, flags = cpu_identity()
+    print(f"decode attention, SmolLM2-135M shapes ({LAYERS} layers, {HEADS}/{KV_HEADS} heads, dim {HEAD_DIM}, "
+          f"block {BLOCK}), fp32; torch {torch.__version__}; CPU: {cpu_model}; "
+          f"SIMD flags: {' '.join(f for f in SIMD_FLAGS if f in flags)}; {os.cpu_count()} CPUs; "
+          f"{args.rounds} rounds; padded path below {R.SPARSE_DECODE_MIN_ROWS} rows")
+    news = [int(x) for x in args.new_tokens.split(",")]
+    batch64 = [(f"64 seqs, +{n} tokens", [p + n for p in PROMPT_LENS]) for n in news]
+    sizes = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
+    sweep = [(f"{b} seqs, +{news[0]} tokens", [p + news[0] for p in PROMPT_LENS[:b]]) for b in sizes]
+    for threads in (int(x) for x in args.threads.split(",")):
+        run_table("one step's decode attention (plan + every layer), 64 sequences", batch64, args.rounds, threads)
+        # Below SPARSE_DECODE_MIN_ROWS both columns are the padded path: the threshold's evidence is
+        # where the ratio crosses 1 with the threshold lowered.
+        saved = R.SPARSE_DECODE_MIN_ROWS
+        R.SPARSE_DECODE_MIN_ROWS = 1
+        try:
+            run_table("smaller batches, the in-place path forced at every size", sweep, args.rounds, threads)
+        finally:
+            R.SPARSE_DECODE_MIN_ROWS = saved
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
