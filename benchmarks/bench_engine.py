@@ -29,7 +29,9 @@ Also measured in the same run:
 * the machine's streaming-read bandwidth (a large tensor summed, best of 5) and the batch-1 floor
   it sets: the weight bytes a decode step streams (dense projections and LM head, in their stored
   dtype) / bandwidth; kvbatch's batch-1 rows show their share of that ceiling.
-* ``--dtypes fp32+int8``: kvbatch with weight-only int8 projections (``EngineConfig.weights``).
+* ``--dtypes fp32+int8``: kvbatch with weight-only int8 projections (``EngineConfig.weights``);
+  ``fp32+gguf``: the GGUF file's own Q4_1/Q8_0 blocks multiplied natively where that measured
+  faster (its floor counts the quantized bytes when batch 1 runs on them).
 * llama.cpp (``llama-cpp-python``, batch-1, the bundled Q4_1 GGUF) when it is importable; it is
   an optional peer and never installed by ``make test``.
 
@@ -64,7 +66,9 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks.workload
 from benchmarks.timing import Stopwatch, Timed, profile_decode_steps
 from benchmarks.workloads import WorkloadPrompt, chat_workload, default_datasets_dir
 from kvbatch.engine.models.config import ModelConfig
+from kvbatch.engine.models.gguf_blocks import layer_qtype
 from kvbatch.engine.models.kernel_choice import choose_kernels, cpu_identity, dense_shapes
+from kvbatch.engine.models.linear import GGUF, GGUF_NATIVE
 from kvbatch.engine.models.weights import Checkpoint, load_checkpoint, resolve_model
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest, parse_dtype
@@ -172,7 +176,7 @@ class _TokenClock(StoppingCriteria):
 
 
 def split_variant(variant: str) -> tuple[str, str]:
-    """``fp32`` -> (fp32, full); ``fp32+int8`` -> (fp32, int8)."""
+    """``fp32`` -> (fp32, full); ``fp32+int8`` -> (fp32, int8); ``fp32+gguf`` -> (fp32, gguf)."""
     dtype, _, weights = variant.partition("+")
     return dtype, weights or "full"
 
@@ -229,7 +233,8 @@ def kernel_choice_at_load(ckpt: Checkpoint, variant: str, linear: str) -> dict[s
         t0 = time.perf_counter()
         choice = choose_kernels(parse_dtype(dtype), dense_shapes(ckpt.tensors),
                                 num_layers=ModelConfig.from_hf(ckpt.config).num_layers, linear=linear,
-                                weights=weights, cache_dir=cache_dir)
+                                weights=weights, cache_dir=cache_dir,
+                                gguf_qtype=layer_qtype(ckpt.gguf_blocks) if weights == "gguf" else None)
         wall_s = time.perf_counter() - t0
     return {"variant": variant, "source": choice.source, "wall_s": wall_s, "timed_calls": choice.timed_calls,
             "kinds": list(choice.fmt.bucket_kinds) or [choice.fmt.kind],
@@ -238,7 +243,8 @@ def kernel_choice_at_load(ckpt: Checkpoint, variant: str, linear: str) -> dict[s
 
 def decode_weight_bytes(llm: LLM) -> int:
     """Bytes one decode step streams from the weights: every dense projection and the LM head
-    as the engine holds them (fp32, bf16 or int8 plus scales); the embedding is one row."""
+    as the engine holds them (fp32, bf16 or int8 plus scales; GGUF blocks where one row runs on
+    them, the fp32 layout where it does not); the embedding is one row."""
     c = llm.model_config
     D = c.head_dim
     per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * D + c.num_heads * D * c.hidden_size
@@ -247,6 +253,13 @@ def decode_weight_bytes(llm: LLM) -> int:
     rows = c.num_layers * ((c.num_heads + 2 * c.num_kv_heads) * D + c.hidden_size + 3 * c.intermediate_size) + c.vocab_size
     if llm.engine_config.weights == "int8":
         return params + 4 * rows  # int8 values and one fp32 scale per output channel
+    fmt = llm.model.linear
+    if fmt.kind == GGUF and fmt.kind_for(1) == GGUF_NATIVE:
+        m = llm.model
+        weights = [w for lw in m.layers for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down) if w is not None]
+        weights.append(m.lm_head)
+        return sum(w.blocks.nbytes if w.blocks is not None else 4 * next(iter(w.layouts.values())).numel()
+                   for w in weights)
     return params * llm.dtype.itemsize
 
 
@@ -282,8 +295,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--b1-prompts", type=int, help="prompts for the batch-1 decode figure (default 4)")
     p.add_argument("--repeats", type=int, help="kvbatch batched runs per dtype, median reported (default 3)")
     p.add_argument("--hf-repeats", type=int, default=1, help="transformers batched runs (default 1, ~2 min each)")
-    p.add_argument("--dtypes", default="fp32,bf16,fp32+int8",
-                   help="kvbatch variants, comma-separated: a dtype, + int8 for int8 weights (default fp32,bf16,fp32+int8)")
+    p.add_argument("--dtypes", default="fp32,bf16,fp32+int8,fp32+gguf",
+                   help="kvbatch variants, comma-separated: a dtype, + int8 for int8 weights, + gguf for the GGUF "
+                        "file's own blocks (default fp32,bf16,fp32+int8,fp32+gguf)")
     p.add_argument("--linear", default="auto", choices=["auto", "onednn", "blas"], help="kvbatch CPU kernel (default auto)")
     p.add_argument("--eot-requests", type=int, help="requests in the end-of-turn-honoured workload (default 256)")
     p.add_argument("--eot-max-tokens", type=int, help="token cap of an end-of-turn-honoured request (default 256)")

@@ -64,7 +64,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear", choices=["auto", "onednn", "blas"], default="auto",
                    help="CPU projection kernel: auto (measured on this machine at load, cached in "
                         "~/.cache/kvbatch), or force oneDNN packed weights or BLAS")
-    p.add_argument("--weights", choices=["full", "int8"], default="full",
+    p.add_argument("--weights", choices=["full", "int8", "gguf"], default="full",
                    help="dense projection weights: full (the --dtype) or int8 (weight-only, per-channel "
                         "scales, CPU; quality delta in docs/performance.md)")
 

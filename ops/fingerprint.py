@@ -28,7 +28,9 @@ from typing import Any
 
 import fsspec
 
-FINGERPRINT_CACHE_ENV = "KVBATCH_CACHE_DIR"
+from kvbatch.engine.models.machine import CACHE_DIR_ENV, default_cache_dir  # torch-free
+
+FINGERPRINT_CACHE_ENV = CACHE_DIR_ENV
 RECORD_VERSION = 1
 GGUF_HEADER_BYTES = 1 << 20
 # Safetensors headers are JSON of at most a few MB; one larger than this is not a safetensors file.
@@ -44,7 +46,7 @@ class ModelIdentity:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(FINGERPRINT_CACHE_ENV) or Path.home() / ".cache" / "kvbatch") / "fingerprints"
+    return default_cache_dir() / "fingerprints"  # the one cache folder every kept measurement uses
 
 
 def _record_path(source: str) -> Path:

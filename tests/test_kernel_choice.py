@@ -210,7 +210,7 @@ def test_a_forced_choice_wins(tmp_path, monkeypatch):
 def test_bad_choices_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="linear must be one of auto, onednn, blas, not 'mkl'"):
         kc.choose_kernels(torch.float32, SHAPES, linear="mkl", cache_dir=tmp_path)
-    with pytest.raises(ValueError, match="weights must be one of full, int8, not 'int4'"):
+    with pytest.raises(ValueError, match="weights must be one of full, int8, gguf, not 'int4'"):
         kc.choose_kernels(torch.float32, SHAPES, weights="int4", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="int8 weights choose their int8 route"):
         kc.choose_kernels(torch.float32, SHAPES, weights="int8", linear="blas", cache_dir=tmp_path)
@@ -218,7 +218,7 @@ def test_bad_choices_are_refused_by_name(tmp_path):
         kc.choose_kernels(torch.float16, SHAPES, linear="onednn", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="linear must be auto, onednn or blas"):
         EngineConfig(linear="fast")
-    with pytest.raises(ValueError, match="weights must be full or int8"):
+    with pytest.raises(ValueError, match="weights must be full, int8 or gguf"):
         EngineConfig(weights="q4")
 
 

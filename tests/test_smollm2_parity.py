@@ -15,6 +15,8 @@ holds on any CPU, not only on the one where it was measured:
    ``batch_invariant=True``: every logit of all 32 requests bitwise equal (so tokens too).
 3. bf16 against fp32: a documented loose tolerance on the first BF16_TOKENS tokens.
 4. int8 weights against fp32: the same kind of tolerance on the first INT8_TOKENS tokens.
+5. GGUF-native weights (the file's own Q4_1/Q8_0 blocks) against fp32: the same tokens except at
+   a near-tie, and every logit within the fp32 parity bound (only the summation order differs).
 
 Why near-ties are allowed: with every logit within a bound B of the reference, two argmaxes can
 differ only where the reference's top-2 margin is under 2B. How often such a step flips depends
@@ -36,6 +38,7 @@ directory, with wall and process-CPU seconds of each phase.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import time
@@ -291,36 +294,50 @@ BF16_MAX_FLIPPED_MARGIN = 0.5  # bf16 turns away only where fp32's top-2 margin 
 BF16_MAX_FIRST_STEP_DIFF = 1.0  # and on the shared first step no logit is 1.0 or more away.
 
 
-def test_bf16_stays_close_to_fp32(smollm2_checkpoint, kv_fp32, parity_prompts) -> None:
+def _quality_against_fp32(llm: LLM, name: str, tokens: int, leading_wanted: int, kv_fp32,
+                          parity_prompts) -> dict:
+    """``llm``'s greedy run of the parity prompts (``tokens`` each, one batch) against kvbatch
+    fp32's: how many leading tokens match per prompt, fp32's own top-2 margin where they part, and
+    the |logit difference| on the first step (the same prompt in both) and over every step of the
+    shared prefix. Recorded in FIGURES[f"{name}_vs_fp32"] and returned."""
     fp32_tokens, fp32_logits = kv_fp32
-    llm = LLM(smollm2_checkpoint, dtype="bf16", engine_config=EngineConfig(kv_cache_bytes=256 << 20))
-    reqs = [GenerationRequest(f"b{i}", _greedy(BF16_TOKENS), prompt_token_ids=p) for i, p in enumerate(parity_prompts)]
-    with _Clock("kvbatch_bf16_generate"), _captured_logits(llm) as seen:
-        bf16_tokens = [r.output_token_ids for r in llm.generate(reqs)]
-    # The first step sees the same prompt in both dtypes: how far apart are the logits there?
-    first = [(seen[r.request_id][0] - fp32_logits[i][0]).abs() for i, r in enumerate(reqs)]
-    del seen, llm
-    gc.collect()
-    leading = [BF16_TOKENS if (k := _first_divergence(a, b[:BF16_TOKENS])) is None else k
-               for a, b in zip(bf16_tokens, fp32_tokens)]
-    # How close a call fp32 itself had where bf16 went another way.
+    reqs = [GenerationRequest(f"{name}{i}", _greedy(tokens), prompt_token_ids=p) for i, p in enumerate(parity_prompts)]
+    with _Clock(f"kvbatch_{name}_generate"), _captured_logits(llm) as seen:
+        out_tokens = [r.output_token_ids for r in llm.generate(reqs)]
+    logits = [torch.stack(seen[r.request_id]) for r in reqs]
+    del seen
+    leading = [tokens if (k := _first_divergence(a, b[:tokens])) is None else k
+               for a, b in zip(out_tokens, fp32_tokens)]
+    # How close a call fp32 itself had where the other run went another way.
     fp32_margins = [round(float(_margins(fp32_logits[i][k:k + 1])[0]), 4) for i, k in enumerate(leading)
-                    if k < BF16_TOKENS]
-    identical = sum(n == BF16_TOKENS for n in leading)
-    ok = sum(n >= BF16_LEADING for n in leading)
-    first_max = max(float(d.max()) for d in first)
-    FIGURES["bf16_vs_fp32"] = {
-        "identical": identical, "prompts": len(leading), "tokens_each": BF16_TOKENS,
+                    if k < tokens]
+    first = [(logits[i][0] - fp32_logits[i][0]).abs() for i in range(len(reqs))]
+    shared = [float((logits[i][:n + 1] - fp32_logits[i][:n + 1]).abs().max()) for i, n in
+              enumerate(min(k, tokens - 1) for k in leading)]
+    figures = {
+        "identical": sum(n == tokens for n in leading), "prompts": len(leading), "tokens_each": tokens,
         "mean_matching_leading_tokens": sum(leading) / len(leading), "matching_leading_tokens": leading,
-        f"first_{BF16_LEADING}_match": ok, "first_step_max_abs_logit_diff": first_max,
+        f"first_{leading_wanted}_match": sum(n >= leading_wanted for n in leading),
+        "first_step_max_abs_logit_diff": max(float(d.max()) for d in first),
         "first_step_mean_abs_logit_diff": sum(float(d.mean()) for d in first) / len(first),
-        "fp32_top2_margin_where_bf16_diverges": fp32_margins}
-    print(f"\nbf16 vs fp32: {identical}/{len(leading)} identical over {BF16_TOKENS} tokens; first {BF16_LEADING} "
-          f"match for {ok}/{len(leading)}; per prompt {leading}; first-step |logit diff| max {first_max:.3f}; "
-          f"fp32 top-2 margins where bf16 diverges {fp32_margins}")
-    assert ok >= BF16_MIN_PROMPTS, leading
-    assert max(fp32_margins, default=0.0) < BF16_MAX_FLIPPED_MARGIN, fp32_margins
-    assert first_max < BF16_MAX_FIRST_STEP_DIFF, first_max
+        "shared_prefix_max_abs_logit_diff": max(shared),
+        f"fp32_top2_margin_where_{name}_diverges": fp32_margins}
+    FIGURES[f"{name}_vs_fp32"] = figures
+    print(f"\n{name} vs fp32: {figures['identical']}/{len(leading)} identical over {tokens} tokens; first "
+          f"{leading_wanted} match for {figures[f'first_{leading_wanted}_match']}/{len(leading)}; per prompt {leading}; "
+          f"first-step |logit diff| max {figures['first_step_max_abs_logit_diff']:.3g}; shared-prefix max "
+          f"{figures['shared_prefix_max_abs_logit_diff']:.3g}; fp32 top-2 margins where it diverges {fp32_margins}")
+    return figures
+
+
+def test_bf16_stays_close_to_fp32(smollm2_checkpoint, kv_fp32, parity_prompts) -> None:
+    llm = LLM(smollm2_checkpoint, dtype="bf16", engine_config=EngineConfig(kv_cache_bytes=256 << 20))
+    q = _quality_against_fp32(llm, "bf16", BF16_TOKENS, BF16_LEADING, kv_fp32, parity_prompts)
+    del llm
+    gc.collect()
+    assert q[f"first_{BF16_LEADING}_match"] >= BF16_MIN_PROMPTS, q["matching_leading_tokens"]
+    assert max(q["fp32_top2_margin_where_bf16_diverges"], default=0.0) < BF16_MAX_FLIPPED_MARGIN, q
+    assert q["first_step_max_abs_logit_diff"] < BF16_MAX_FIRST_STEP_DIFF, q
 
 
 # The int8 tolerance (EngineConfig(weights="int8"): weight-only int8, per-output-channel scales,
@@ -337,30 +354,49 @@ INT8_MAX_FIRST_STEP_DIFF = 2.0  # and on the shared first step no logit is 2.0 o
 
 
 def test_int8_weights_stay_close_to_fp32(smollm2_checkpoint, kv_fp32, parity_prompts) -> None:
-    fp32_tokens, fp32_logits = kv_fp32
     llm = LLM(smollm2_checkpoint, dtype="fp32", engine_config=EngineConfig(kv_cache_bytes=256 << 20, weights="int8"))
-    reqs = [GenerationRequest(f"q{i}", _greedy(INT8_TOKENS), prompt_token_ids=p) for i, p in enumerate(parity_prompts)]
-    with _Clock("kvbatch_int8_generate"), _captured_logits(llm) as seen:
-        int8_tokens = [r.output_token_ids for r in llm.generate(reqs)]
-    first = [(seen[r.request_id][0] - fp32_logits[i][0]).abs() for i, r in enumerate(reqs)]
-    del seen, llm
+    q = _quality_against_fp32(llm, "int8", INT8_TOKENS, INT8_LEADING, kv_fp32, parity_prompts)
+    del llm
     gc.collect()
-    leading = [INT8_TOKENS if (k := _first_divergence(a, b[:INT8_TOKENS])) is None else k
-               for a, b in zip(int8_tokens, fp32_tokens)]
-    fp32_margins = [round(float(_margins(fp32_logits[i][k:k + 1])[0]), 4) for i, k in enumerate(leading)
-                    if k < INT8_TOKENS]
-    identical = sum(n == INT8_TOKENS for n in leading)
-    ok = sum(n >= INT8_LEADING for n in leading)
-    first_max = max(float(d.max()) for d in first)
-    FIGURES["int8_vs_fp32"] = {
-        "identical": identical, "prompts": len(leading), "tokens_each": INT8_TOKENS,
-        "mean_matching_leading_tokens": sum(leading) / len(leading), "matching_leading_tokens": leading,
-        f"first_{INT8_LEADING}_match": ok, "first_step_max_abs_logit_diff": first_max,
-        "first_step_mean_abs_logit_diff": sum(float(d.mean()) for d in first) / len(first),
-        "fp32_top2_margin_where_int8_diverges": fp32_margins}
-    print(f"\nint8 vs fp32: {identical}/{len(leading)} identical over {INT8_TOKENS} tokens; first {INT8_LEADING} "
-          f"match for {ok}/{len(leading)}; per prompt {leading}; first-step |logit diff| max {first_max:.3f}; "
-          f"fp32 top-2 margins where int8 diverges {fp32_margins}")
-    assert ok >= INT8_MIN_PROMPTS, leading
-    assert max(fp32_margins, default=0.0) < INT8_MAX_FLIPPED_MARGIN, fp32_margins
-    assert first_max < INT8_MAX_FIRST_STEP_DIFF, first_max
+    assert q[f"first_{INT8_LEADING}_match"] >= INT8_MIN_PROMPTS, q["matching_leading_tokens"]
+    assert max(q["fp32_top2_margin_where_int8_diverges"], default=0.0) < INT8_MAX_FLIPPED_MARGIN, q
+    assert q["first_step_max_abs_logit_diff"] < INT8_MAX_FIRST_STEP_DIFF, q
+
+
+# ------------------------------------------------------------------------------- 5. GGUF-native weights
+
+# EngineConfig(weights="gguf"): the projections and the tied LM head multiply the file's own Q4_1
+# and Q8_0 blocks (the native kernel forced into every bucket here, whatever this machine would
+# measure), activations fp32. The weights are the very values the fp32 engine dequantizes, so the
+# only difference is summation order: tokens must equal fp32's except at a near-tie, and every
+# logit of the shared prefix stay within GGUF_MAX_LOGIT_DIFF. Measured: see docs/performance.md.
+GGUF_TOKENS = 16
+GGUF_MAX_LOGIT_DIFF = 3e-4  # the fp32-vs-transformers bound: the same kind of rounding
+GGUF_NEAR_TIE = 2 * GGUF_MAX_LOGIT_DIFF
+
+
+def _native_in_every_bucket(kind: str, rows: int, run) -> float:
+    run()
+    return 1e-6 if kind == "gguf-native" else 1.0
+
+
+def test_gguf_native_weights_match_fp32(smollm2_checkpoint, kv_fp32, parity_prompts, monkeypatch,
+                                        tmp_path) -> None:
+    from kvbatch.engine.models import factory
+    from kvbatch.engine.models.gguf_kernels import available, unavailable_reason
+    from kvbatch.engine.models.kernel_choice import choose_kernels
+
+    if not available():
+        pytest.skip(f"no native GGUF kernel here: {unavailable_reason()}")
+    monkeypatch.setattr(factory, "choose_kernels", functools.partial(
+        choose_kernels, timer=_native_in_every_bucket, cache_dir=tmp_path))
+    llm = LLM(smollm2_checkpoint, dtype="fp32", engine_config=EngineConfig(kv_cache_bytes=256 << 20, weights="gguf"))
+    assert set(llm.model.kernel_choice.fmt.bucket_kinds) == {"gguf-native"}
+    assert llm.model.lm_head.blocks.qtype == "Q8_0" and llm.model.layers[0].qkv.blocks.qtype == "Q4_1"
+    q = _quality_against_fp32(llm, "gguf", GGUF_TOKENS, GGUF_TOKENS, kv_fp32, parity_prompts)
+    del llm
+    gc.collect()
+    fp32_tokens, fp32_logits = kv_fp32
+    assert q["shared_prefix_max_abs_logit_diff"] <= GGUF_MAX_LOGIT_DIFF, q
+    parted = [(i, k) for i, k in enumerate(q["matching_leading_tokens"]) if k < GGUF_TOKENS]
+    assert all(float(_margins(fp32_logits[i][k:k + 1])[0]) < GGUF_NEAR_TIE for i, k in parted), q

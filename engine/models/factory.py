@@ -7,19 +7,24 @@ MoE hooks), so the runner, the KV connector and the engine never branch on the a
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+
 import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.deepseek import DeepseekV3Model
+from kvbatch.engine.models.gguf_blocks import GGUFBlocks, layer_qtype
+from kvbatch.engine.models.gguf_kernels import BlockIndex, use_gguf_blocks
 from kvbatch.engine.models.kernel_choice import choose_kernels, dense_shapes
-from kvbatch.engine.models.linear import use_linear_format
+from kvbatch.engine.models.linear import GGUF, use_linear_format
 from kvbatch.engine.models.llama import LlamaModel
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 batch_invariant: bool = False, device: torch.device | str = "cpu",
                 expert_ids: dict[int, list[int]] | None = None, linear: str = "auto",
-                weights: str = "full") -> LlamaModel:
+                weights: str = "full", gguf_blocks: Mapping[str, GGUFBlocks] | None = None) -> LlamaModel:
     """The model for ``config.model_type``: DeepSeek-V3 (multi-head latent attention) or the
     Llama family (Llama, Mistral, Qwen2 and the Mixtral / Qwen MoE variants), its weights on
     ``device``. ``expert_ids``: the experts a partial checkpoint holds, per layer
@@ -27,10 +32,18 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
 
     The dense projections' kernel is measured on this CPU (cached on disk) unless ``linear``
     forces one (:func:`~kvbatch.engine.models.kernel_choice.choose_kernels`); ``weights="int8"``
-    quantizes them to weight-only int8. The choice is kept as ``model.kernel_choice``."""
+    quantizes them to weight-only int8; ``weights="gguf"`` multiplies by the GGUF file's own blocks
+    (``gguf_blocks``: :attr:`~kvbatch.engine.models.weights.Checkpoint.gguf_blocks`) in the buckets
+    where that measured faster, and warns when it falls back to fp32. The choice is kept as
+    ``model.kernel_choice``."""
+    blocks = dict(gguf_blocks or {}) if weights == "gguf" else {}
     choice = choose_kernels(dtype, dense_shapes(tensors), num_layers=config.num_layers, linear=linear,
-                            weights=weights, batch_invariant=batch_invariant, device=device)
-    with use_linear_format(choice.fmt):
+                            weights=weights, batch_invariant=batch_invariant, device=device,
+                            gguf_qtype=layer_qtype(blocks))
+    if choice.note:
+        warnings.warn(choice.note, RuntimeWarning, stacklevel=2)
+    index = BlockIndex(tensors, blocks) if blocks and choice.fmt.kind == GGUF else None
+    with use_linear_format(choice.fmt), use_gguf_blocks(index):
         if config.model_type == "deepseek_v3":
             model: LlamaModel = DeepseekV3Model(config, tensors, dtype, batch_invariant, device, expert_ids)
         else:

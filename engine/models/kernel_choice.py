@@ -2,7 +2,9 @@
 
 The fastest layout differs between CPUs (oneDNN's packed weights won on AMD Zen 4/5, BLAS won at
 one row on an Intel Xeon with AMX), so at load time the candidates (oneDNN packed, BLAS; for int8
-weights the int8 routes of :mod:`kvbatch.engine.models.quant`) each multiply weights of the
+weights the int8 routes of :mod:`kvbatch.engine.models.quant`; for GGUF weights the native kernel
+of :mod:`kvbatch.engine.models.gguf_kernels` against oneDNN and BLAS over the dequantized fp32)
+each multiply weights of the
 model's own shapes at one row count per bucket (1, 2-8, 9-64, 65+), and each bucket takes the
 fastest. The weights measured are at most the model's own size and up to ``_STREAM_BYTES``, more
 than a last-level cache holds, so decode's memory-bound passes are measured as memory-bound.
@@ -30,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,10 +41,15 @@ from typing import Any
 
 import torch
 
+from kvbatch.engine.models import gguf_kernels
+from kvbatch.engine.models.gguf_blocks import NATIVE_QTYPES
+from kvbatch.engine.models.gguf_kernels import GGUFWeight, QuantizedBlocks
 from kvbatch.engine.models.linear import (
     BLAS,
     BUCKET_BOUNDS,
     CUBLAS,
+    GGUF,
+    GGUF_NATIVE,
     INT8,
     MIXED,
     ONEDNN,
@@ -52,10 +58,12 @@ from kvbatch.engine.models.linear import (
     linear_override,
     onednn_available,
 )
+from kvbatch.engine.models.machine import cpu_identity, default_cache_dir  # also this module's API
 from kvbatch.engine.models.quant import DEQUANT, INT8PACK, Int8Weight, int8_linear, quantize_int8
 
 LINEAR_CHOICES = ("auto", ONEDNN, BLAS)
-WEIGHT_CHOICES = ("full", "int8")  # full: the compute dtype; int8: weight-only int8
+# full: the compute dtype; int8: weight-only int8; gguf: the GGUF file's own blocks where they win
+WEIGHT_CHOICES = ("full", "int8", "gguf")
 # The row count each bucket of BUCKET_BOUNDS is measured at. The open bucket (prefill chunks) at
 # 128 rows: compute-bound already there, and 256 would double the costliest calls of the measurement.
 BUCKET_ROWS = (1, 8, 64, 128)
@@ -88,6 +96,7 @@ class KernelChoice:
     cache_path: str | None = None
     timed_calls: int = 0  # timer calls the measurement made (0 unless source is measured)
     measure_s: float = 0.0  # wall seconds the measurement took, weights made included
+    note: str = ""  # why the weights asked for are not what runs (e.g. no native GGUF kernel)
 
 
 def one_call(kind: str, rows: int, run: Callable[[], object]) -> float:
@@ -95,19 +104,6 @@ def one_call(kind: str, rows: int, run: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     run()
     return time.perf_counter() - t0
-
-
-def cpu_identity() -> tuple[str, list[str]]:
-    """This CPU's model name and feature flags (from /proc/cpuinfo where there is one)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())  # the first processor's
-    except OSError:
-        pass
-    model = fields.get("model name") or platform.processor() or platform.machine()
-    return model, fields.get("flags", "").split()
 
 
 def dense_shapes(tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, int]]:
@@ -128,18 +124,18 @@ def dense_shapes(tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, int]]:
     return sorted(set(shapes.values()))
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("KVBATCH_CACHE_DIR") or Path.home() / ".cache" / "kvbatch")
-
-
 def cache_key(dtype: torch.dtype, weights: str, shapes: Sequence[tuple[int, int]], num_layers: int,
-              candidates: Sequence[str]) -> dict[str, Any]:
-    """Everything a measurement depends on; a change in any of it measures again."""
+              candidates: Sequence[str], gguf_qtype: str | None = None) -> dict[str, Any]:
+    """Everything a measurement depends on; a change in any of it measures again (for GGUF
+    weights also the block type and the native kernel's build)."""
     model, flags = cpu_identity()
-    return {"version": CACHE_VERSION, "cpu": model, "flags": sorted(flags), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "weights": weights,
-            "shapes": [list(s) for s in shapes], "num_layers": num_layers, "candidates": list(candidates),
-            "buckets": list(BUCKET_BOUNDS)}
+    key = {"version": CACHE_VERSION, "cpu": model, "flags": sorted(flags), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "weights": weights,
+           "shapes": [list(s) for s in shapes], "num_layers": num_layers, "candidates": list(candidates),
+           "buckets": list(BUCKET_BOUNDS)}
+    if weights == "gguf":
+        key.update(gguf_qtype=gguf_qtype, gguf_kernel=gguf_kernels.identity())
+    return key
 
 
 def cache_file(key: Mapping[str, Any], cache_dir: Path) -> Path:
@@ -158,28 +154,47 @@ def int8pack_available() -> bool:
 
 
 def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
-    """The kernels (float) or routes (int8) worth measuring for ``dtype`` weights on this CPU."""
+    """The kernels (float) or routes (int8) worth measuring for ``dtype`` weights on this CPU; for
+    GGUF weights the native kernel (when it builds here) and the float kernels."""
     if weights == "int8":
         return ([INT8PACK] if int8pack_available() else []) + [DEQUANT]
     packable = dtype in (torch.float32, torch.bfloat16) and onednn_available(dtype)
-    return [ONEDNN, BLAS] if packable else [BLAS]
+    floats = [ONEDNN, BLAS] if packable else [BLAS]
+    if weights == "gguf" and gguf_kernels.available():
+        return [GGUF_NATIVE, *floats]
+    return floats
 
 
 def candidate_format(kind: str, dtype: torch.dtype) -> LinearFormat:
     if kind in (INT8PACK, DEQUANT):
         return LinearFormat(INT8, dtype, bucket_kinds=(kind,) * len(BUCKET_ROWS))
+    if kind == GGUF_NATIVE:
+        return LinearFormat(GGUF, dtype, bucket_kinds=(kind,) * len(BUCKET_ROWS))
     return LinearFormat(kind, dtype)
 
 
+def _weight_bytes(kind: str, shapes: Sequence[tuple[int, int]], dtype: torch.dtype, gguf_qtype: str | None) -> int:
+    """One layer's weight bytes as ``kind`` streams them."""
+    if kind == GGUF_NATIVE:
+        return sum(o * i // 32 * NATIVE_QTYPES[gguf_qtype or "Q4_1"][1] for o, i in shapes)
+    return sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
+
+
 def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tuple[int, int]], num_layers: int,
-            timer: Timer = one_call, calls: list[tuple[str, int]] | None = None) -> dict[str, list[float]]:
+            timer: Timer = one_call, calls: list[tuple[str, int]] | None = None,
+            gguf_qtype: str | None = None) -> dict[str, list[float]]:
     """ms per bucket for each candidate, multiplying random weights of ``shapes``: up to
     ``_STREAM_BYTES`` of them (at most ``num_layers`` copies of one layer) for the memory-bound
     small buckets, one layer's worth from 9 rows up (compute-bound there, and the most expensive
-    to time). ``calls`` (when given) receives ``(kind, rows)`` of every timed call."""
+    to time). ``calls`` (when given) receives ``(kind, rows)`` of every timed call.
+
+    The native GGUF candidate (random ``gguf_qtype`` blocks) streams more copies, as its layer is
+    smaller, so its small-bucket times are scaled to the float candidates' copy count: every
+    timing is for the same number of layers."""
     g = torch.Generator().manual_seed(0)
-    layer_bytes = sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
-    copies = max(1, min(num_layers, _STREAM_BYTES // max(layer_bytes, 1)))
+    copies_of = {kind: max(1, min(num_layers, _STREAM_BYTES // max(_weight_bytes(kind, shapes, dtype, gguf_qtype), 1)))
+                 for kind in candidates}
+    copies = max(1, min(num_layers, _STREAM_BYTES // max(_weight_bytes(BLAS, shapes, dtype, None), 1)))
     # One layer drawn at random; the other copies are clones: memory to stream, not new numbers
     # (a copy costs less than drawing random values).
     layer = [torch.empty(o, i).uniform_(-1, 1, generator=g).to(dtype) for o, i in shapes]
@@ -188,8 +203,11 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
     prepared: dict[str, list] = {}
     for kind in candidates:
         fmt = candidate_format(kind, dtype)
-        first = [(fmt.prepare(w), w.shape[1]) for w in layer]
-        prepared[kind] = first + [(_copy_prepared(w), in_f) for _ in range(copies - 1) for w, in_f in first]
+        if kind == GGUF_NATIVE:
+            first = [(GGUFWeight(gguf_kernels.random_blocks(gguf_qtype or "Q4_1", o, i, g)), i) for o, i in shapes]
+        else:
+            first = [(fmt.prepare(w), w.shape[1]) for w in layer]
+        prepared[kind] = first + [(_copy_prepared(w), in_f) for _ in range(copies_of[kind] - 1) for w, in_f in first]
     timings: dict[str, list[float]] = {kind: [] for kind in candidates}
     for b, rows in enumerate(BUCKET_ROWS):
         # Lost the previous bucket by far: more rows will not save it. (Not from bucket 1 on:
@@ -212,6 +230,8 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
         for r in range(_ROUNDS):
             for kind in live:
                 took = timer(kind, rows, runs[kind])
+                if b < _STREAMED_BUCKETS:  # per `copies` layers, whatever this candidate streamed
+                    took *= copies / copies_of[kind]
                 best[kind] = min(best[kind], took)
                 spent += took
                 if calls is not None:
@@ -235,6 +255,9 @@ def _copy_prepared(w: object) -> object:
         return w.clone()
     if isinstance(w, Int8Weight):
         return Int8Weight(w.q.clone(), w.scale.clone(), w.scale_bf16.clone())
+    if isinstance(w, GGUFWeight) and w.blocks is not None and not w.layouts:
+        blk = w.blocks
+        return GGUFWeight(QuantizedBlocks(blk.qtype, blk.out_features, blk.in_features, blk.data.clone()))
     raise TypeError(f"cannot copy a prepared weight of type {type(w).__name__}")
 
 
@@ -255,8 +278,12 @@ def pick(timings: Mapping[str, Sequence[float]]) -> tuple[str, ...]:
 
 
 def format_from_kinds(kinds: Sequence[str], dtype: torch.dtype, weights: str) -> LinearFormat:
+    """The format for the kernels picked per bucket; GGUF weights whose native kernel won no
+    bucket take the plain float format (no reason to keep the blocks)."""
     if weights == "int8":
         return LinearFormat(INT8, dtype, bucket_kinds=tuple(kinds))
+    if weights == "gguf" and GGUF_NATIVE in kinds:
+        return LinearFormat(GGUF, dtype, bucket_kinds=tuple(kinds))
     if len(set(kinds)) == 1:
         return LinearFormat(kinds[0], dtype)
     return LinearFormat(MIXED, dtype, bucket_kinds=tuple(kinds))
@@ -291,12 +318,16 @@ def _write_cache(path: Path, data: Mapping[str, Any]) -> None:
 def choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], *, num_layers: int = 1,
                    linear: str = "auto", weights: str = "full", batch_invariant: bool = False,
                    device: torch.device | str = "cpu", cache_dir: Path | str | None = None,
-                   timer: Timer = one_call) -> KernelChoice:
+                   timer: Timer = one_call, gguf_qtype: str | None = None) -> KernelChoice:
     """The projection format for a model whose layers multiply ``shapes``.
 
     ``linear``: ``auto`` (measure, or the ``KVBATCH_LINEAR`` override when set), or ``onednn`` /
-    ``blas`` (forced). ``weights``: ``full`` or ``int8``. Batch-invariant mode and CUDA take the
-    static choice (one kernel whose padding rule is known; cuBLAS)."""
+    ``blas`` (forced). ``weights``: ``full``, ``int8`` or ``gguf`` (``gguf_qtype``: the GGUF type
+    of the layers' blocks, None when the checkpoint has none). Batch-invariant mode and CUDA take
+    the static choice (one kernel whose padding rule is known; cuBLAS).
+
+    ``gguf`` falls back to the dequantized fp32 weights, saying why in ``KernelChoice.note``, when
+    the checkpoint holds no blocks of a native type or the native kernel cannot be built here."""
     if linear not in LINEAR_CHOICES:
         raise ValueError(f"linear must be one of {', '.join(LINEAR_CHOICES)}, not {linear!r}")
     if weights not in WEIGHT_CHOICES:
@@ -309,6 +340,24 @@ def choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], *, num
             raise ValueError(f"--linear {linear} picks a float kernel; int8 weights choose their int8 route by measurement")
         if batch_invariant:
             raise ValueError("batch-invariant mode needs full-precision weights (int8 routes round differently per bucket)")
+    note = ""
+    if weights == "gguf":
+        if device.type != "cpu":
+            raise ValueError(f"GGUF-native weights run on the CPU only, not on {device}")
+        if dtype != torch.float32:
+            raise ValueError(f"GGUF-native weights multiply fp32 activations; use dtype fp32, not {dtype}")
+        if linear != "auto":
+            raise ValueError(f"--linear {linear} picks a float kernel; GGUF weights choose per bucket by measurement")
+        if batch_invariant:
+            raise ValueError("batch-invariant mode needs one kernel for every row count, not GGUF-native buckets")
+        if gguf_qtype is None:
+            note = (f"weights=gguf: the checkpoint holds no {'/'.join(NATIVE_QTYPES)} projection blocks; "
+                    "using the dequantized fp32 weights")
+            weights = "full"
+        elif not gguf_kernels.available():
+            note = (f"weights=gguf: the native GGUF kernel is unavailable ({gguf_kernels.unavailable_reason()}); "
+                    "using the dequantized fp32 weights")
+            weights = "full"
     if device.type == "cuda":
         return KernelChoice(LinearFormat(CUBLAS, dtype, device), "static")
     if weights == "full":
@@ -322,19 +371,19 @@ def choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], *, num
             return KernelChoice(choose_linear_format(dtype, device), "static")
     candidates = candidates_for(dtype, weights)
     if len(candidates) == 1:
-        return KernelChoice(format_from_kinds([candidates[0]] * len(BUCKET_ROWS), dtype, weights), "static")
-    key = cache_key(dtype, weights, shapes, num_layers, candidates)
+        return KernelChoice(format_from_kinds([candidates[0]] * len(BUCKET_ROWS), dtype, weights), "static", note=note)
+    key = cache_key(dtype, weights, shapes, num_layers, candidates, gguf_qtype)
     path = cache_file(key, Path(cache_dir) if cache_dir is not None else default_cache_dir())
     cached = _read_cache(path, key, candidates)
     if cached is not None:
         return KernelChoice(format_from_kinds(cached["kinds"], dtype, weights), "cache",
-                            cached.get("timings_ms", {}), str(path))
+                            cached.get("timings_ms", {}), str(path), note=note)
     t0 = time.perf_counter()
     calls: list[tuple[str, int]] = []
-    timings = measure(candidates, dtype, shapes, num_layers, timer, calls)
+    timings = measure(candidates, dtype, shapes, num_layers, timer, calls, gguf_qtype)
     kinds = pick(timings)
     measure_s = time.perf_counter() - t0
     _write_cache(path, {"key": key, "kinds": list(kinds), "timed_calls": len(calls), "measure_s": measure_s,
                         "timings_ms": {k: [None if math.isinf(t) else t for t in v] for k, v in timings.items()}})
     return KernelChoice(format_from_kinds(kinds, dtype, weights), "measured", timings, str(path),
-                        len(calls), measure_s)
+                        len(calls), measure_s, note)

@@ -21,7 +21,9 @@ row), so :func:`kvbatch.engine.models.factory.build_model` measures the candidat
 bucket at load time (:mod:`kvbatch.engine.models.kernel_choice`) and hands the result in through
 :func:`use_linear_format`. When the buckets disagree, ``prepare`` keeps one layout per kernel
 chosen (a :class:`MixedWeight`: more memory, the fastest multiply at every row count). ``INT8``
-holds weight-only int8 weights (:mod:`kvbatch.engine.models.quant`).
+holds weight-only int8 weights (:mod:`kvbatch.engine.models.quant`); ``GGUF`` multiplies by a GGUF
+file's own Q4_0/Q4_1/Q8_0 blocks in the buckets where that measured faster
+(:mod:`kvbatch.engine.models.gguf_kernels`), by the dequantized fp32 weight elsewhere.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
 from kvbatch.engine.models.quant import int8_linear, quantize_int8
 
 ONEDNN = "onednn"
@@ -44,7 +47,11 @@ BLAS = "blas"
 CUBLAS = "cublas"  # CUDA: plain [out, in] weights, F.linear (cuBLAS GEMMs)
 MIXED = "mixed"  # per row-count bucket, one of the CPU kernels above (see ``bucket_kinds``)
 INT8 = "int8"  # weight-only int8, per-output-channel scales; ``bucket_kinds`` name its routes
+# GGUF: per bucket GGUF_NATIVE (the file's blocks, our C kernel) or a CPU kind over the fp32 weight
+GGUF = "gguf"
+GGUF_NATIVE = "gguf-native"
 CPU_KINDS = (ONEDNN, BLAS)
+_BUCKETED = (MIXED, INT8, GGUF)
 # Row-count buckets the kernels are measured and chosen for: upper bounds (inclusive), the last
 # one open. 1: plain decode; 2-8: small batches, speculative verification; 9-64: batched decode;
 # 65+: prefill chunks.
@@ -84,11 +91,14 @@ class LinearFormat:
     bucket_kinds: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.kind in (MIXED, INT8) and len(self.bucket_kinds) != len(BUCKET_BOUNDS) + 1:
+        if self.kind in _BUCKETED and len(self.bucket_kinds) != len(BUCKET_BOUNDS) + 1:
             raise ValueError(f"a {self.kind} linear format needs {len(BUCKET_BOUNDS) + 1} bucket kinds, "
                              f"got {self.bucket_kinds!r}")
         if self.kind == MIXED and not set(self.bucket_kinds) <= set(CPU_KINDS):
             raise ValueError(f"mixed bucket kinds must be among {CPU_KINDS}, got {self.bucket_kinds!r}")
+        if self.kind == GGUF and (not set(self.bucket_kinds) <= {GGUF_NATIVE, *CPU_KINDS} or self.dtype != torch.float32):
+            raise ValueError(f"gguf bucket kinds must be among {(GGUF_NATIVE, *CPU_KINDS)} over fp32, "
+                             f"got {self.bucket_kinds!r} {self.dtype}")
 
     def kind_for(self, rows: int) -> str:
         """The kernel a multiply of ``rows`` rows runs."""
@@ -98,9 +108,12 @@ class LinearFormat:
 
     def prepare(self, w: torch.Tensor) -> Any:
         """``w`` [out, in] in ``self.dtype`` -> what ``__call__`` takes (on ``self.device``): a tensor,
-        a :class:`MixedWeight`, or an int8 weight (:class:`~kvbatch.engine.models.quant.Int8Weight`)."""
+        a :class:`MixedWeight`, an int8 weight (:class:`~kvbatch.engine.models.quant.Int8Weight`) or a
+        :class:`~kvbatch.engine.models.gguf_kernels.GGUFWeight`."""
         if self.kind == INT8:
             return quantize_int8(w.to(device=self.device))
+        if self.kind == GGUF:
+            return self._prepare_gguf(w.to(device=self.device, dtype=self.dtype).contiguous())
         w = w.to(device=self.device, dtype=self.dtype).contiguous()
         if self.kind == MIXED:
             kinds = tuple(dict.fromkeys(self.bucket_kinds))
@@ -129,6 +142,12 @@ class LinearFormat:
             return _SINGLE[kind, self.dtype]._multiply(x, w.layouts[kind], b)
         if self.kind == INT8:
             return int8_linear(x, w, b, self.kind_for(x.shape[0]))
+        if self.kind == GGUF:
+            kind = self.kind_for(x.shape[0])
+            if kind == GGUF_NATIVE and w.blocks is not None:
+                return gguf_linear(x, w.blocks, b)
+            kind = kind if kind in w.layouts else next(iter(w.layouts))
+            return _SINGLE[kind, self.dtype]._multiply(x, w.layouts[kind], b)
         if self.kind == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         if self.kind == CUBLAS or self.dtype != torch.float32:
@@ -139,11 +158,23 @@ class LinearFormat:
         """The row count to multiply ``rows`` rows as so each row's result equals its result in
         any larger batch. Measured: oneDNN fp32 gives every row the same bits from 2 rows up
         (one row takes a matrix-vector kernel), oneDNN bf16 from 1; MKL from 4, 8 and 12 up."""
-        if self.kind in (MIXED, INT8):  # each bucket's kernel rounds differently
+        if self.kind in _BUCKETED:  # each bucket's kernel rounds differently
             raise ValueError(f"a {self.kind} linear format is not batch-invariant; use one kernel")
         if self.kind == ONEDNN:
             return 2 if rows == 1 and self.dtype == torch.float32 else rows
         return blas_invariant_rows(rows)
+
+
+    def _prepare_gguf(self, w: torch.Tensor) -> GGUFWeight:
+        """The file's blocks for ``w`` (found by content, see gguf_kernels) plus a float layout for
+        each CPU kind a bucket uses; a weight with no blocks (the file held it as F32/F16, or a
+        type with no native kernel) gets a float layout for every bucket: the first CPU kind the
+        buckets name, else BLAS."""
+        blocks = lookup_blocks(w)
+        kinds = [k for k in dict.fromkeys(self.bucket_kinds) if k != GGUF_NATIVE]
+        if blocks is None and not kinds:
+            kinds = [BLAS]
+        return GGUFWeight(blocks, {k: _SINGLE[k, self.dtype].prepare(w) for k in kinds})
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Loading model checkpoints into plain tensors with Hugging Face names.
 
 Two containers are read: a Hugging Face folder (config.json + safetensors, possibly sharded) on
-any fsspec URL, and a GGUF file (dequantized on load). Both come out the same way, as a
+any fsspec URL, and a GGUF file (dequantized on load; its Q4_0/Q4_1/Q8_0 blocks are kept too, as
+``Checkpoint.gguf_blocks``, for ``weights="gguf"``). Both come out the same way, as a
 `Checkpoint`: an HF-form config dict and a flat ``{hf_name: tensor}`` dict, so the model code
 has one loading path and transformers can serve as its reference in tests.
 
@@ -27,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.gguf_blocks import NATIVE_QTYPES, GGUFBlocks
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: tokenizing steps read only
     import torch  # the tokenizer metadata here and should not pay torch's seconds of import
@@ -133,7 +135,12 @@ class Checkpoint:
 
     ``expert_ids``: set when only some experts were loaded (one expert-parallel rank's share):
     layer index -> the logical experts whose rows the layer's fused expert tensors hold, in
-    order. The fingerprint is the whole checkpoint's all the same."""
+    order. The fingerprint is the whole checkpoint's all the same.
+
+    ``gguf_blocks``: a GGUF file's 2-D weights of a type the native kernel multiplies (Q4_0, Q4_1,
+    Q8_0) as the file holds them, by the same names as ``tensors`` (which hold their dequantized
+    values); views of the memory-mapped file where no rows were reordered, so they cost page cache,
+    not private memory. Not part of the fingerprint (the same weights either way)."""
 
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
@@ -141,6 +148,7 @@ class Checkpoint:
     fingerprint: str
     tokenizer_source: TokenizerSource
     expert_ids: dict[int, list[int]] | None = None
+    gguf_blocks: dict[str, GGUFBlocks] = field(default_factory=dict)
 
 
 def resolve_model(model: str) -> str:
@@ -177,10 +185,11 @@ def load_checkpoint(model: str, dtype: torch.dtype | None = None,
         if fs.isfile(path):
             raise ModelLoadError(f"{source}: loading only some experts needs an HF folder (GGUF models have none)")
         return _load_hf_experts(fs, path, source, dtype, {int(k): sorted(set(map(int, v))) for k, v in experts.items()})
+    blocks: dict[str, GGUFBlocks] = {}
     if fs.isfile(path):
         if not _is_gguf(fs, path):
             raise ModelLoadError(f"{source}: not a GGUF file (bad magic); pass a .gguf file or an HF folder")
-        config, tensors, tok = _with_local_gguf(fs, path, lambda local: _read_gguf(local, source, dtype))
+        config, tensors, tok = _with_local_gguf(fs, path, lambda local: _read_gguf(local, source, dtype, blocks))
     else:
         config, tensors, tok = _load_hf_folder(fs, path, source, dtype)
     return Checkpoint(
@@ -189,6 +198,7 @@ def load_checkpoint(model: str, dtype: torch.dtype | None = None,
         source=source,
         fingerprint=checkpoint_fingerprint(config, tensors),
         tokenizer_source=tok,
+        gguf_blocks=blocks,
     )
 
 
@@ -589,8 +599,10 @@ def _gguf_tokenizer_source(metadata: dict[str, Any], source: str) -> TokenizerSo
 
 
 def _read_gguf(
-    path: str, source: str, dtype: torch.dtype
+    path: str, source: str, dtype: torch.dtype, blocks: dict[str, GGUFBlocks] | None = None
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], TokenizerSource]:
+    """Config, dequantized tensors and tokenizer of a GGUF file; ``blocks`` (when given) receives
+    the 2-D weights of a native type as the file holds them (see ``Checkpoint.gguf_blocks``)."""
     import gguf
     import torch
 
@@ -621,9 +633,17 @@ def _read_gguf(
             raise ModelLoadError(
                 f"{source}: tensor {t.name} cannot be dequantized ({_reason(exc)}); file truncated?"
             ) from exc
+        raw = t.data if blocks is not None and qtype in NATIVE_QTYPES and len(expected_shape) == 2 else None
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
             weights = _unpermute_rotary_rows(weights, heads)
+            if raw is not None:  # a row's blocks move with its values
+                raw = _unpermute_rotary_rows(np.asarray(raw).reshape(expected_shape[0], -1), heads)
+        if raw is not None:
+            try:
+                blocks[hf_name] = GGUFBlocks(qtype, expected_shape, np.asarray(raw).reshape(expected_shape[0], -1))
+            except ValueError as exc:
+                raise ModelLoadError(f"{source}: tensor {t.name}: {exc}") from exc
         tensors[hf_name] = torch.from_numpy(weights).to(dtype)
     _check_tensors(tensors, config, source)
 

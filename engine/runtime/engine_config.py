@@ -57,8 +57,9 @@ class EngineConfig:
     # CPU projection kernel: "auto" measures oneDNN packed against BLAS per row-count bucket on
     # this machine (cached on disk); "onednn" / "blas" force one. See engine/models/kernel_choice.py.
     linear: str = "auto"
-    # Dense projection weights: "full" (the compute dtype) or "int8" (weight-only, per-output-
-    # channel scales, CPU only; quality delta in docs/performance.md).
+    # Dense projection weights: "full" (the compute dtype), "int8" (weight-only, per-output-
+    # channel scales, CPU only) or "gguf" (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks where a native
+    # kernel measures faster, fp32 activations, CPU only); quality deltas in docs/performance.md.
     weights: str = "full"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -70,8 +71,8 @@ class EngineConfig:
         parse_device_spec(self.device)
         if self.linear not in ("auto", "onednn", "blas"):
             raise ValueError(f"linear must be auto, onednn or blas, got {self.linear!r}")
-        if self.weights not in ("full", "int8"):
-            raise ValueError(f"weights must be full or int8, got {self.weights!r}")
+        if self.weights not in ("full", "int8", "gguf"):
+            raise ValueError(f"weights must be full, int8 or gguf, got {self.weights!r}")
 
 
 def parse_device_spec(spec: str) -> tuple[str, int | None]:

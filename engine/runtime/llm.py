@@ -118,7 +118,8 @@ class LLM:
         self.checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model)
         self.model_config = ModelConfig.from_hf(self.checkpoint.config)
         self.model = build_model(self.model_config, self.checkpoint.tensors, self.dtype, ec.batch_invariant,
-                                 self.device, self.checkpoint.expert_ids, ec.linear, ec.weights)
+                                 self.device, self.checkpoint.expert_ids, ec.linear, ec.weights,
+                                 self.checkpoint.gguf_blocks)
         self.tokenizer: ChatTokenizer | None = None
         self._tokenizer_error = ""
         try:
