@@ -172,17 +172,20 @@ class TableStream:
     """Rows in, one Parquet file out, written a row group at a time and visible at ``url`` only
     on :meth:`commit` (an exception before that leaves the previous commit, as ``write_table``).
     ``spool``: an object-store file is written locally and uploaded at commit (:class:`AtomicSink`),
-    for a step that holds many files open at once."""
+    for a step that holds many files open at once. ``statistics``: the columns whose min/max each
+    row group records (all by default); a writer keeps every row group's statistics in memory until
+    it closes, so long strings (message contents, block keys) are left out where many files stay
+    open."""
 
     def __init__(self, url: str, schema: pa.Schema, *, storage_options: Mapping[str, Any] | None = None,
-                 batch_rows: int = 8192, spool: bool = False) -> None:
+                 batch_rows: int = 8192, spool: bool = False, statistics: bool | list[str] = True) -> None:
         self.schema = schema
         self.batch_rows = batch_rows
         self.rows = 0
         self._pending: list[dict[str, Any]] = []
         self._sink = AtomicSink(url, storage_options, spool=spool)
         self._file = ParquetSinkFile(self._sink)
-        self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
+        self._writer = pq.ParquetWriter(self._file, schema, compression="zstd", write_statistics=statistics)
 
     def add(self, record: dict[str, Any]) -> None:
         self._pending.append(record)

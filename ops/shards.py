@@ -48,6 +48,7 @@ from kvbatch.io.prompt_table import (
 from kvbatch.io.shard_tables import join, shard_url
 from kvbatch.ops.fingerprint import model_identity
 from kvbatch.ops.ingest import TableStream
+from kvbatch.ops.shard_spill import ShardSpill
 from kvbatch.ops.jobs import Rejected, prompt_ids, tokenize_requests
 from kvbatch.ops.prompt_columns import ColumnarTokenizer
 from kvbatch.ops.prompt_tokens import CachedChatEncoder
@@ -62,6 +63,12 @@ SHARD_SCHEMA = pa.schema([
     ("prompt_token_ids", pa.list_(pa.int32())),
     ("block_keys", pa.list_(pa.string())),  # content keys of the prompt's full KV blocks
 ])
+# Row-group min/max only for the scalar columns: a Parquet writer holds every row group's
+# statistics until it closes, and with message contents and block keys among them each of a
+# night's thousand open shard files grew by ~4 MB per 100,000 input rows (1,000,000 rows into 100
+# shards: peak RSS 777 MB against 357 at 100,000 rows).
+SHARD_STATISTICS_COLUMNS = [f.name for f in SHARD_SCHEMA
+                            if not pa.types.is_nested(f.type) and f.name != "model"]
 
 
 def kv_fingerprint(model_fingerprint: str, dtype: str, block_size: int) -> str:
@@ -355,7 +362,8 @@ def build_shards(
     # Every shard's file is open until the end: spooled, so each costs a local file, not an
     # object-store upload buffer in memory (a night has a thousand shards).
     writers = {k: TableStream(shard_url(root, table, k), SHARD_SCHEMA, storage_options=storage_options,
-                              batch_rows=max(256, batch_rows // num_shards), spool=True) for k in keys}
+                              batch_rows=max(256, batch_rows // num_shards), spool=True,
+                              statistics=SHARD_STATISTICS_COLUMNS) for k in keys}
     rejects = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=storage_options, batch_rows=batch_rows)
     try:
         with closing(rows):  # stops the worker pool on an error too
@@ -385,16 +393,17 @@ def build_shards(
     return report
 
 
-# Each record batch is split into one row group per shard: batches are read large enough that a
-# shard's row group has about this many rows, up to MAX_COLUMNAR_BATCH_ROWS rows in memory.
+# Each record batch is split into one spilled piece per shard (ops/shard_spill.py): batches are
+# read large enough that a shard's piece has about this many rows (fewer, larger pieces to read
+# back), up to MAX_COLUMNAR_BATCH_ROWS rows in memory.
 MIN_ROW_GROUP_ROWS = 64
 MAX_COLUMNAR_BATCH_ROWS = 65_536
 
 
 def columnar_batch_rows(batch_rows: int, num_shards: int) -> int:
     """Rows per record batch of the columnar shard step: at least ``batch_rows``, more when many
-    shards would otherwise get row groups of a few rows each (1,000 shards from 4,096-row batches:
-    4 rows a row group), bounded so a batch stays a few hundred MB at most."""
+    shards would otherwise get pieces of a few rows each (1,000 shards from 4,096-row batches: 4
+    rows a piece, 2.4 million pieces a night), bounded so a batch stays a few hundred MB at most."""
     return max(batch_rows, min(MAX_COLUMNAR_BATCH_ROWS, MIN_ROW_GROUP_ROWS * num_shards))
 
 
@@ -404,57 +413,73 @@ def _build_shards_columnar(row_tokenizer: RowTokenizer, prompts_url: str, root: 
     """:func:`build_shards` a record batch at a time: Arrow columns in, Arrow columns out."""
     tokenizer = row_tokenizer.columnar()
     num_shards = len(keys)
-    # Every shard's file is open until the end: spooled, so each costs a local file, not an
-    # object-store upload buffer in memory (a night has a thousand shards).
-    writers = {k: TableStream(shard_url(root, table, k), SHARD_SCHEMA, storage_options=storage_options,
-                              batch_rows=max(256, batch_rows // num_shards), spool=True) for k in keys}
+    # Rows go to a local spill file first, the shard files are written one at a time after
+    # (ops/shard_spill.py: a thousand shard writers open at once would hold gigabytes).
+    spill = ShardSpill(SHARD_SCHEMA, num_shards)
     rejects = TableStream(rejects_url, REJECTS_SCHEMA, storage_options=storage_options, batch_rows=batch_rows)
     rows_by_shard = np.zeros(num_shards, dtype=np.int64)
     tokens_by_shard = np.zeros(num_shards, dtype=np.int64)
-    # Parquet encoding and compression run in one background thread (Arrow releases the GIL),
-    # overlapping the next batch's tokenizing; one batch's writes in flight bounds memory.
-    pool = ThreadPoolExecutor(1, thread_name_prefix="kvbatch-shard-writer")
+    # Spill writes (lz4) run in one background thread (Arrow releases the GIL), overlapping the
+    # next batch's tokenizing; one batch's writes in flight bounds memory.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvbatch-shard-spill")
     in_flight: Future[None] | None = None
 
-    def write(pieces: list[tuple[TableStream, pa.Table]]) -> None:
-        for writer, piece in pieces:
-            writer.add_table(piece)
+    def spill_pieces(pieces: list[tuple[int, pa.Table]], rejected: pa.Table | None) -> None:
+        for s, piece in pieces:
+            spill.add(s, piece)
+        if rejected is not None:
+            rejects.add_table(rejected)
+
+    def write_shard(s: int, row_groups: Iterator[pa.Table]) -> None:
+        # One shard file open per writing thread; spooled on an object store (uploaded at commit).
+        writer = TableStream(shard_url(root, table, keys[s]), SHARD_SCHEMA, storage_options=storage_options,
+                             spool=True, statistics=SHARD_STATISTICS_COLUMNS)
+        try:
+            for group in row_groups:
+                writer.add_table(group)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.commit()
 
     try:
-        for batch in iter_prompt_record_batches(prompts_url, batch_rows=columnar_batch_rows(batch_rows, num_shards),
-                                                storage_options=storage_options):
-            report.rows += batch.num_rows
-            out = tokenizer.tokenize(batch)
-            for r in out.rejects:
-                report.rejects_by_field[r.field] = report.rejects_by_field.get(r.field, 0) + 1
-            ok_rows = np.flatnonzero(out.ok)
-            shard = shard_index(pc.take(batch.column("custom_id"), pa.array(ok_rows)).to_pylist(), num_shards)
-            order = np.argsort(shard, kind="stable")  # input order kept within each shard
-            rows = ok_rows[order]
-            token_ids, block_keys = out.take(rows)
-            kept = (pa.Table.from_batches([batch]).take(pa.array(rows))
-                    .append_column("prompt_token_ids", token_ids).append_column("block_keys", block_keys))
-            n_tokens = np.asarray(pc.list_value_length(token_ids), dtype=np.int64)
-            rows_by_shard += np.bincount(shard, minlength=num_shards)
-            tokens_by_shard += np.bincount(shard[order], weights=n_tokens, minlength=num_shards).astype(np.int64)
-            bounds = np.searchsorted(shard[order], np.arange(num_shards + 1))
-            pieces = [(writers[k], kept.slice(bounds[s], bounds[s + 1] - bounds[s]))
-                      for s, k in enumerate(keys) if bounds[s + 1] > bounds[s]]
-            if out.rejects:
-                pieces.append((rejects, pa.Table.from_pylist([reject_record(r) for r in out.rejects], REJECTS_SCHEMA)))
+        try:
+            for batch in iter_prompt_record_batches(prompts_url, batch_rows=columnar_batch_rows(batch_rows, num_shards),
+                                                    storage_options=storage_options):
+                report.rows += batch.num_rows
+                out = tokenizer.tokenize(batch)
+                for r in out.rejects:
+                    report.rejects_by_field[r.field] = report.rejects_by_field.get(r.field, 0) + 1
+                ok_rows = np.flatnonzero(out.ok)
+                shard = shard_index(pc.take(batch.column("custom_id"), pa.array(ok_rows)).to_pylist(), num_shards)
+                order = np.argsort(shard, kind="stable")  # input order kept within each shard
+                rows = ok_rows[order]
+                token_ids, block_keys = out.take(rows)
+                kept = (pa.Table.from_batches([batch]).take(pa.array(rows))
+                        .append_column("prompt_token_ids", token_ids).append_column("block_keys", block_keys))
+                n_tokens = np.asarray(pc.list_value_length(token_ids), dtype=np.int64)
+                rows_by_shard += np.bincount(shard, minlength=num_shards)
+                tokens_by_shard += np.bincount(shard[order], weights=n_tokens, minlength=num_shards).astype(np.int64)
+                bounds = np.searchsorted(shard[order], np.arange(num_shards + 1))
+                pieces = [(s, kept.slice(bounds[s], bounds[s + 1] - bounds[s]))
+                          for s in range(num_shards) if bounds[s + 1] > bounds[s]]
+                rejected = (pa.Table.from_pylist([reject_record(r) for r in out.rejects], REJECTS_SCHEMA)
+                            if out.rejects else None)
+                if in_flight is not None:
+                    in_flight.result()
+                in_flight = pool.submit(spill_pieces, pieces, rejected)
             if in_flight is not None:
                 in_flight.result()
-            in_flight = pool.submit(write, pieces)
-        if in_flight is not None:
-            in_flight.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        # Every row is tokenized: now the shard files (every shard, empty ones too), each
+        # committed when written; the rejects last.
+        spill.write_shards(write_shard, threads=min(2, os.cpu_count() or 1))
     except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        for w in (*writers.values(), rejects):
-            w.abort()
+        rejects.abort()
         raise
-    pool.shutdown(wait=True)
-    for w in writers.values():
-        w.commit()
+    finally:
+        spill.close()
     rejects.commit()
     report.rejected = sum(report.rejects_by_field.values())
     report.tokenized = int(rows_by_shard.sum())
