@@ -289,6 +289,15 @@ def _output_error(url: str, exc: BaseException) -> OutputError:
     return OutputError(redact_text(f"cannot write {url}: {reason}"))
 
 
+SPOOL_DIR_ENV = "KVBATCH_SPOOL_DIR"
+
+
+def spool_dir() -> str | None:
+    """Where local spool files of object-store outputs go: ``$KVBATCH_SPOOL_DIR``, else the
+    system's temp folder (None)."""
+    return os.environ.get(SPOOL_DIR_ENV) or None
+
+
 class AtomicSink:
     """A binary file that becomes visible at its final name only on :meth:`commit`.
 
@@ -332,8 +341,7 @@ class AtomicSink:
             self._tmp = _temp_name(path)
             self._file: IO[bytes] = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
         elif spool:
-            handle, self._spool_path = tempfile.mkstemp(prefix="kvbatch-spool-", suffix=".part",
-                                                        dir=os.environ.get("KVBATCH_SPOOL_DIR") or None)
+            handle, self._spool_path = tempfile.mkstemp(prefix="kvbatch-spool-", suffix=".part", dir=spool_dir())
             self._file = os.fdopen(handle, "wb")
             self._transactional = bool(protocols & _TRANSACTIONAL_PROTOCOLS)
             if not self._transactional:

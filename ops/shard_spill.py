@@ -23,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
+from kvbatch.io.batch_output import spool_dir
+
 ROW_GROUP_ROWS = 8192
-SPOOL_DIR_ENV = "KVBATCH_SPOOL_DIR"
 
 
 class ShardSpill:
@@ -32,7 +33,7 @@ class ShardSpill:
 
     def __init__(self, schema: pa.Schema, num_shards: int) -> None:
         self.schema = schema
-        self._dir = tempfile.mkdtemp(prefix="kvbatch-shard-spill-", dir=os.environ.get(SPOOL_DIR_ENV) or None)
+        self._dir = tempfile.mkdtemp(prefix="kvbatch-shard-spill-", dir=spool_dir())
         self._path = os.path.join(self._dir, "pieces.arrow")
         self._sink = pa.OSFile(self._path, "wb")
         self._writer = pa.ipc.new_file(self._sink, schema, options=pa.ipc.IpcWriteOptions(compression="lz4"))
