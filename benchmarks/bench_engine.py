@@ -263,15 +263,12 @@ def decode_weight_bytes(llm: LLM) -> int:
     return params * llm.dtype.itemsize
 
 
-def llama_cpp_batch1(gguf_path: str, prompts: list[list[int]], new_tokens: int, threads: int) -> Row | None:
-    """llama.cpp's batch-1 decode tok/s on the same GGUF (its native Q4_1), when
-    ``llama-cpp-python`` is importable; None otherwise."""
-    try:
-        from llama_cpp import Llama  # optional peer, never a dependency
-    except ImportError:
-        return None
+def _llama_cpp_decode(gguf_path: str, prompts: list[list[int]], new_tokens: int, threads: int) -> list[float]:
+    """llama.cpp's batch-1 decode tok/s per prompt (run in a child process: see llama_cpp_batch1)."""
+    from llama_cpp import Llama  # optional peer, never a dependency
+
     llm = Llama(model_path=gguf_path, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
-    row = Row("llama.cpp", "Q4_1", "batch-1")
+    rates = []
     for prompt in prompts:
         llm.reset()
         llm.eval(prompt)  # prefill
@@ -279,7 +276,36 @@ def llama_cpp_batch1(gguf_path: str, prompts: list[list[int]], new_tokens: int, 
         for _ in range(new_tokens - 1):
             tok = llm.sample(temp=0.0)
             llm.eval([tok])
-        row.samples_tokens_per_s.append((new_tokens - 1) / (time.perf_counter() - t0))
+        rates.append((new_tokens - 1) / (time.perf_counter() - t0))
+    return rates
+
+
+def llama_cpp_batch1(gguf_path: str, prompts: list[list[int]], new_tokens: int, threads: int) -> Row | None:
+    """llama.cpp's batch-1 decode tok/s on the same GGUF (its native Q4_1), when
+    ``llama-cpp-python`` is importable; None otherwise. It runs in a child process, so a peer that
+    crashes (seen: a source build of llama-cpp-python 0.3.36 segfaulting at its first decode on an
+    Intel Xeon with AMX) costs its row, not the run; the row then says why it has no figure."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    row = Row("llama.cpp", "Q4_1", "batch-1")
+    job = json.dumps({"gguf": gguf_path, "prompts": prompts, "new_tokens": new_tokens, "threads": threads})
+    code = ("import json, sys; from benchmarks.bench_engine import _llama_cpp_decode as f; a = json.loads(sys.stdin.read()); "
+            "print(json.dumps(f(a['gguf'], a['prompts'], a['new_tokens'], a['threads'])))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], input=job, capture_output=True, text=True,
+                              cwd=REPO_ROOT, timeout=900)
+    except subprocess.TimeoutExpired:
+        row.extra["failed"] = "llama.cpp peer ran past 900 s"
+        return row
+    if done.returncode != 0:
+        tail = " ".join(done.stderr.split()[-12:])
+        row.extra["failed"] = f"llama.cpp peer exited with code {done.returncode}" + (f": {tail}" if tail else "")
+        return row
+    for prompt, rate in zip(prompts, json.loads(done.stdout.strip().splitlines()[-1])):
+        row.samples_tokens_per_s.append(rate)
         row.extra.setdefault("runs", []).append({"prompt_tokens": len(prompt), "cpu_utilization": float("nan")})
     return row
 
@@ -491,7 +517,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cpp_b1 = llama_cpp_batch1(gguf_path, ids[:args.b1_prompts], args.max_tokens, args.threads)
     if cpp_b1 is not None:
-        log(f"llama.cpp batch-1: {cpp_b1.tokens_per_s:.1f} tok/s")
+        log(f"llama.cpp batch-1: {cpp_b1.extra.get('failed') or f'{cpp_b1.tokens_per_s:.1f} tok/s'}")
     for dtype, row in kv_b1.items():
         weight_bytes = decode_weight_bytes(llms[dtype])
         ceiling = bandwidth * 1e9 / weight_bytes
@@ -551,10 +577,11 @@ def print_report(report: dict[str, Any]) -> None:
     for r in report["rows"]:
         target = f">={r['target_ratio']:g}x" if r["target_ratio"] else ""
         result = "" if r["meets_target"] is None else ("PASS" if r["meets_target"] else "MISS")
-        cpu = statistics.median(run["cpu_utilization"] for run in r["runs"])
+        runs = r.get("runs", [])
+        cpu = statistics.median(run["cpu_utilization"] for run in runs) if runs else float("nan")
         if not math.isnan(cpu):  # llama.cpp's is not measured
             busy.append(cpu)
-        floor = ""
+        floor = f"no figure: {r['failed']}" if "failed" in r else ""
         if "share_of_ceiling" in r:
             floor = (f"{r['share_of_ceiling']:.0%} (floor {r['floor_ms']:.1f} ms/token = {r['weight_bytes'] / 1e6:.0f} MB"
                      f" / {env['stream_bandwidth_gbs']:.1f} GB/s; {r['linear']})")

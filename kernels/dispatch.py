@@ -1,13 +1,18 @@
 """The one place that decides which implementation of a hot-path kernel runs.
 
-On CUDA tensors with Triton importable, the Triton kernels run; everywhere else the PyTorch
-reference twins in :mod:`kvbatch.kernels.reference` (and ``reference_mla``,
-``reference_verify``) do. Callers import from here only, so a kernel can be swapped or disabled
-without touching the engine.
+On CUDA tensors with Triton importable, the Triton kernels run. On fp32 CPU tensors the small
+operations of a decode step (residual add + RMSNorm, SiLU-and-multiply, rotary + K/V cache
+write, decode attention) run as C kernels built for this CPU (:mod:`kvbatch.kernels.cpu_native`)
+when a C compiler is at hand. Everywhere else the PyTorch reference twins in
+:mod:`kvbatch.kernels.reference` (and ``reference_mla``, ``reference_verify``) do. Callers import
+from here only, so a kernel can be swapped or disabled without touching the engine.
 
 ``KVBATCH_KERNELS`` (read at every call):
-- unset / ``auto``: Triton for CUDA tensors when it imports, the reference otherwise;
-- ``reference``: always the reference;
+- unset / ``auto``: Triton for CUDA tensors when it imports; the native CPU kernels for fp32 CPU
+  tensors when they build (silently the reference when they do not); the reference otherwise;
+- ``native``: as ``auto``, but an fp32 CPU call raises when the native kernels cannot be built;
+- ``reference``: always the reference (bit for bit what the engine computed before the native
+  kernels, e.g. for ``tests/test_small_ops.py``);
 - ``triton``: always Triton; CUDA tensors need it importable, CPU tensors also need
   ``TRITON_INTERPRET=1`` (set before the kernels are first imported) and run in the Triton
   interpreter (~100x slower than the reference; for tests).
@@ -24,13 +29,16 @@ from types import SimpleNamespace
 
 import torch
 
-from kvbatch.kernels import reference, reference_mla, reference_verify
+from kvbatch.kernels import cpu_native, reference, reference_mla, reference_verify
 
 gather_slots = reference.gather_slots  # index arithmetic only: the Triton kernels do not need it
 slot_major = reference.slot_major  # a view of one layer's cache, for store_kv_layer
 # Bitwise batch-invariant attention for CPU determinism; no Triton twin (on a GPU, invariance
 # would need a kernel with a fixed reduction order, which is future work).
 invariant_attention = reference.invariant_attention
+# A whole decode step's dense layers in one native call (fp32 CPU; callers check native() first).
+DenseLayer, FusedLayers = cpu_native.DenseLayer, cpu_native.FusedLayers
+fuse_layers, decode_layers = cpu_native.fuse_layers, cpu_native.decode_layers
 
 
 @cache
@@ -64,20 +72,41 @@ def _triton_kernels() -> SimpleNamespace | None:
     )
 
 
-def backend(t: torch.Tensor) -> str:
-    """``"triton"`` or ``"reference"``: which implementation runs for tensors like ``t``."""
+def _mode() -> str:
     mode = os.environ.get("KVBATCH_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "native", "reference", "triton"):
+        raise ValueError(f"KVBATCH_KERNELS={mode!r}: expected 'auto', 'native', 'reference' or 'triton'")
+    return mode
+
+
+def native(t: torch.Tensor) -> bool:
+    """Whether the native CPU kernels run for tensors like ``t`` (fp32 on the CPU; see the module
+    docstring). Raises ``RuntimeError`` under ``KVBATCH_KERNELS=native`` when they cannot be built."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        return False
+    mode = _mode()
+    if mode not in ("auto", "native"):
+        return False
+    if cpu_native.available():
+        return True
+    if mode == "native":
+        raise RuntimeError(f"KVBATCH_KERNELS=native, but {cpu_native.unavailable_reason()}")
+    return False
+
+
+def backend(t: torch.Tensor) -> str:
+    """``"triton"`` or ``"reference"``: which implementation runs for tensors like ``t`` (the
+    operations :func:`native` covers may run natively instead; see there)."""
+    mode = _mode()
     if mode == "reference":
         return "reference"
-    if mode not in ("auto", "triton"):
-        raise ValueError(f"KVBATCH_KERNELS={mode!r}: expected 'auto', 'reference' or 'triton'")
     if t.is_cuda:
         if _triton_kernels() is not None:
             return "triton"
         if mode == "triton":
             raise RuntimeError("KVBATCH_KERNELS=triton, but triton cannot be imported")
         return "reference"
-    if mode == "auto":
+    if mode in ("auto", "native"):
         return "reference"
     if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
         raise RuntimeError(f"KVBATCH_KERNELS=triton on {t.device} tensors needs TRITON_INTERPRET=1")
@@ -105,6 +134,8 @@ def rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """See :func:`reference.silu_and_mul`."""
+    if native(x):
+        return cpu_native.silu_and_mul(x)
     return _impl(x).silu_and_mul(x)
 
 
@@ -132,6 +163,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rms_norm` that may add ``residual`` into ``x`` in place (the reference does, see
     :func:`reference.add_rms_norm`): the caller hands ``x`` over."""
+    if native(x):
+        return cpu_native.add_rms_norm(x, weight, eps, residual)
     impl = _impl(x)
     if impl is reference:
         return reference.add_rms_norm(x, weight, eps, residual)
@@ -140,8 +173,8 @@ def add_rms_norm(
 
 def rotary_table(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> reference.RotaryTable | None:
     """:func:`reference.rotary_table`, once per forward pass, where the reference path will run for
-    tensors like ``x``; None where the kernel will (it reads ``cos_sin`` itself)."""
-    if _impl(x) is not reference:
+    tensors like ``x``; None where a kernel will (it reads ``cos_sin`` itself)."""
+    if native(x) or _impl(x) is not reference:
         return None
     return reference.rotary_table(positions, cos_sin)
 
@@ -155,6 +188,23 @@ def rotate_qk(qk: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_s
     if impl is reference:
         return reference.rotate_qk(qk, table if table is not None else reference.rotary_table(positions, cos_sin))
     impl.apply_rotary(qk[:, :num_q_heads], qk[:, num_q_heads:], positions, cos_sin)
+    return qk
+
+
+def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                     cos_sin: torch.Tensor, table: reference.RotaryTable | None, kv_layer: torch.Tensor,
+                     slot_mapping: torch.Tensor, slots_view: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rotate_qk` of the query and key heads of ``qkv`` [T, (Hq + 2 Hkv) D] (a fused
+    projection's output), then :func:`store_kv_layer` of its K and V heads into ``kv_layer``; one
+    call on the native path. Returns the rotated ``[T, Hq + Hkv, D]`` view of ``qkv``."""
+    T = qkv.shape[0]
+    D = kv_layer.shape[-1]
+    qk = qkv[:, :(num_q_heads + num_kv_heads) * D].view(T, num_q_heads + num_kv_heads, D)
+    if native(qkv) and native(kv_layer):
+        cpu_native.rotate_and_store(qkv, num_q_heads, num_kv_heads, D, positions, cos_sin, kv_layer, slot_mapping)
+        return qk
+    rotate_qk(qk, num_q_heads, positions, cos_sin, table)
+    store_kv_layer(qkv[:, num_q_heads * D:].view(T, 2, num_kv_heads, D), kv_layer, slot_mapping, slots_view)
     return qk
 
 
@@ -181,6 +231,8 @@ def paged_decode_attention(
     plan: reference.DecodePlan | None = None,
 ) -> torch.Tensor:
     """See :func:`reference.paged_decode_attention` (``workspace`` and ``plan`` serve the reference only)."""
+    if native(q) and native(k_cache):
+        return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     impl = _impl(q)
     if impl is reference:
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots,
@@ -214,7 +266,7 @@ def plan_decode(x: torch.Tensor, block_tables: torch.Tensor, context_lens: torch
                 block_size: int) -> reference.DecodePlan | None:
     """:func:`reference.plan_decode` where the reference path will run for tensors like ``x``
     (its in-place decode path is fp32 only: a 16-bit model plans the padded path alone)."""
-    if _impl(x) is not reference or block_tables.shape[0] == 0:
+    if native(x) or _impl(x) is not reference or block_tables.shape[0] == 0:
         return None
     return reference.plan_decode(block_tables, context_lens, block_size, sparse=x.dtype == torch.float32)
 

@@ -29,6 +29,7 @@ from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels import native_build
 from tests.test_weights import _random_hf_tensors, _write_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,14 +182,14 @@ def test_broken_source_means_unavailable_with_the_compiler_message(tmp_path: Pat
 def test_the_build_is_cached_by_source_and_reused(tmp_path: Path, monkeypatch) -> None:
     first = gguf_kernels.build(tmp_path)
     compiles = []
-    real_run = gguf_kernels.subprocess.run
+    real_run = native_build.subprocess.run
 
     def counting_run(cmd, *args, **kwargs):
         if "-shared" in cmd:
             compiles.append(cmd)
         return real_run(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(gguf_kernels.subprocess, "run", counting_run)
+    monkeypatch.setattr(native_build.subprocess, "run", counting_run)
     assert gguf_kernels.build(tmp_path) == first and not compiles  # same key: loaded, not rebuilt
     changed = tmp_path / "gguf_kernels.c"
     changed.write_text(gguf_kernels.SOURCE.read_text() + "\n/* changed */\n")

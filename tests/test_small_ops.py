@@ -4,6 +4,10 @@ replaces, in fewer ops, and never on the batch-invariant path.
 The counts asserted here are what docs/performance.md ("Fewer small ops per layer") states: the
 top-level aten ops one layer of a batch-1 decode step runs outside its projections and its
 attention (those two are wrapped in a profiler range here, so their own ops are not counted).
+
+Every test here runs the PyTorch kernels (``KVBATCH_KERNELS=reference``): the native CPU kernels
+that replace them on fp32 CPU tensors compute in another order and are pinned by
+``tests/test_cpu_native.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (docs/performance.md): the per-tensor path (KVBATCH_LEAN_OPS=0) and the lean one.
 OPS_PER_LAYER_BEFORE = 67
 OPS_PER_LAYER_AFTER = 18
+
+
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVBATCH_KERNELS", "reference")
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -153,7 +162,7 @@ def test_batch_invariant_mode_never_takes_the_lean_path(tmp_path, monkeypatch):
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the batch-invariant path called a lean kernel")
 
-    for name in ("add_rms_norm", "rotary_table", "rotate_qk", "store_kv_layer"):
+    for name in ("add_rms_norm", "rotary_table", "rotate_qk", "store_kv_layer", "rotate_and_store", "decode_layers"):
         monkeypatch.setattr(dispatch, name, refuse)
     tokens, logits = _tokens_and_logits(llm)
     assert all(len(t) == 6 for t in tokens) and logits

@@ -228,7 +228,7 @@ class DeepseekV3Model(LlamaModel):
         """``x`` [T, Hq, a] times ``w`` [Hq, a, b] head by head -> [T, Hq, b], padded like
         ``_linear`` in batch-invariant mode so a row's bits do not depend on T."""
         T = x.shape[0]
-        rows = blas_invariant_rows(T) if self.batch_invariant else T  # bmm is MKL's, whatever self.linear is
+        rows = blas_invariant_rows(T, x.dtype) if self.batch_invariant else T  # bmm is MKL's, whatever self.linear is
         if rows != T:
             x = torch.cat([x, x.new_zeros(rows - T, *x.shape[1:])])
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)[:T]

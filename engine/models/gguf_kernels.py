@@ -3,12 +3,10 @@
 ATen's weight-only int4/int8 CPU kernels are not vectorized for an AVX2-only CPU (measured on an
 AMD EPYC: ``_weight_int4pack_mm_for_cpu`` 12x slower than fp32 BLAS at one row), so the GGUF
 blocks are multiplied by a small C kernel of our own (AVX2/FMA where the compiler targets them,
-plain C otherwise). It is built with the machine's C compiler (``$CC`` or ``gcc``,
-``-O3 -march=native -fopenmp``: about a second), loaded with ctypes (no torch headers) and kept
-under ``KVBATCH_CACHE_DIR`` keyed by the source's hash, the compiler's version and the CPU's model
-and flags, so a second process only loads it. No compiler, or a failed build: the route is
-unavailable (:func:`unavailable_reason` says why) and ``weights="gguf"`` falls back to the
-dequantized fp32 weights.
+plain C otherwise). It is built with the machine's C compiler at first use and kept for the
+next process (:mod:`kvbatch.kernels.native_build`), and loaded with ctypes (no torch headers).
+No compiler, or a failed build: the route is unavailable (:func:`unavailable_reason` says why)
+and ``weights="gguf"`` falls back to the dequantized fp32 weights.
 
 How a projection finds its blocks: the model classes hand :meth:`LinearFormat.prepare` the fp32
 weight they built (q/k/v and gate/up concatenated), not names. :func:`use_gguf_blocks` installs,
@@ -23,11 +21,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -38,10 +31,9 @@ import numpy as np
 import torch
 
 from kvbatch.engine.models.gguf_blocks import BLOCK, GGUFBlocks, block_bytes, qtype_id
-from kvbatch.engine.models.machine import cpu_identity, default_cache_dir
+from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 
 @dataclass(frozen=True)
@@ -72,53 +64,19 @@ class GGUFWeight:
 
 
 def compiler() -> str | None:
-    """The C compiler to build with: ``$CC`` when set, else ``gcc`` on the PATH (None: none)."""
-    cc = os.environ.get("CC", "").strip() or "gcc"
-    return shutil.which(cc)
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
+    """The C compiler to build with (see :func:`kvbatch.kernels.native_build.compiler`)."""
+    return native_build.compiler()
 
 
 def build_key(cc: str) -> str:
     """What the built library depends on: the source, the compiler and its flags, the CPU."""
-    model, flags = cpu_identity()
-    text = "\n".join([SOURCE.read_text(), cc, _compiler_version(cc), " ".join(_CFLAGS), model, " ".join(sorted(flags))])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _cache_dir() -> Path:
-    return default_cache_dir() / "gguf-kernels"
+    return native_build.build_key(SOURCE, cc)
 
 
 def build(cache_dir: Path | None = None) -> Path:
     """The compiled library's path, building it when the cache lacks it. Raises ``RuntimeError``
     with the reason (no compiler, compiler errors) when it cannot be had."""
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'gcc'} not found on the PATH)")
-    folder = cache_dir if cache_dir is not None else _cache_dir()
-    target = folder / f"gguf_kernels-{build_key(cc)}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=target.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *_CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{Path(cc).name} failed: {' '.join(done.stderr.split())[:300]}")
-        os.replace(tmp, target)  # atomic: a concurrent process loads the old file or the new one
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"building {SOURCE.name} failed ({type(exc).__name__}: {exc})") from exc
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    return target
+    return native_build.build(SOURCE, cache_dir if cache_dir is not None else native_build.cache_dir("gguf-kernels"))
 
 
 @functools.cache

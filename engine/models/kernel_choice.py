@@ -58,7 +58,7 @@ from kvbatch.engine.models.linear import (
     linear_override,
     onednn_available,
 )
-from kvbatch.engine.models.machine import cpu_identity, default_cache_dir  # also this module's API
+from kvbatch.kernels.machine import cpu_identity, default_cache_dir  # also this module's API
 from kvbatch.engine.models.quant import DEQUANT, INT8PACK, Int8Weight, int8_linear, quantize_int8
 
 LINEAR_CHOICES = ("auto", ONEDNN, BLAS)

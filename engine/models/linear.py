@@ -154,16 +154,29 @@ class LinearFormat:
             return F.linear(x, w, b)
         return torch.addmm(b, x, w) if b is not None else x @ w
 
+    def plain_rows(self, rows: int) -> bool:
+        """Whether a multiply of ``rows`` rows runs BLAS over the plain fp32 ``[in, out]`` layout
+        (what :meth:`plain_weight` hands out, and the fused native decode multiplies)."""
+        return self.dtype == torch.float32 and self.device.type == "cpu" and self.kind in (BLAS, MIXED) \
+            and self.kind_for(rows) == BLAS
+
+    def plain_weight(self, w: Any) -> torch.Tensor:
+        """The plain fp32 ``[in, out]`` layout of a weight this format prepared (see :meth:`plain_rows`)."""
+        if self.kind == MIXED:
+            return w.layouts[BLAS]
+        if self.kind != BLAS or self.dtype != torch.float32:
+            raise ValueError(f"a {self.kind} {self.dtype} format holds no plain [in, out] fp32 layout")
+        return w
+
     def invariant_rows(self, rows: int) -> int:
         """The row count to multiply ``rows`` rows as so each row's result equals its result in
-        any larger batch. Measured: oneDNN fp32 gives every row the same bits from 2 rows up
-        (one row takes a matrix-vector kernel), oneDNN bf16 from 1; MKL from 4, 8 and 12 up."""
+        any larger batch: ``rows`` padded up to where the kernel's bits stop depending on the
+        batch (``_INVARIANT_FROM``, measured)."""
         if self.kind in _BUCKETED:  # each bucket's kernel rounds differently
             raise ValueError(f"a {self.kind} linear format is not batch-invariant; use one kernel")
         if self.kind == ONEDNN:
-            return 2 if rows == 1 and self.dtype == torch.float32 else rows
-        return blas_invariant_rows(rows)
-
+            return max(rows, _INVARIANT_FROM[ONEDNN, self.dtype == torch.float32])
+        return blas_invariant_rows(rows, self.dtype)
 
     def _prepare_gguf(self, w: torch.Tensor) -> GGUFWeight:
         """The file's blocks for ``w`` (found by content, see gguf_kernels) plus a float layout for
@@ -204,10 +217,19 @@ def bucket_index(rows: int) -> int:
     return len(BUCKET_BOUNDS)
 
 
-def blas_invariant_rows(rows: int) -> int:
-    """MKL sgemm gives 4, 8 and >= 12 rows the same per-row result as any larger batch; 1-3,
-    5-7 and 9-11 rows do not (measured), so round those up to a multiple of 4."""
-    return rows + (4 - rows % 4) if 0 < rows < 12 and rows % 4 else rows
+# From how many rows on every row of a multiply gets the same bits whatever the batch size,
+# (kernel, fp32?) -> rows; smaller batches are padded up to it. Measured (rows 1-159 against 160,
+# SmolLM2's shapes and small ones): MKL fp32 on an AMD EPYC at 4, 8 and from 12 rows, on an Intel
+# Xeon with AMX from 17 (the down projection, 1536 inputs; 2 rows for the others); oneDNN fp32
+# from 2 on both; bf16, MKL and oneDNN, on that Xeon from 37 (1 on the EPYC). The floors leave a
+# margin over the largest seen; they cost speed at small batches (deterministic mode only).
+_INVARIANT_FROM = {(BLAS, True): 24, (BLAS, False): 48, (ONEDNN, True): 2, (ONEDNN, False): 48}
+
+
+def blas_invariant_rows(rows: int, dtype: torch.dtype = torch.float32) -> int:
+    """``rows`` padded up to where MKL's per-row results stop depending on the batch size
+    (``_INVARIANT_FROM``); 0 stays 0."""
+    return max(rows, _INVARIANT_FROM[BLAS, dtype == torch.float32]) if rows else 0
 
 
 # The format build_model measured (or was told to use) for the model being built right now; a

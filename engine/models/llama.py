@@ -42,13 +42,28 @@ def refuse_batch_invariant_moe(config: ModelConfig) -> None:
             f"{config.model_type} has {len(sparse)} MoE layer(s), the first is layer {sparse[0]}")
 
 
+# Decode steps of at most this many sequences take the fused native path (one C call for every
+# layer; see LlamaModel._fused_layers); more rows are compute-bound, where BLAS/oneDNN GEMMs win.
+FUSED_DECODE_MAX_ROWS = 8
+
+
+def _env_switch(name: str, default: str = "1") -> bool:
+    value = os.environ.get(name, default).strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"{name} must be 0 or 1, not {value!r}")
+    return value not in ("0", "false", "off")
+
+
+def fused_decode_enabled() -> bool:
+    """Whether models built now run small fp32 CPU decode steps through the fused native layers
+    (``KVBATCH_FUSED_DECODE``, default on; ``0`` keeps the per-op path, for measurements)."""
+    return _env_switch("KVBATCH_FUSED_DECODE")
+
+
 def lean_ops_enabled() -> bool:
     """Whether models built now take the lean small-op path (``KVBATCH_LEAN_OPS``, default on;
     ``0`` restores the per-tensor ops, for before/after measurements)."""
-    value = os.environ.get("KVBATCH_LEAN_OPS", "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on", ""):
-        raise ValueError(f"KVBATCH_LEAN_OPS must be 0 or 1, not {value!r}")
-    return value not in ("0", "false", "off")
+    return _env_switch("KVBATCH_LEAN_OPS")
 
 
 @dataclass
@@ -158,7 +173,9 @@ class LlamaModel:
         self.scale = c.head_dim ** -0.5
         # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).
         self.lean_ops = lean_ops_enabled()
+        self.fused_decode = fused_decode_enabled()
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]] | None = None
+        self._fused: tuple[torch.Tensor, K.FusedLayers | None] | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[L, 2 (K, V), num_blocks, block_size, Hkv, D]``; the runner allocates this and the KV
@@ -198,7 +215,14 @@ class LlamaModel:
         lean = self.lean_ops and not self.batch_invariant
         norm = K.add_rms_norm if lean else K.rms_norm
         rope = K.rotary_table(h, batch.positions, cos_sin) if lean else None
-        for li, lw in enumerate(self.layers[:num_layers]):
+        layers = self.layers[:num_layers]
+        fused = self._fused_layers(kv_cache, T) if lean and nd == T else None
+        if fused is not None:  # every layer in one native call; the loop below then has nothing left
+            h, residual = K.decode_layers(fused, len(layers), h, residual, batch.positions, batch.slot_mapping,
+                                          cos_sin, batch.decode_block_tables, batch.decode_context_lens,
+                                          c.rms_norm_eps, self.scale)
+            layers = []
+        for li, lw in enumerate(layers):
             x, residual = norm(h, lw.input_norm, c.rms_norm_eps, residual)
             qkv = self._linear(x, lw.qkv, lw.qkv_bias)
             if lean and lw.q_norm is None:
@@ -245,16 +269,35 @@ class LlamaModel:
     def _lean_qkv(self, qkv: torch.Tensor, li: int, kv_cache: torch.Tensor, batch: ForwardBatch,
                   rope: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotary and the cache write of one layer on the fused qkv output [T, (Hq + 2 Hkv) D], in
-        place and in three kernel calls (q and k rotated together, K and V stored together): the
-        same bits as the per-tensor path. Returns q [T, Hq, D] and the layer's K and V caches."""
-        c = self.config
-        T = qkv.shape[0]
-        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        q_size = Hq * D
-        qk = K.rotate_qk(qkv[:, :q_size + Hkv * D].view(T, Hq + Hkv, D), Hq, batch.positions, self.cos_sin, rope)
+        place: in the reference, three kernel calls (q and k rotated together, K and V stored
+        together) with the same bits as the per-tensor path; natively one call. Returns q [T, Hq,
+        D] and the layer's K and V caches."""
+        Hq, Hkv = self.config.num_heads, self.config.num_kv_heads
         layer, slots, k_cache, v_cache = self._cache_views(kv_cache)[li]
-        K.store_kv_layer(qkv[:, q_size:].view(T, 2, Hkv, D), layer, batch.slot_mapping, slots)
+        qk = K.rotate_and_store(qkv, Hq, Hkv, batch.positions, self.cos_sin, rope, layer, batch.slot_mapping, slots)
         return qk[:, :Hq], k_cache, v_cache
+
+    def _fused_layers(self, kv_cache: torch.Tensor, rows: int) -> K.FusedLayers | None:
+        """The model's layers over ``kv_cache`` laid out for :func:`K.decode_layers`, when a decode
+        step of ``rows`` sequences can take that path: fp32 on the CPU with the native kernels
+        built, at most FUSED_DECODE_MAX_ROWS rows, every layer dense without q/k norms, and the
+        projections held in the BLAS layout the kernel choice picked for this many rows (the
+        fused kernel multiplies that layout; another kernel's layout keeps the per-op path). Made
+        once per cache tensor."""
+        if not (self.fused_decode and 0 < rows <= FUSED_DECODE_MAX_ROWS and K.native(kv_cache)
+                and self.linear.plain_rows(rows)):
+            return None
+        held = self._fused
+        if held is None or held[0] is not kv_cache:
+            fused = None
+            if all(not lw.is_moe and lw.q_norm is None for lw in self.layers):
+                plain = self.linear.plain_weight
+                fused = K.fuse_layers([
+                    K.DenseLayer(lw.input_norm, lw.post_norm, plain(lw.qkv), lw.qkv_bias, plain(lw.o_proj),
+                                 plain(lw.gate_up), plain(lw.down), kv_cache[li])
+                    for li, lw in enumerate(self.layers)])
+            held = self._fused = (kv_cache, fused)
+        return held[1]
 
     def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """Per layer ``(kv_cache[l], its slot-major view, kv_cache[l, 0], kv_cache[l, 1])``, made

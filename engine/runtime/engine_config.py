@@ -43,7 +43,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # Pad small GEMMs so that a row's result does not depend on how many other rows share the
-    # step (bitwise batch invariance on CPU BLAS; costs up to ~2x at batch 1, off by default).
+    # step (bitwise batch invariance on CPU BLAS: small batches are padded to 24 rows in fp32, 48 in
+    # bf16, several times the work at batch 1; off by default).
     batch_invariant: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when present)
     # CUDA: the share of the device's memory the engine may hold (weights + activations + KV

@@ -1,0 +1,558 @@
+/* The small fp32 operations of a CPU decode step, each one call from Python instead of several
+ * ATen ops: residual add + RMSNorm, rotary of q and k plus the K/V cache write, SiLU-and-multiply,
+ * and decode attention read in place from the paged cache.
+ *
+ * Why: at batch 1 a SmolLM2 step ran 1,144 ATen ops, and on an Intel Xeon with AMX (2 vCPUs,
+ * torch 2.13) the time between its 121 matmuls was 17 ms of a 41 ms step; ATen's fp32 rms_norm
+ * alone took 13 us standalone and ~65 us after a matmul. These loops are short and plain: gcc
+ * -O3 -march=native vectorizes them for the CPU it builds on (AVX2, AVX-512).
+ *
+ * Numerics: the same formulas as kvbatch/kernels/reference.py, computed in fp32; sums and the
+ * exponential are ordered and rounded differently from ATen's (not bit for bit; the tests bound
+ * the difference). exp is a Cephes-style polynomial (below ~2 ulp over the range used), so that
+ * the loops vectorize without libm calls.
+ *
+ * Every index read from a tensor (positions, slots, block ids, context lengths) is checked
+ * against the bounds passed in; a bad one returns a nonzero code and writes nothing past a
+ * buffer. Threads: OpenMP where a call carries enough work, on the libgomp torch has loaded.
+ *
+ * Built and loaded by kvbatch/kernels/cpu_native.py (ctypes, no torch headers).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#define KVB_OK 0
+#define KVB_BAD_INDEX 1
+#define KVB_BAD_SHAPE 2
+#define KVB_NO_MEMORY 3
+#define MAX_GROUP 16  /* query heads per KV head */
+#define MAX_HEAD_DIM 256
+#define PAR_WORK (1 << 15)  /* elements from which a call splits across threads */
+
+int kvb_native_abi_version(void) { return 1; }
+
+static inline float kvb_expf(float x) {
+    x = fminf(fmaxf(x, -87.3f), 88.3f);
+    float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);  /* x - n ln2, ln2 split in two (Cody-Waite) */
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } scale;  /* 2^n as a float's bits */
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* The same exp on whole vectors (gcc does not vectorize the bit cast above by itself). */
+#if defined(__AVX512F__)
+#define VEC 16
+typedef __m512 vec_t;
+#define vset1 _mm512_set1_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vdiv _mm512_div_ps
+#define vfma _mm512_fmadd_ps
+static inline vec_t vexp(vec_t x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.3f)), vset1(88.3f));
+    vec_t n = _mm512_roundscale_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VEC 8
+typedef __m256 vec_t;
+#define vset1 _mm256_set1_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vdiv _mm256_div_ps
+#define vfma _mm256_fmadd_ps
+static inline vec_t vexp(vec_t x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, vset1(-87.3f)), vset1(88.3f));
+    vec_t n = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+#ifdef VEC
+    vec_t r = vfma(n, vset1(-0.693359375f), x);
+    r = vfma(n, vset1(2.12194440e-4f), r);
+    vec_t p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    p = vadd(vfma(p, vmul(r, r), r), vset1(1.0f));
+#if VEC == 16
+    return _mm512_scalef_ps(p, n);
+#else
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return vmul(p, _mm256_castsi256_ps(bits));
+#endif
+}
+#endif
+
+/* x[i] = exp(x[i] - sub) for i < n; returns their sum. */
+static float exp_sub_sum(float *x, int64_t n, float sub) {
+    float sum = 0.0f;
+    int64_t i = 0;
+#ifdef VEC
+    vec_t acc = vset1(0.0f), s = vset1(sub);
+    for (; i + VEC <= n; i += VEC) {
+        vec_t e = vexp(vsub(vload(x + i), s));
+        vstore(x + i, e);
+        acc = vadd(acc, e);
+    }
+    float lanes[VEC];
+    vstore(lanes, acc);
+    for (int k = 0; k < VEC; k++) sum += lanes[k];
+#endif
+    for (; i < n; i++) {
+        x[i] = kvb_expf(x[i] - sub);
+        sum += x[i];
+    }
+    return sum;
+}
+
+/* o[i] = silu(g[i]) * u[i] for i < n. */
+static void silu_mul(const float *g, const float *u, float *o, int64_t n) {
+    int64_t i = 0;
+#ifdef VEC
+    const vec_t one = vset1(1.0f), zero = vset1(0.0f);
+    for (; i + VEC <= n; i += VEC) {
+        vec_t gv = vload(g + i);
+        vstore(o + i, vmul(vdiv(gv, vadd(one, vexp(vsub(zero, gv)))), vload(u + i)));
+    }
+#endif
+    for (; i < n; i++) o[i] = g[i] / (1.0f + kvb_expf(-g[i])) * u[i];
+}
+
+/* out[r] = w * (x'[r] * rsqrt(mean(x'[r]^2) + eps)) with x' = x + res; x' is stored into x (the
+ * new residual) when res is given. */
+void kvb_add_rms_norm(float *x, const float *res, const float *w, float *out, int64_t rows, int64_t dim,
+                      float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * dim >= PAR_WORK && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * dim, *o = out + r * dim;
+        float ss = 0.0f;
+        if (res != NULL) {
+            const float *rr = res + r * dim;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) {
+                float v = xr[i] + rr[i];
+                xr[i] = v;
+                ss += v * v;
+            }
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+        }
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* out[r, i] = silu(x[r, i]) * x[r, half + i], x [rows, 2 half] (gate columns, then up). */
+void kvb_silu_and_mul(const float *x, float *out, int64_t rows, int64_t half, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * half >= PAR_WORK && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * half;
+        silu_mul(g, g + half, out + r * half, half);
+    }
+}
+
+/* Rotate (rotate-half convention) the hq query and hkv key heads at the start of each row of
+ * qkv [rows, row_stride] in place, by cos_sin [max_pos, d] (cos in the first d/2 columns, sin in
+ * the last); then, when k_plane is given, copy each row's hkv key heads (rotated) and the hkv
+ * value heads after them to slot slots[t] of k_plane / v_plane ([num_slots, hkv, d] each). */
+int kvb_rotary_store(float *qkv, int64_t rows, int64_t row_stride, int64_t hq, int64_t hkv, int64_t d,
+                     const int64_t *positions, const float *cos_sin, int64_t max_pos, float *k_plane,
+                     float *v_plane, const int64_t *slots, int64_t num_slots, int nthreads) {
+    if (d % 2 || (hq + 2 * hkv) * d > row_stride) return KVB_BAD_SHAPE;
+    for (int64_t t = 0; t < rows; t++) {
+        if (positions[t] < 0 || positions[t] >= max_pos) return KVB_BAD_INDEX;
+        if (k_plane != NULL && (slots[t] < 0 || slots[t] >= num_slots)) return KVB_BAD_INDEX;
+    }
+    const int64_t half = d / 2, kv = hkv * d;
+#pragma omp parallel for num_threads(nthreads) if (rows * row_stride >= PAR_WORK && rows > 1)
+    for (int64_t t = 0; t < rows; t++) {
+        float *row = qkv + t * row_stride;
+        const float *c = cos_sin + positions[t] * d, *s = c + half;
+        for (int64_t h = 0; h < hq + hkv; h++) {
+            float *x1 = row + h * d, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                float a = x1[j], b = x2[j];
+                x1[j] = a * c[j] - b * s[j];
+                x2[j] = b * c[j] + a * s[j];
+            }
+        }
+        if (k_plane != NULL) {
+            memcpy(k_plane + slots[t] * kv, row + hq * d, (size_t)kv * sizeof(float));
+            memcpy(v_plane + slots[t] * kv, row + (hq + hkv) * d, (size_t)kv * sizeof(float));
+        }
+    }
+    return KVB_OK;
+}
+
+/* Checks every index a decode step follows; 0 when all are in range. */
+static int check_decode_indices(int64_t n_seqs, const int32_t *block_tables, int64_t table_stride,
+                                const int32_t *context_lens, int64_t num_blocks, int64_t block_size,
+                                int64_t *max_len, int64_t *total) {
+    *max_len = *total = 0;
+    for (int64_t n = 0; n < n_seqs; n++) {
+        int64_t len = context_lens[n];
+        if (len < 0 || len > table_stride * block_size) return KVB_BAD_INDEX;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++) {
+            int32_t blk = block_tables[n * table_stride + b];
+            if (blk < 0 || blk >= num_blocks) return KVB_BAD_INDEX;
+        }
+        *max_len = len > *max_len ? len : *max_len;
+        *total += len;
+    }
+    return KVB_OK;
+}
+
+/* out[j * out_stride] = scale * q_j . k for the group's query heads: one load of each slice of k
+ * for all of them, each dot summed in vector lanes and reduced once (a plain loop would reduce
+ * every dot across lanes as it goes: measured ~10x slower on an AVX-512 Xeon). */
+static inline void qk_dots(const float *q, int64_t group, const float *k, int64_t d, float scale, float *out,
+                           int64_t out_stride) {
+#if defined(__AVX512F__)
+    if (d % 16 == 0 && group <= MAX_GROUP) {
+        __m512 acc[MAX_GROUP];
+        for (int64_t j = 0; j < group; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; e += 16) {
+            const __m512 kv = _mm512_loadu_ps(k + e);
+            for (int64_t j = 0; j < group; j++) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + e), kv, acc[j]);
+        }
+        for (int64_t j = 0; j < group; j++) out[j * out_stride] = _mm512_reduce_add_ps(acc[j]) * scale;
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0 && group <= MAX_GROUP) {
+        __m256 acc[MAX_GROUP];
+        for (int64_t j = 0; j < group; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < d; e += 8) {
+            const __m256 kv = _mm256_loadu_ps(k + e);
+            for (int64_t j = 0; j < group; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), kv, acc[j]);
+        }
+        for (int64_t j = 0; j < group; j++) {
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            v = _mm_add_ss(v, _mm_movehdup_ps(v));
+            out[j * out_stride] = _mm_cvtss_f32(v) * scale;
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < group; j++) {
+        const float *qj = q + j * d;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t e = 0; e < d; e++) acc += qj[e] * k[e];
+        out[j * out_stride] = acc * scale;
+    }
+}
+
+#if defined(__AVX512F__)
+/* The weighted sum of V for head size 64 and up to 4 query heads per KV head (Llama 3, SmolLM2,
+ * Qwen2: groups of 2-4): the 16 accumulators stay in registers (the generic loop below keeps
+ * them in memory, a store-to-load chain per position: measured the hot spot at long contexts). */
+static void pv_d64(const float *scores, int64_t len, int64_t group, const float *v_cache, const int32_t *table,
+                   int64_t block_size, int64_t hkv, int64_t g, const float *inv, float *og) {
+    __m512 a[4][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
+    const int64_t pos_stride = hkv * 64;
+    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+        const float *vb = v_cache + ((int64_t)table[p0 / block_size] * block_size * hkv + g) * 64;
+        const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        for (int64_t i = 0; i < m; i++) {
+            const float *vp = vb + i * pos_stride;
+            const __m512 v0 = _mm512_loadu_ps(vp), v1 = _mm512_loadu_ps(vp + 16), v2 = _mm512_loadu_ps(vp + 32),
+                         v3 = _mm512_loadu_ps(vp + 48);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                if (j < group) {
+                    const __m512 w = _mm512_set1_ps(scores[j * len + p0 + i]);
+                    a[j][0] = _mm512_fmadd_ps(w, v0, a[j][0]);
+                    a[j][1] = _mm512_fmadd_ps(w, v1, a[j][1]);
+                    a[j][2] = _mm512_fmadd_ps(w, v2, a[j][2]);
+                    a[j][3] = _mm512_fmadd_ps(w, v3, a[j][3]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+        if (j < group)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(og + j * 64 + c * 16, _mm512_mul_ps(a[j][c], _mm512_set1_ps(inv[j])));
+}
+#endif
+
+/* Attention of the `group` query heads sharing KV head g, for one sequence of `len` positions.
+ * scores: scratch of group * len floats. */
+static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t hkv, int64_t d,
+                   const float *k_cache, const float *v_cache, int64_t block_size, const int32_t *table,
+                   int64_t len, float scale, float *scores) {
+    const int64_t pos_stride = hkv * d;
+    if (len == 0) {
+        memset(og, 0, (size_t)(group * d) * sizeof(float));
+        return;
+    }
+    /* scores[j, p] = scale * q_j . k_p */
+    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+        const float *kb = k_cache + ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
+        const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        for (int64_t i = 0; i < m; i++)
+            qk_dots(qg, group, kb + i * pos_stride, d, scale, scores + p0 + i, len);
+    }
+    float inv[MAX_GROUP];
+    for (int64_t j = 0; j < group; j++) {
+        float *sj = scores + j * len, mx = sj[0];
+#pragma omp simd reduction(max : mx)
+        for (int64_t p = 1; p < len; p++) mx = sj[p] > mx ? sj[p] : mx;
+        inv[j] = 1.0f / exp_sub_sum(sj, len, mx);
+    }
+#if defined(__AVX512F__)
+    if (d == 64 && group <= 4) {
+        pv_d64(scores, len, group, v_cache, table, block_size, hkv, g, inv, og);
+        return;
+    }
+#endif
+    float acc[MAX_GROUP * MAX_HEAD_DIM];
+    memset(acc, 0, (size_t)(group * d) * sizeof(float));
+    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+        const float *vb = v_cache + ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
+        const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        for (int64_t i = 0; i < m; i++) {
+            const float *vp = vb + i * pos_stride;
+            for (int64_t j = 0; j < group; j++) {
+                const float w = scores[j * len + p0 + i];
+                float *aj = acc + j * d;
+#pragma omp simd
+                for (int64_t e = 0; e < d; e++) aj[e] += w * vp[e];
+            }
+        }
+    }
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t e = 0; e < d; e++) og[j * d + e] = acc[j * d + e] * inv[j];
+}
+
+/* One query token per sequence against its paged context, read where it lies.
+ * q: row n, head h at q + n * q_row_stride + h * d; k_cache / v_cache [num_blocks, block_size,
+ * hkv, d]; block_tables int32 [n_seqs, table_stride]; context_lens int32 [n_seqs]; out [n_seqs,
+ * hq, d]. Query head h reads KV head h / (hq / hkv). A sequence with context 0 gets zeros. */
+int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, int64_t hq, int64_t hkv, int64_t d,
+                         const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+                         const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
+                         float scale, float *out, int nthreads) {
+    if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || block_size <= 0) return KVB_BAD_SHAPE;
+    int64_t max_len, total;
+    if (check_decode_indices(n_seqs, block_tables, table_stride, context_lens, num_blocks, block_size, &max_len,
+                             &total))
+        return KVB_BAD_INDEX;
+    const int64_t group = hq / hkv, tasks = n_seqs * hkv;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (tasks > 1 && total * hkv * d >= PAR_WORK)
+    {
+        float *scores = malloc((size_t)(group * (max_len > 0 ? max_len : 1)) * sizeof(float));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (scores == NULL) continue;
+            const int64_t n = task / hkv, g = task % hkv;
+            attend(q + n * q_row_stride + g * group * d, out + (n * hq + g * group) * d, group, g, hkv, d, k_cache,
+                   v_cache, block_size, block_tables + n * table_stride, context_lens[n], scale, scores);
+        }
+        free(scores);
+    }
+    return failed ? KVB_NO_MEMORY : KVB_OK;
+}
+
+/* ------------------------------------------------------------------ the fused decode layers */
+
+/* y[r, c0:c1] = x[r, :] @ w[:, c0:c1] for w [in, out] (the BLAS layout the engine keeps: the
+ * weight transposed), over rows r; each 4 rows of w are read from memory once for all x rows. */
+static void gemv_cols(const float *x, int64_t rows, const float *w, int64_t in, int64_t out, float *y, int64_t c0,
+                      int64_t c1) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = c0; c < c1; c++) y[r * out + c] = 0.0f;
+    int64_t i = 0;
+    for (; i + 4 <= in; i += 4) {
+        const float *w0 = w + i * out, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * in;
+            const float x0 = xr[i], x1 = xr[i + 1], x2 = xr[i + 2], x3 = xr[i + 3];
+            float *yr = y + r * out;
+#pragma omp simd
+            for (int64_t c = c0; c < c1; c++) yr[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+        }
+    }
+    for (; i < in; i++) {
+        const float *w0 = w + i * out;
+        for (int64_t r = 0; r < rows; r++) {
+            const float x0 = x[r * in + i];
+            float *yr = y + r * out;
+#pragma omp simd
+            for (int64_t c = c0; c < c1; c++) yr[c] += x0 * w0[c];
+        }
+    }
+}
+
+/* This thread's share [*c0, *c1) of `out` columns, in whole cache lines. */
+static void share(int64_t out, int t, int n, int64_t *c0, int64_t *c1) {
+    const int64_t lines = (out + 15) / 16;
+    *c0 = lines * t / n * 16;
+    *c1 = t == n - 1 ? out : lines * (t + 1) / n * 16;
+    if (*c1 > out) *c1 = out;
+    if (*c0 > out) *c0 = out;
+}
+
+static void add_norm_rows(float *resid, const float *h, int copy, const float *w, float *x, int64_t rows,
+                          int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *rr = resid + r * dim, *xr = x + r * dim;
+        const float *hr = h + r * dim;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) {
+            float v = copy ? hr[i] : rr[i] + hr[i];
+            rr[i] = v;
+            ss += v * v;
+        }
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) xr[i] = w[i] * (rr[i] * inv);
+    }
+}
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* [dim] */
+    const float *qkv, *qkv_bias, *o, *gate_up, *down;  /* [in, out] each; qkv_bias [qkv out] or NULL */
+    float *k_plane, *v_plane;  /* this layer's cache, [num_slots, hkv, d] each */
+} kvb_layer_t;
+
+typedef struct {
+    int64_t rows, dim, hq, hkv, d, inter, max_pos, num_slots, num_blocks, block_size, table_stride;
+    float eps, scale;
+    const int64_t *positions, *slots;  /* [rows] */
+    const float *cos_sin;  /* [max_pos, d] */
+    const int32_t *block_tables, *context_lens;  /* [rows, table_stride], [rows] */
+} kvb_step_t;
+
+/* A decode step of `rows` sequences (one token each) through n_layers dense Llama layers, in one
+ * OpenMP region: per layer, residual add + RMSNorm, the qkv projection (+ bias), rotary and the
+ * K/V cache write, attention over the paged cache, the o projection, residual add + RMSNorm,
+ * gate/up with SiLU-and-multiply, down. On entry h [rows, dim] is the layer input (the embedding
+ * when has_resid is 0) and resid the running residual; on return h is the last layer's output and
+ * resid the residual before it, as LlamaModel.forward keeps them. work: rows * (dim + qkv_out +
+ * hq d + 2 inter + inter) floats of scratch. */
+int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_step_t *s, float *h, float *resid,
+                      int has_resid, float *work, int nthreads) {
+    const int64_t rows = s->rows, dim = s->dim, hq = s->hq, hkv = s->hkv, d = s->d, inter = s->inter;
+    if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 || s->block_size <= 0 || rows <= 0)
+        return KVB_BAD_SHAPE;
+    for (int64_t t = 0; t < rows; t++) {
+        if (s->positions[t] < 0 || s->positions[t] >= s->max_pos) return KVB_BAD_INDEX;
+        if (s->slots[t] < 0 || s->slots[t] >= s->num_slots) return KVB_BAD_INDEX;
+    }
+    int64_t max_len, total;
+    if (check_decode_indices(rows, s->block_tables, s->table_stride, s->context_lens, s->num_blocks, s->block_size,
+                             &max_len, &total))
+        return KVB_BAD_INDEX;
+    const int64_t group = hq / hkv, qkv_out = (hq + 2 * hkv) * d, kv = hkv * d, half = d / 2;
+    float *x = work, *qkv = x + rows * dim, *attn = qkv + rows * qkv_out, *gu = attn + rows * hq * d,
+          *act = gu + rows * 2 * inter;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, n = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        n = omp_get_num_threads();
+#endif
+        float *scores = malloc((size_t)(group * (max_len > 0 ? max_len : 1)) * sizeof(float));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        for (int64_t l = 0; l < n_layers && !failed; l++) {
+            const kvb_layer_t *L = layers + l;
+            int64_t c0, c1;
+#pragma omp single
+            add_norm_rows(resid, h, l == 0 && !has_resid, L->input_norm, x, rows, dim, s->eps);
+            share(qkv_out, t, n, &c0, &c1);
+            gemv_cols(x, rows, L->qkv, dim, qkv_out, qkv, c0, c1);
+            if (L->qkv_bias != NULL)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t c = c0; c < c1; c++) qkv[r * qkv_out + c] += L->qkv_bias[c];
+#pragma omp barrier
+#pragma omp single
+            for (int64_t r = 0; r < rows; r++) {
+                float *row = qkv + r * qkv_out;
+                const float *cs = s->cos_sin + s->positions[r] * d, *sn = cs + half;
+                for (int64_t hh = 0; hh < hq + hkv; hh++) {
+                    float *x1 = row + hh * d, *x2 = x1 + half;
+#pragma omp simd
+                    for (int64_t j = 0; j < half; j++) {
+                        float a = x1[j], b = x2[j];
+                        x1[j] = a * cs[j] - b * sn[j];
+                        x2[j] = b * cs[j] + a * sn[j];
+                    }
+                }
+                memcpy(L->k_plane + s->slots[r] * kv, row + hq * d, (size_t)kv * sizeof(float));
+                memcpy(L->v_plane + s->slots[r] * kv, row + (hq + hkv) * d, (size_t)kv * sizeof(float));
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < rows * hkv; task++) {
+                const int64_t r = task / hkv, g = task % hkv;
+                attend(qkv + r * qkv_out + g * group * d, attn + (r * hq + g * group) * d, group, g, hkv, d,
+                       L->k_plane, L->v_plane, s->block_size, s->block_tables + r * s->table_stride,
+                       s->context_lens[r], s->scale, scores);
+            }
+            share(dim, t, n, &c0, &c1);
+            gemv_cols(attn, rows, L->o, hq * d, dim, h, c0, c1);
+#pragma omp barrier
+#pragma omp single
+            add_norm_rows(resid, h, 0, L->post_norm, x, rows, dim, s->eps);
+            /* gate columns [c0, c1) and the up columns inter + [c0, c1) on one thread, so it can
+             * apply SiLU-and-multiply to its own columns without waiting for the others */
+            share(inter, t, n, &c0, &c1);
+            gemv_cols(x, rows, L->gate_up, dim, 2 * inter, gu, c0, c1);
+            gemv_cols(x, rows, L->gate_up, dim, 2 * inter, gu, inter + c0, inter + c1);
+            for (int64_t r = 0; r < rows; r++) {
+                const float *g = gu + r * 2 * inter;
+                silu_mul(g + c0, g + inter + c0, act + r * inter + c0, c1 - c0);
+            }
+#pragma omp barrier
+            share(dim, t, n, &c0, &c1);
+            gemv_cols(act, rows, L->down, inter, dim, h, c0, c1);
+#pragma omp barrier
+        }
+        free(scores);
+    }
+    return failed ? KVB_NO_MEMORY : KVB_OK;
+}

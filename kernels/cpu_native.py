@@ -1,0 +1,288 @@
+"""The CPU fp32 kernels of ``cpu_native.c``: a decode step's small operations, one call each.
+
+:mod:`kvbatch.kernels.dispatch` runs these instead of the PyTorch reference for fp32 CPU tensors
+when the library builds on this machine (:mod:`kvbatch.kernels.native_build`; ``KVBATCH_KERNELS``
+chooses, see dispatch). Each function takes what its reference twin takes and computes the same
+formula in fp32, in another summation order (the tests bound the difference), except that
+:func:`rotate_and_store` does the work of ``rotate_qk`` and ``store_kv_layer`` in one call.
+
+Every index the C code follows (positions, slots, block ids, context lengths) is checked there
+against the tensor it indexes; a bad one raises ``IndexError`` here and nothing is written out of
+bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvbatch.kernels import native_build
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+_ABI = 1
+_ERRORS = {1: (IndexError, "an index (position, slot, block id or context length) is out of range"),
+           2: (ValueError, "a shape the kernel does not take"),
+           3: (MemoryError, "no memory for the attention scores")}
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded library, or the reason there is none (cached: one build per process)."""
+    try:
+        path = native_build.build(SOURCE, native_build.cache_dir("cpu-native"))
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as exc:
+        return str(exc)
+    if lib.kvb_native_abi_version() != _ABI:
+        return f"{path} has another ABI version"
+    lib.kvb_add_rms_norm.restype = None
+    lib.kvb_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _F32, _INT]
+    lib.kvb_silu_and_mul.restype = None
+    lib.kvb_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _INT]
+    lib.kvb_rotary_store.restype = _INT
+    lib.kvb_rotary_store.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _INT]
+    lib.kvb_decode_attention.restype = _INT
+    lib.kvb_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _F32,
+                                         _P, _INT]
+    lib.kvb_decode_layers.restype = _INT
+    lib.kvb_decode_layers.argtypes = [_P, _I64, _P, _P, _P, _INT, _P, _INT]
+    return lib
+
+
+def available() -> bool:
+    return not isinstance(_library(), str)
+
+
+def unavailable_reason() -> str:
+    """Why the native kernels are off ('' when they are on)."""
+    lib = _library()
+    return lib if isinstance(lib, str) else ""
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library()
+    if isinstance(lib, str):
+        raise RuntimeError(f"the native CPU kernels are unavailable: {lib}")
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        kind, reason = _ERRORS.get(rc, (RuntimeError, f"error {rc}"))
+        raise kind(f"{what}: {reason}")
+
+
+def _fp32(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"the native CPU kernels take fp32 CPU tensors, got {t.dtype} on {t.device}")
+
+
+def _ints(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kvbatch.kernels.reference.add_rms_norm`: ``(normed, new_residual)``, the residual
+    added into ``x`` in place (the caller hands ``x`` over)."""
+    _fp32(x, weight)
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"rms_norm weight {tuple(weight.shape)} does not match rows of {dim}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if residual is not None:
+        _fp32(residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        residual = residual.contiguous()
+    out = torch.empty_like(x)
+    _lib().kvb_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                            weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // max(dim, 1), dim, eps,
+                            torch.get_num_threads())
+    return out, x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """:func:`kvbatch.kernels.reference.silu_and_mul`: ``silu(gate) * up`` of ``x`` [..., 2 I]."""
+    _fp32(x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: the last axis holds gate and up halves, got odd width {x.shape[-1]}")
+    x = x.contiguous()
+    half = x.shape[-1] // 2
+    out = x.new_empty((*x.shape[:-1], half))
+    _lib().kvb_silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // max(2 * half, 1), half,
+                            torch.get_num_threads())
+    return out
+
+
+def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                     positions: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor | None,
+                     slot_mapping: torch.Tensor) -> None:
+    """Rotate the query and key heads of ``qkv`` [T, (Hq + 2 Hkv) D] (a fused projection's output:
+    q, k, v heads in that order) in place, as :func:`kvbatch.kernels.reference.rotate_qk` does,
+    then write each token's K and V to its slot of ``kv_layer`` [2, num_blocks, block_size, Hkv,
+    D] as :func:`kvbatch.kernels.reference.store_kv_layer` does (``kv_layer`` None: rotate only)."""
+    _fp32(qkv, cos_sin)
+    T = qkv.shape[0]
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"rotate_and_store takes rows of (Hq + 2 Hkv) x D = "
+                         f"{(num_q_heads + 2 * num_kv_heads) * head_dim} values, got {tuple(qkv.shape)}")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim:
+        raise ValueError(f"cos_sin must be [max_positions, {head_dim}], got {tuple(cos_sin.shape)}")
+    positions, slots = _ints(positions, torch.int64), _ints(slot_mapping, torch.int64)
+    if positions.numel() != T or (kv_layer is not None and slots.numel() != T):
+        raise ValueError(f"{T} tokens need {T} positions and slots, got {positions.numel()} and {slots.numel()}")
+    k_plane = v_plane = None
+    num_slots = 0
+    if kv_layer is not None:
+        _fp32(kv_layer)
+        if not kv_layer.is_contiguous() or kv_layer.shape[0] != 2 or kv_layer.shape[-2:] != (num_kv_heads, head_dim):
+            raise ValueError(f"kv_layer must be a contiguous [2, blocks, block_size, {num_kv_heads}, {head_dim}], "
+                             f"got {tuple(kv_layer.shape)}")
+        k_plane = kv_layer.data_ptr()
+        num_slots = kv_layer[0].numel() // (num_kv_heads * head_dim)
+        v_plane = k_plane + kv_layer.stride(0) * 4
+    cos_sin = cos_sin.contiguous()
+    rc = _lib().kvb_rotary_store(qkv.data_ptr(), T, qkv.stride(0), num_q_heads, num_kv_heads, head_dim,
+                                 positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0], k_plane, v_plane,
+                                 slots.data_ptr(), num_slots, torch.get_num_threads())
+    _check(rc, "rotate_and_store")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`kvbatch.kernels.reference.paged_decode_attention`, reading K and V where they lie:
+    ``q`` [B, Hq, D] (rows may be strided), caches [num_blocks, block_size, Hkv, D]."""
+    _fp32(q, k_cache, v_cache)
+    B, Hq, D = q.shape
+    num_blocks, block_size, Hkv, Dk = k_cache.shape
+    if Dk != D or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"caches must be contiguous [blocks, block_size, Hkv, {D}], got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    tables, lens = _ints(block_tables, torch.int32), _ints(context_lens, torch.int32)
+    if tables.dim() != 2 or tables.shape[0] != B or lens.numel() != B:
+        raise ValueError(f"{B} sequences need [{B}, max_blocks] block tables and {B} context lengths, "
+                         f"got {tuple(tables.shape)} and {lens.numel()}")
+    out = q.new_empty((B, Hq, D))
+    rc = _lib().kvb_decode_attention(q.data_ptr(), B, q.stride(0), Hq, Hkv, D, k_cache.data_ptr(),
+                                     v_cache.data_ptr(), num_blocks, block_size, tables.data_ptr(), tables.shape[1],
+                                     lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+    _check(rc, "paged_decode_attention")
+    return out
+
+
+# ---------------------------------------------------------------- the fused decode layers
+
+_LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "k_plane", "v_plane")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "dim", "hq", "hkv", "d", "inter", "max_pos", "num_slots",
+                                                  "num_blocks", "block_size", "table_stride")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + \
+               [(name, ctypes.c_void_p) for name in ("positions", "slots", "cos_sin", "block_tables", "context_lens")]
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """One dense Llama layer as :func:`decode_layers` takes it: norms [dim], projections in the
+    ``[in, out]`` layout (the BLAS layout the engine keeps), and the layer's cache [2, blocks,
+    block_size, Hkv, D]."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    kv_layer: torch.Tensor
+
+
+@dataclass(frozen=True)
+class FusedLayers:
+    """The C structs of a model's layers over one KV cache, made once (the runner keeps its cache
+    for its life); ``tensors`` holds what the pointers point into."""
+
+    structs: ctypes.Array
+    tensors: tuple[DenseLayer, ...]
+    dim: int
+    inter: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
+    """Check every layer's shapes and layouts and lay them out for :func:`decode_layers`."""
+    if not layers:
+        raise ValueError("fuse_layers needs at least one layer")
+    first = layers[0]
+    dim, inter = first.input_norm.shape[0], first.down.shape[0]
+    _, num_blocks, block_size, hkv, d = first.kv_layer.shape
+    structs = (_Layer * len(layers))()
+    for i, lw in enumerate(layers):
+        tensors = [lw.input_norm, lw.post_norm, lw.qkv, lw.o, lw.gate_up, lw.down, lw.kv_layer]
+        _fp32(*tensors)
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError(f"layer {i}: fuse_layers takes contiguous tensors")
+        qkv_out = lw.qkv.shape[1]
+        shapes = {"qkv": (lw.qkv.shape, (dim, qkv_out)), "gate_up": (lw.gate_up.shape, (dim, 2 * inter)),
+                  "down": (lw.down.shape, (inter, dim)), "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape),
+                  "o": (lw.o.shape, (qkv_out - 2 * hkv * d, dim))}
+        for name, (got, want) in shapes.items():
+            if tuple(got) != tuple(want):
+                raise ValueError(f"layer {i}: {name} is {tuple(got)}, expected {tuple(want)}")
+        if lw.qkv_bias is not None and lw.qkv_bias.shape != (qkv_out,):
+            raise ValueError(f"layer {i}: qkv bias {tuple(lw.qkv_bias.shape)} does not match {qkv_out} outputs")
+        k_plane = lw.kv_layer.data_ptr()
+        structs[i] = _Layer(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), lw.qkv.data_ptr(),
+                            None if lw.qkv_bias is None else lw.qkv_bias.contiguous().data_ptr(), lw.o.data_ptr(),
+                            lw.gate_up.data_ptr(), lw.down.data_ptr(), k_plane,
+                            k_plane + lw.kv_layer.stride(0) * lw.kv_layer.element_size())
+    return FusedLayers(structs, tuple(layers), dim, inter, hkv, d)
+
+
+def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual: torch.Tensor | None,
+                  positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor, eps: float,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``num_layers`` layers of a decode step of ``h`` [rows, dim] (one token per
+    sequence; ``residual`` None at the first layer) in one call: returns ``(h, residual)`` after
+    them, as the layer loop of ``LlamaModel.forward`` leaves them. Writes each token's K/V."""
+    _fp32(h, cos_sin)
+    rows, dim = h.shape
+    if dim != fused.dim or not 0 < num_layers <= len(fused.tensors):
+        raise ValueError(f"decode_layers: rows of {fused.dim} through 1-{len(fused.tensors)} layers, "
+                         f"got {tuple(h.shape)} through {num_layers}")
+    hkv, d = fused.num_kv_heads, fused.head_dim
+    hq = fused.tensors[0].o.shape[0] // d
+    h = h.clone() if not h.is_contiguous() else h
+    resid = torch.empty_like(h) if residual is None else residual.contiguous()
+    positions, slots = _ints(positions, torch.int64), _ints(slot_mapping, torch.int64)
+    tables, lens = _ints(block_tables, torch.int32), _ints(context_lens, torch.int32)
+    if positions.numel() != rows or slots.numel() != rows or lens.numel() != rows or tables.shape[0] != rows:
+        raise ValueError(f"decode_layers: {rows} tokens need {rows} positions, slots, block tables and context lengths")
+    cos_sin = cos_sin.contiguous()
+    kv_layer = fused.tensors[0].kv_layer
+    step = _Step(rows, dim, hq, hkv, d, fused.inter, cos_sin.shape[0], kv_layer[0].numel() // (hkv * d),
+                 kv_layer.shape[1], kv_layer.shape[2], tables.shape[1], eps, scale, positions.data_ptr(),
+                 slots.data_ptr(), cos_sin.data_ptr(), tables.data_ptr(), lens.data_ptr())
+    qkv_out = (hq + 2 * hkv) * d
+    work = torch.empty(rows * (dim + qkv_out + hq * d + 3 * fused.inter), dtype=torch.float32)
+    rc = _lib().kvb_decode_layers(fused.structs, num_layers, ctypes.byref(step), h.data_ptr(), resid.data_ptr(),
+                                  int(residual is not None), work.data_ptr(), torch.get_num_threads())
+    _check(rc, "decode_layers")
+    return h, resid

@@ -1,0 +1,75 @@
+"""C sources of ours compiled at first use with the machine's compiler and kept for the next process.
+
+Two libraries are built this way: the CPU decode-step kernels (:mod:`kvbatch.kernels.cpu_native`)
+and the GGUF block multiply (:mod:`kvbatch.engine.models.gguf_kernels`). Each is compiled with
+``$CC`` or ``gcc`` (``-O3 -march=native -fopenmp``: about a second), so it is vectorized for the
+CPU it runs on, and kept under ``KVBATCH_CACHE_DIR`` named by a hash of the source, the compiler
+and its version, the flags and the CPU's model and flags: a second process, or a second test
+worker, only loads it. The build is atomic (a temporary file renamed), so processes building the
+same library at once each load a whole file. No compiler, or one that fails: :func:`build`
+raises ``RuntimeError`` with the reason, and the caller falls back to its PyTorch path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvbatch.kernels.machine import cpu_identity, default_cache_dir
+
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC`` when set, else ``gcc`` on the PATH (None: none)."""
+    cc = os.environ.get("CC", "").strip() or "gcc"
+    return shutil.which(cc)
+
+
+def compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def build_key(source: Path, cc: str) -> str:
+    """What a built library depends on: the source, the compiler and its flags, the CPU."""
+    model, flags = cpu_identity()
+    text = "\n".join([source.read_text(), cc, compiler_version(cc), " ".join(CFLAGS), model, " ".join(sorted(flags))])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_dir(name: str) -> Path:
+    """Where the builds of library ``name`` are kept."""
+    return default_cache_dir() / name
+
+
+def build(source: Path, folder: Path) -> Path:
+    """The compiled library of ``source`` in ``folder``, compiling it when the folder lacks it.
+    Raises ``RuntimeError`` with the reason (no compiler, compiler errors) when it cannot be had."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'gcc'} not found on the PATH)")
+    target = folder / f"{source.stem}-{build_key(source, cc)}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=target.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(cc).name} failed: {' '.join(done.stderr.split())[:300]}")
+        os.replace(tmp, target)  # atomic: a concurrent process loads the old file or the new one
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"building {source.name} failed ({type(exc).__name__}: {exc})") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return target

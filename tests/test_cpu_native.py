@@ -1,0 +1,254 @@
+"""The native CPU kernels (kernels/cpu_native.c, issue 18) against the PyTorch reference they
+replace on fp32 CPU tensors, the fused decode layers against the per-op forward pass, the bounds
+the C code checks, and how dispatch chooses (and falls back) between them.
+
+The tolerances are fp32 summation-order bounds: the kernels compute the reference's formulas in
+another order, so a result is asserted close, not equal; the engine-level tests assert the same
+greedy tokens as well.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbatch.engine.models.rope import cos_sin_table
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels import cpu_native as N
+from kvbatch.kernels import dispatch
+from kvbatch.kernels import reference as R
+from tests.tiny_models import VOCAB, build_tiny, build_tiny_moe
+
+pytestmark = pytest.mark.skipif(not N.available(), reason=f"no native CPU kernels here: {N.unavailable_reason()}")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-6) -> None:
+    scale = max(float(b.abs().max()), 1.0) if b.numel() else 1.0
+    assert a.shape == b.shape
+    assert float((a - b).abs().max()) <= rel * scale if a.numel() else True
+
+
+# ------------------------------------------------------------------------- the kernels
+
+
+@pytest.mark.parametrize("rows,dim", [(0, 576), (1, 576), (3, 576), (64, 64), (5, 100), (1, 7)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_the_reference_and_hands_x_over(rows, dim, with_residual):
+    gen = torch.Generator().manual_seed(rows * 7 + dim)
+    x = torch.randn(rows, dim, generator=gen) * 3
+    weight = torch.randn(dim, generator=gen)
+    residual = torch.randn(rows, dim, generator=gen) if with_residual else None
+    expected = R.rms_norm(x.clone(), weight, 1e-5, residual)
+    normed, new_residual = N.add_rms_norm(x, weight, 1e-5, residual)
+    _close(normed, expected[0])
+    assert torch.equal(new_residual, expected[1])  # one fp32 add: the same bits
+    assert new_residual is x  # the sum went into x's memory
+
+
+def test_silu_and_mul_matches_the_reference_over_the_whole_range():
+    # every exp input from underflow to overflow, both signs, odd widths (the scalar tail)
+    gate = torch.linspace(-100.0, 100.0, 4001)
+    x = torch.cat([gate, torch.randn(4001)]).view(1, -1)
+    _close(N.silu_and_mul(x), R.silu_and_mul(x), rel=4e-7)
+    for width in (2, 30, 34, 3072):
+        y = torch.randn(3, width) * 10
+        _close(N.silu_and_mul(y), R.silu_and_mul(y), rel=1e-6)
+    with pytest.raises(ValueError, match="odd width"):
+        N.silu_and_mul(torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("T", [1, 4, 9])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 2, 16), (8, 1, 128)])
+def test_rotate_and_store_is_rotate_qk_then_store_kv_layer(T, Hq, Hkv, D):
+    gen = torch.Generator().manual_seed(T + Hq + D)
+    cos_sin = cos_sin_table(D, 10000.0, None, 512).float()
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen)
+    positions = torch.randint(0, 512, (T,), generator=gen)
+    slots = torch.randperm(64, generator=gen)[:T]
+    expected_qkv, expected_cache = qkv.clone(), torch.zeros(2, 4, 16, Hkv, D)
+    R.rotate_qk(expected_qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), R.rotary_table(positions, cos_sin))
+    R.store_kv_layer(expected_qkv[:, Hq * D:].view(T, 2, Hkv, D), expected_cache, slots)
+    cache = torch.zeros_like(expected_cache)
+    N.rotate_and_store(qkv, Hq, Hkv, D, positions, cos_sin, cache, slots)
+    _close(qkv, expected_qkv)
+    _close(cache, expected_cache)
+
+
+def _paged(gen: torch.Generator, lens: list[int], Hkv: int, D: int, block_size: int = 16):
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k = torch.randn(num_blocks, block_size, Hkv, D, generator=gen)
+    v = torch.randn(num_blocks, block_size, Hkv, D, generator=gen)
+    width = max(1, max(-(-n // block_size) for n in lens))
+    order = torch.randperm(num_blocks, generator=gen).int()  # scattered blocks, as a real cache has
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        need = -(-n // block_size)
+        tables[i, :need] = order[used:used + need]
+        used += need
+    return k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(1, 200), min_size=1, max_size=6),
+       shape=st.sampled_from([(9, 3, 64), (4, 2, 16), (8, 1, 128), (6, 6, 8), (16, 2, 64)]),
+       seed=st.integers(0, 2**16))
+def test_decode_attention_matches_the_reference(lens, shape, seed):
+    Hq, Hkv, D = shape
+    gen = torch.Generator().manual_seed(seed)
+    k, v, tables, ctx = _paged(gen, lens, Hkv, D)
+    q = torch.randn(len(lens), Hq, D, generator=gen)
+    scale = D ** -0.5
+    _close(N.paged_decode_attention(q, k, v, tables, ctx, scale),
+           R.paged_decode_attention(q, k, v, tables, ctx, scale), rel=2e-6)
+
+
+def test_decode_attention_takes_strided_queries_and_gives_an_empty_context_zeros():
+    gen = torch.Generator().manual_seed(3)
+    k, v, tables, ctx = _paged(gen, [37, 5], 3, 64)
+    qkv = torch.randn(2, 15 * 64, generator=gen)
+    q = qkv[:, :9 * 64].view(2, 9, 64)  # rows strided as the fused projection leaves them
+    assert not q.is_contiguous()
+    _close(N.paged_decode_attention(q, k, v, tables, ctx, 0.125),
+           R.paged_decode_attention(q.contiguous(), k, v, tables, ctx, 0.125))
+    empty = N.paged_decode_attention(q, k, v, tables, torch.tensor([0, 5], dtype=torch.int32), 0.125)
+    assert torch.equal(empty[0], torch.zeros(9, 64))
+
+
+def test_out_of_range_indices_raise_and_write_nothing():
+    gen = torch.Generator().manual_seed(5)
+    k, v, tables, ctx = _paged(gen, [20], 2, 16)
+    q = torch.randn(1, 4, 16, generator=gen)
+    with pytest.raises(IndexError, match="out of range"):
+        N.paged_decode_attention(q, k, v, tables + k.shape[0], ctx, 0.25)  # a block id past the cache
+    with pytest.raises(IndexError, match="out of range"):
+        N.paged_decode_attention(q, k, v, tables, torch.tensor([10_000], dtype=torch.int32), 0.25)
+    cos_sin = cos_sin_table(16, 10000.0, None, 64).float()
+    cache = torch.zeros(2, 2, 4, 2, 16)
+    qkv = torch.randn(1, 8 * 16, generator=gen)
+    before = qkv.clone()
+    for positions, slots in (([64], [0]), ([-1], [0]), ([3], [8]), ([3], [-1])):
+        with pytest.raises(IndexError, match="out of range"):
+            N.rotate_and_store(qkv, 4, 2, 16, torch.tensor(positions), cos_sin, cache, torch.tensor(slots))
+        assert torch.equal(qkv, before) and not cache.any()  # checked before anything is written
+
+
+# ------------------------------------------------------------------------- the engine
+
+
+def _generate(llm: LLM, n: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    seen: list[torch.Tensor] = []
+    execute = llm.runner.execute
+
+    def spy(step):
+        logits, sampled = execute(step)
+        seen.append(logits.clone())
+        return logits, sampled
+
+    llm.runner.execute = spy
+    prompts = [torch.randint(3, VOCAB, (5 + 7 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(n)]
+    reqs = [GenerationRequest(f"r{i}", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                              prompt_token_ids=p) for i, p in enumerate(prompts)]
+    return [r.output_token_ids for r in llm.generate(reqs)], seen
+
+
+def _llm(folder: Path, monkeypatch: pytest.MonkeyPatch, kernels: str, fused: str = "1") -> LLM:
+    monkeypatch.setenv("KVBATCH_KERNELS", kernels)
+    monkeypatch.setenv("KVBATCH_FUSED_DECODE", fused)
+    monkeypatch.setenv("KVBATCH_LINEAR", "blas")
+    return LLM(str(folder), engine_config=EngineConfig(block_size=4, num_blocks=256))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv bias inside the fused layers
+def test_native_and_fused_paths_match_the_torch_forward_pass(tmp_path, monkeypatch, arch):
+    build_tiny(arch, tmp_path / arch)
+    calls = []
+    real = N.decode_layers
+    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    for n in (1, 3, 9):  # batch 1; 3 rows; 9 rows: more than the fused path takes
+        calls.clear()
+        torch_tokens, torch_logits = _generate(_llm(tmp_path / arch, monkeypatch, "reference"), n)
+        assert not calls
+        native_tokens, native_logits = _generate(_llm(tmp_path / arch, monkeypatch, "native"), n)
+        assert native_tokens == torch_tokens
+        assert len(native_logits) == len(torch_logits) > 1
+        for a, b in zip(native_logits, torch_logits):
+            _close(a, b, rel=1e-5)
+        # every decode step of up to 8 rows ran fused (9 requests finish together: 9 rows each step)
+        assert set(calls) == ({n} if n <= 8 else set()) and (calls or n > 8)
+        unfused = _generate(_llm(tmp_path / arch, monkeypatch, "native", fused="0"), n)
+        assert unfused[0] == torch_tokens
+
+
+def test_the_fused_path_takes_only_what_it_can_run(tmp_path, monkeypatch):
+    build_tiny("llama", tmp_path / "dense")
+    llm = _llm(tmp_path / "dense", monkeypatch, "native")
+    model, cache = llm.model, llm.runner.kv_cache
+    assert model._fused_layers(cache, 1) is not None and model._fused_layers(cache, 8) is not None
+    assert model._fused_layers(cache, 9) is None  # compute-bound: the GEMM kernels
+    model.fused_decode = False
+    assert model._fused_layers(cache, 1) is None
+    monkeypatch.setenv("KVBATCH_LINEAR", "onednn")  # packed weights: no plain layout to multiply
+    onednn = LLM(str(tmp_path / "dense"), engine_config=EngineConfig(block_size=4, num_blocks=64))
+    if onednn.model.linear.kind == "onednn":
+        assert onednn.model._fused_layers(onednn.runner.kv_cache, 1) is None
+    build_tiny_moe("qwen3_moe", tmp_path / "moe")
+    moe = _llm(tmp_path / "moe", monkeypatch, "native")
+    assert moe.model._fused_layers(moe.runner.kv_cache, 1) is None  # MoE layers and q/k norms keep the loop
+
+
+def test_fused_layers_refuse_bad_indices_before_writing(tmp_path, monkeypatch):
+    build_tiny("llama", tmp_path / "m")
+    llm = _llm(tmp_path / "m", monkeypatch, "native")
+    model, cache = llm.model, llm.runner.kv_cache
+    fused = model._fused_layers(cache, 1)
+    h = torch.randn(1, 64)
+    before = cache.clone()
+    tables = torch.zeros(1, 4, dtype=torch.int32)
+    for slots, lens, table in (([cache[0, 0].numel() // 32], [1], tables), ([0], [17], tables),
+                               ([0], [1], tables + cache.shape[2])):
+        with pytest.raises(IndexError, match="out of range"):
+            dispatch.decode_layers(fused, 2, h, None, torch.tensor([0]), torch.tensor(slots), model.cos_sin,
+                                   table, torch.tensor(lens, dtype=torch.int32), 1e-5, 0.25)
+    assert torch.equal(cache, before)
+
+
+def test_dispatch_chooses_native_for_fp32_cpu_and_falls_back_without_a_compiler(tmp_path, monkeypatch):
+    x = torch.zeros(2, 8)
+    monkeypatch.delenv("KVBATCH_KERNELS", raising=False)
+    assert dispatch.native(x) and not dispatch.native(x.bfloat16())
+    monkeypatch.setenv("KVBATCH_KERNELS", "reference")
+    assert not dispatch.native(x)
+    monkeypatch.setenv("KVBATCH_KERNELS", "fast")
+    with pytest.raises(ValueError, match="'native'"):
+        dispatch.native(x)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVBATCH_CACHE_DIR", str(tmp_path / "cache"))  # no library built earlier to find
+    N._library.cache_clear()
+    try:
+        assert not N.available() and "no C compiler" in N.unavailable_reason()
+        monkeypatch.setenv("KVBATCH_KERNELS", "auto")
+        assert not dispatch.native(x)  # silently the reference
+        normed, _ = dispatch.add_rms_norm(x.clone(), torch.ones(8), 1e-5)
+        assert normed.shape == x.shape
+        monkeypatch.setenv("KVBATCH_KERNELS", "native")
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            dispatch.native(x)
+    finally:
+        N._library.cache_clear()
+
+
+def test_the_c_source_ships_in_the_package():
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((repo / "pyproject.toml").read_text())
+    assert "cpu_native.c" in config["tool"]["setuptools"]["package-data"]["kvbatch.kernels"]
+    assert (repo / "kernels" / "cpu_native.c").is_file()
