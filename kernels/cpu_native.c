@@ -269,12 +269,35 @@ static inline void qk_dots(const float *q, int64_t group, const float *k, int64_
     }
 }
 
+/* One cache position's d values as fp32: the fp32 cache itself, or a bf16 cache's values widened
+ * into tmp (bf16 is the top half of an fp32: widening is exact). */
+static inline const float *cache_pos(const void *base, int64_t index, int64_t d, int bf16, float *tmp) {
+    if (!bf16) return (const float *)base + index;
+    const uint16_t *src = (const uint16_t *)base + index;
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    for (; e + 16 <= d; e += 16)
+        _mm512_storeu_ps(tmp + e, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + e))), 16)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; e + 8 <= d; e += 8)
+        _mm256_storeu_ps(tmp + e, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + e))), 16)));
+#endif
+    for (; e < d; e++) {
+        uint32_t bits = (uint32_t)src[e] << 16;
+        memcpy(tmp + e, &bits, sizeof bits);
+    }
+    return tmp;
+}
+
 #if defined(__AVX512F__)
 /* The weighted sum of V for head size 64 and up to 4 query heads per KV head (Llama 3, SmolLM2,
  * Qwen2: groups of 2-4): the 16 accumulators stay in registers (the generic loop below keeps
  * them in memory, a store-to-load chain per position: measured the hot spot at long contexts). */
-static void pv_d64(const float *scores, int64_t len, int64_t group, const float *v_cache, const int32_t *table,
-                   int64_t block_size, int64_t hkv, int64_t g, const float *inv, float *og) {
+static void pv_d64(const float *scores, int64_t len, int64_t group, const void *v_cache, int bf16,
+                   const int32_t *table, int64_t block_size, int64_t hkv, int64_t g, const float *inv, float *og) {
+    float tmp[64];
     __m512 a[4][4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
@@ -282,10 +305,10 @@ static void pv_d64(const float *scores, int64_t len, int64_t group, const float 
         for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
     const int64_t pos_stride = hkv * 64;
     for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-        const float *vb = v_cache + ((int64_t)table[p0 / block_size] * block_size * hkv + g) * 64;
+        const int64_t vb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * 64;
         const int64_t m = len - p0 < block_size ? len - p0 : block_size;
         for (int64_t i = 0; i < m; i++) {
-            const float *vp = vb + i * pos_stride;
+            const float *vp = cache_pos(v_cache, vb + i * pos_stride, 64, bf16, tmp);
             const __m512 v0 = _mm512_loadu_ps(vp), v1 = _mm512_loadu_ps(vp + 16), v2 = _mm512_loadu_ps(vp + 32),
                          v3 = _mm512_loadu_ps(vp + 48);
 #pragma GCC unroll 4
@@ -311,19 +334,20 @@ static void pv_d64(const float *scores, int64_t len, int64_t group, const float 
 /* Attention of the `group` query heads sharing KV head g, for one sequence of `len` positions.
  * scores: scratch of group * len floats. */
 static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t hkv, int64_t d,
-                   const float *k_cache, const float *v_cache, int64_t block_size, const int32_t *table,
+                   const void *k_cache, const void *v_cache, int bf16, int64_t block_size, const int32_t *table,
                    int64_t len, float scale, float *scores) {
     const int64_t pos_stride = hkv * d;
+    float tmp[MAX_HEAD_DIM];
     if (len == 0) {
         memset(og, 0, (size_t)(group * d) * sizeof(float));
         return;
     }
     /* scores[j, p] = scale * q_j . k_p */
     for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-        const float *kb = k_cache + ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
+        const int64_t kb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
         const int64_t m = len - p0 < block_size ? len - p0 : block_size;
         for (int64_t i = 0; i < m; i++)
-            qk_dots(qg, group, kb + i * pos_stride, d, scale, scores + p0 + i, len);
+            qk_dots(qg, group, cache_pos(k_cache, kb + i * pos_stride, d, bf16, tmp), d, scale, scores + p0 + i, len);
     }
     float inv[MAX_GROUP];
     for (int64_t j = 0; j < group; j++) {
@@ -334,17 +358,17 @@ static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t
     }
 #if defined(__AVX512F__)
     if (d == 64 && group <= 4) {
-        pv_d64(scores, len, group, v_cache, table, block_size, hkv, g, inv, og);
+        pv_d64(scores, len, group, v_cache, bf16, table, block_size, hkv, g, inv, og);
         return;
     }
 #endif
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     memset(acc, 0, (size_t)(group * d) * sizeof(float));
     for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-        const float *vb = v_cache + ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
+        const int64_t vb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
         const int64_t m = len - p0 < block_size ? len - p0 : block_size;
         for (int64_t i = 0; i < m; i++) {
-            const float *vp = vb + i * pos_stride;
+            const float *vp = cache_pos(v_cache, vb + i * pos_stride, d, bf16, tmp);
             for (int64_t j = 0; j < group; j++) {
                 const float w = scores[j * len + p0 + i];
                 float *aj = acc + j * d;
@@ -359,10 +383,10 @@ static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t
 
 /* One query token per sequence against its paged context, read where it lies.
  * q: row n, head h at q + n * q_row_stride + h * d; k_cache / v_cache [num_blocks, block_size,
- * hkv, d]; block_tables int32 [n_seqs, table_stride]; context_lens int32 [n_seqs]; out [n_seqs,
+ * hkv, d], fp32, or bf16 when bf16 is set (q and out stay fp32); block_tables int32 [n_seqs, table_stride]; context_lens int32 [n_seqs]; out [n_seqs,
  * hq, d]. Query head h reads KV head h / (hq / hkv). A sequence with context 0 gets zeros. */
 int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, int64_t hq, int64_t hkv, int64_t d,
-                         const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+                         const void *k_cache, const void *v_cache, int bf16, int64_t num_blocks, int64_t block_size,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
                          float scale, float *out, int nthreads) {
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || block_size <= 0) return KVB_BAD_SHAPE;
@@ -384,7 +408,7 @@ int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, i
             if (scores == NULL) continue;
             const int64_t n = task / hkv, g = task % hkv;
             attend(q + n * q_row_stride + g * group * d, out + (n * hq + g * group) * d, group, g, hkv, d, k_cache,
-                   v_cache, block_size, block_tables + n * table_stride, context_lens[n], scale, scores);
+                   v_cache, bf16, block_size, block_tables + n * table_stride, context_lens[n], scale, scores);
         }
         free(scores);
     }
@@ -530,7 +554,7 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
             for (int64_t task = 0; task < rows * hkv; task++) {
                 const int64_t r = task / hkv, g = task % hkv;
                 attend(qkv + r * qkv_out + g * group * d, attn + (r * hq + g * group) * d, group, g, hkv, d,
-                       L->k_plane, L->v_plane, s->block_size, s->block_tables + r * s->table_stride,
+                       L->k_plane, L->v_plane, 0, s->block_size, s->block_tables + r * s->table_stride,
                        s->context_lens[r], s->scale, scores);
             }
             share(dim, t, n, &c0, &c1);

@@ -47,8 +47,8 @@ def _library() -> ctypes.CDLL | str:
     lib.kvb_rotary_store.restype = _INT
     lib.kvb_rotary_store.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _INT]
     lib.kvb_decode_attention.restype = _INT
-    lib.kvb_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _F32,
-                                         _P, _INT]
+    lib.kvb_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT, _I64, _I64, _P, _I64, _P,
+                                         _F32, _P, _INT]
     lib.kvb_decode_layers.restype = _INT
     lib.kvb_decode_layers.argtypes = [_P, _I64, _P, _P, _P, _INT, _P, _INT]
     return lib
@@ -159,8 +159,15 @@ def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """:func:`kvbatch.kernels.reference.paged_decode_attention`, reading K and V where they lie:
-    ``q`` [B, Hq, D] (rows may be strided), caches [num_blocks, block_size, Hkv, D]."""
-    _fp32(q, k_cache, v_cache)
+    ``q`` [B, Hq, D] (rows may be strided), caches [num_blocks, block_size, Hkv, D], all fp32, or
+    all bf16 (computed in fp32, K and V widened as they are read; the result rounded to bf16)."""
+    bf16 = q.dtype == torch.bfloat16
+    if bf16:
+        if k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16 or q.device.type != "cpu":
+            raise ValueError(f"bf16 queries need bf16 CPU caches, got {k_cache.dtype} and {v_cache.dtype}")
+        q = q.float()
+    else:
+        _fp32(q, k_cache, v_cache)
     B, Hq, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_cache.shape
     if Dk != D or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -174,10 +181,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"got {tuple(tables.shape)} and {lens.numel()}")
     out = q.new_empty((B, Hq, D))
     rc = _lib().kvb_decode_attention(q.data_ptr(), B, q.stride(0), Hq, Hkv, D, k_cache.data_ptr(),
-                                     v_cache.data_ptr(), num_blocks, block_size, tables.data_ptr(), tables.shape[1],
-                                     lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+                                     v_cache.data_ptr(), int(bf16), num_blocks, block_size, tables.data_ptr(),
+                                     tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
     _check(rc, "paged_decode_attention")
-    return out
+    return out.to(torch.bfloat16) if bf16 else out
 
 
 # ---------------------------------------------------------------- the fused decode layers

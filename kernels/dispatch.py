@@ -2,7 +2,7 @@
 
 On CUDA tensors with Triton importable, the Triton kernels run. On fp32 CPU tensors the small
 operations of a decode step (residual add + RMSNorm, SiLU-and-multiply, rotary + K/V cache
-write, decode attention) run as C kernels built for this CPU (:mod:`kvbatch.kernels.cpu_native`)
+write, decode attention, the last also for bf16) run as C kernels built for this CPU (:mod:`kvbatch.kernels.cpu_native`)
 when a C compiler is at hand. Everywhere else the PyTorch reference twins in
 :mod:`kvbatch.kernels.reference` (and ``reference_mla``, ``reference_verify``) do. Callers import
 from here only, so a kernel can be swapped or disabled without touching the engine.
@@ -79,10 +79,11 @@ def _mode() -> str:
     return mode
 
 
-def native(t: torch.Tensor) -> bool:
-    """Whether the native CPU kernels run for tensors like ``t`` (fp32 on the CPU; see the module
-    docstring). Raises ``RuntimeError`` under ``KVBATCH_KERNELS=native`` when they cannot be built."""
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+def native(t: torch.Tensor, bf16: bool = False) -> bool:
+    """Whether the native CPU kernels run for tensors like ``t`` (fp32 on the CPU, and bf16 for
+    the kernels that take it, ``bf16=True``; see the module docstring). Raises ``RuntimeError``
+    under ``KVBATCH_KERNELS=native`` when they cannot be built."""
+    if t.device.type != "cpu" or not (t.dtype == torch.float32 or (bf16 and t.dtype == torch.bfloat16)):
         return False
     mode = _mode()
     if mode not in ("auto", "native"):
@@ -231,7 +232,7 @@ def paged_decode_attention(
     plan: reference.DecodePlan | None = None,
 ) -> torch.Tensor:
     """See :func:`reference.paged_decode_attention` (``workspace`` and ``plan`` serve the reference only)."""
-    if native(q) and native(k_cache):
+    if native(q, bf16=True) and q.dtype == k_cache.dtype:
         return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     impl = _impl(q)
     if impl is reference:
@@ -266,7 +267,7 @@ def plan_decode(x: torch.Tensor, block_tables: torch.Tensor, context_lens: torch
                 block_size: int) -> reference.DecodePlan | None:
     """:func:`reference.plan_decode` where the reference path will run for tensors like ``x``
     (its in-place decode path is fp32 only: a 16-bit model plans the padded path alone)."""
-    if native(x) or _impl(x) is not reference or block_tables.shape[0] == 0:
+    if native(x, bf16=True) or _impl(x) is not reference or block_tables.shape[0] == 0:
         return None
     return reference.plan_decode(block_tables, context_lens, block_size, sparse=x.dtype == torch.float32)
 

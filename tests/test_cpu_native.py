@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.engine.runtime.engine_config import EngineConfig
-from kvbatch.engine.runtime.llm import LLM, GenerationRequest
-from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.runtime.llm import LLM
 from kvbatch.kernels import cpu_native as N
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
-from tests.tiny_models import VOCAB, build_tiny, build_tiny_moe
+from tests.test_small_ops import _tokens_and_logits  # greedy tokens and every step's logits
+from tests.tiny_models import build_tiny, build_tiny_moe
 
 pytestmark = pytest.mark.skipif(not N.available(), reason=f"no native CPU kernels here: {N.unavailable_reason()}")
 
@@ -109,6 +109,25 @@ def test_decode_attention_matches_the_reference(lens, shape, seed):
            R.paged_decode_attention(q, k, v, tables, ctx, scale), rel=2e-6)
 
 
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 16), (8, 1, 128)])
+def test_decode_attention_reads_a_bf16_cache(shape):
+    # bf16 q, K and V; computed in fp32: as close to the fp32 attention of the same bf16 values
+    # as the reference's bf16 path, and within one bf16 rounding of it (2^-8 of the output scale)
+    Hq, Hkv, D = shape
+    gen = torch.Generator().manual_seed(D)
+    k, v, tables, ctx = _paged(gen, [1, 16, 17, 150], Hkv, D)
+    k, v = k.bfloat16(), v.bfloat16()
+    q = torch.randn(4, Hq, D, generator=gen).bfloat16()
+    exact = R.paged_decode_attention(q.float(), k.float(), v.float(), tables, ctx, 0.1)
+    native = N.paged_decode_attention(q, k, v, tables, ctx, 0.1)
+    reference = R.paged_decode_attention(q, k, v, tables, ctx, 0.1)
+    assert native.dtype == torch.bfloat16
+    bound = 2 ** -8 * float(exact.abs().max())
+    assert float((native.float() - exact).abs().max()) <= bound
+    assert float((reference.float() - exact).abs().max()) <= bound
+    assert dispatch.native(q, bf16=True) and not dispatch.native(q)  # bf16: the attention only
+
+
 def test_decode_attention_takes_strided_queries_and_gives_an_empty_context_zeros():
     gen = torch.Generator().manual_seed(3)
     k, v, tables, ctx = _paged(gen, [37, 5], 3, 64)
@@ -142,23 +161,6 @@ def test_out_of_range_indices_raise_and_write_nothing():
 # ------------------------------------------------------------------------- the engine
 
 
-def _generate(llm: LLM, n: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    seen: list[torch.Tensor] = []
-    execute = llm.runner.execute
-
-    def spy(step):
-        logits, sampled = execute(step)
-        seen.append(logits.clone())
-        return logits, sampled
-
-    llm.runner.execute = spy
-    prompts = [torch.randint(3, VOCAB, (5 + 7 * i,), generator=torch.Generator().manual_seed(i)).tolist()
-               for i in range(n)]
-    reqs = [GenerationRequest(f"r{i}", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                              prompt_token_ids=p) for i, p in enumerate(prompts)]
-    return [r.output_token_ids for r in llm.generate(reqs)], seen
-
-
 def _llm(folder: Path, monkeypatch: pytest.MonkeyPatch, kernels: str, fused: str = "1") -> LLM:
     monkeypatch.setenv("KVBATCH_KERNELS", kernels)
     monkeypatch.setenv("KVBATCH_FUSED_DECODE", fused)
@@ -174,16 +176,16 @@ def test_native_and_fused_paths_match_the_torch_forward_pass(tmp_path, monkeypat
     monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
     for n in (1, 3, 9):  # batch 1; 3 rows; 9 rows: more than the fused path takes
         calls.clear()
-        torch_tokens, torch_logits = _generate(_llm(tmp_path / arch, monkeypatch, "reference"), n)
+        torch_tokens, torch_logits = _tokens_and_logits(_llm(tmp_path / arch, monkeypatch, "reference"), n)
         assert not calls
-        native_tokens, native_logits = _generate(_llm(tmp_path / arch, monkeypatch, "native"), n)
+        native_tokens, native_logits = _tokens_and_logits(_llm(tmp_path / arch, monkeypatch, "native"), n)
         assert native_tokens == torch_tokens
         assert len(native_logits) == len(torch_logits) > 1
         for a, b in zip(native_logits, torch_logits):
             _close(a, b, rel=1e-5)
         # every decode step of up to 8 rows ran fused (9 requests finish together: 9 rows each step)
         assert set(calls) == ({n} if n <= 8 else set()) and (calls or n > 8)
-        unfused = _generate(_llm(tmp_path / arch, monkeypatch, "native", fused="0"), n)
+        unfused = _tokens_and_logits(_llm(tmp_path / arch, monkeypatch, "native", fused="0"), n)
         assert unfused[0] == torch_tokens
 
 

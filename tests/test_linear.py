@@ -66,6 +66,14 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(kind, dtype, shape):
         assert torch.equal(fmt(x[:rows], packed, b, batch_invariant=True), full[:rows]), f"{rows} rows"
 
 
+def test_batch_invariant_padding_floors_are_the_documented_ones():
+    # docs/correctness.md (deterministic mode): small batches pad to 24 rows in fp32, 48 in bf16
+    assert [LinearFormat("blas", torch.float32).invariant_rows(r) for r in (0, 1, 23, 24, 100)] == [0, 24, 24, 24, 100]
+    assert LinearFormat("blas", torch.bfloat16).invariant_rows(5) == 48
+    assert LinearFormat("onednn", torch.float32).invariant_rows(1) == 2
+    assert LinearFormat("onednn", torch.bfloat16).invariant_rows(47) == 48
+
+
 @needs_onednn
 @settings(max_examples=25, deadline=None)
 @given(in_f=st.integers(1, 300), out_f=st.integers(1, 300), rows=st.integers(1, 33), seed=st.integers(0, 99))

@@ -175,7 +175,7 @@ class LinearFormat:
         if self.kind in _BUCKETED:  # each bucket's kernel rounds differently
             raise ValueError(f"a {self.kind} linear format is not batch-invariant; use one kernel")
         if self.kind == ONEDNN:
-            return max(rows, _INVARIANT_FROM[ONEDNN, self.dtype == torch.float32])
+            return max(rows, _INVARIANT_FROM[ONEDNN, self.dtype == torch.float32]) if rows else 0
         return blas_invariant_rows(rows, self.dtype)
 
     def _prepare_gguf(self, w: torch.Tensor) -> GGUFWeight:
