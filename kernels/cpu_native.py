@@ -102,10 +102,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
         residual = residual.contiguous()
+    weight = weight.contiguous()  # bound to a name: a temporary's memory would be freed before the call
     out = torch.empty_like(x)
-    _lib().kvb_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                            weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // max(dim, 1), dim, eps,
-                            torch.get_num_threads())
+    _lib().kvb_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), x.numel() // max(dim, 1), dim, eps, torch.get_num_threads())
     return out, x
 
 
@@ -242,13 +242,16 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
     structs = (_Layer * len(layers))()
     for i, lw in enumerate(layers):
         tensors = [lw.input_norm, lw.post_norm, lw.qkv, lw.o, lw.gate_up, lw.down, lw.kv_layer]
+        if lw.qkv_bias is not None:  # the struct keeps raw pointers: no temporary copies here
+            tensors.append(lw.qkv_bias)
         _fp32(*tensors)
         if not all(t.is_contiguous() for t in tensors):
             raise ValueError(f"layer {i}: fuse_layers takes contiguous tensors")
-        qkv_out = lw.qkv.shape[1]
-        shapes = {"qkv": (lw.qkv.shape, (dim, qkv_out)), "gate_up": (lw.gate_up.shape, (dim, 2 * inter)),
-                  "down": (lw.down.shape, (inter, dim)), "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape),
-                  "o": (lw.o.shape, (qkv_out - 2 * hkv * d, dim))}
+        hq = first.o.shape[0] // d  # query heads: the o projection's inputs, D each
+        qkv_out = (hq + 2 * hkv) * d
+        shapes = {"o": (lw.o.shape, (hq * d, dim)), "qkv": (lw.qkv.shape, (dim, qkv_out)),
+                  "gate_up": (lw.gate_up.shape, (dim, 2 * inter)), "down": (lw.down.shape, (inter, dim)),
+                  "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape)}
         for name, (got, want) in shapes.items():
             if tuple(got) != tuple(want):
                 raise ValueError(f"layer {i}: {name} is {tuple(got)}, expected {tuple(want)}")
@@ -256,7 +259,7 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
             raise ValueError(f"layer {i}: qkv bias {tuple(lw.qkv_bias.shape)} does not match {qkv_out} outputs")
         k_plane = lw.kv_layer.data_ptr()
         structs[i] = _Layer(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), lw.qkv.data_ptr(),
-                            None if lw.qkv_bias is None else lw.qkv_bias.contiguous().data_ptr(), lw.o.data_ptr(),
+                            None if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), lw.o.data_ptr(),
                             lw.gate_up.data_ptr(), lw.down.data_ptr(), k_plane,
                             k_plane + lw.kv_layer.stride(0) * lw.kv_layer.element_size())
     return FusedLayers(structs, tuple(layers), dim, inter, hkv, d)

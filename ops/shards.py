@@ -15,6 +15,7 @@ row order, so a re-ingested dataset puts every id in the same shard again.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -233,11 +234,14 @@ def tokenized_in_pool(row_tokenizer: RowTokenizer, batches: Iterable[list[ChatRe
             f"a tokenizer worker process died (crashed, killed or out of memory) while input rows "
             f"{first.line_no}..{last.line_no} were in flight (from custom_id {first.custom_id!r})")
 
+    broken: list[bool] = []  # set when a worker died: the pool's other workers are then killed
+
     def collect() -> Iterator[tuple[ChatRequest, Tokenized | RejectedRow]]:
         chunk, future = pending[0]
         try:
             results = future.result()
         except BrokenProcessPool as exc:
+            broken.append(True)
             raise died(chunk[0], pending[-1][0][-1]) from exc
         pending.popleft()
         assert len(results) == len(chunk), "a worker answers every row of its chunk"
@@ -248,6 +252,7 @@ def tokenized_in_pool(row_tokenizer: RowTokenizer, batches: Iterable[list[ChatRe
             try:
                 future = pool.submit(_tokenize_chunk, chunk)
             except BrokenProcessPool as exc:  # a worker died since the last collect
+                broken.append(True)
                 raise died((pending[0][0] if pending else chunk)[0], chunk[-1]) from exc
             pending.append((chunk, future))
             if len(pending) >= 2 * workers:
@@ -255,8 +260,21 @@ def tokenized_in_pool(row_tokenizer: RowTokenizer, batches: Iterable[list[ChatRe
         while pending:
             yield from collect()
     finally:
+        if broken:
+            _kill_workers(pool)
         pool.shutdown(wait=True, cancel_futures=True)
         spec_dir.cleanup()  # every worker has exited: none still needs the file
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill a broken pool's remaining workers and wait for them (5 s each at most). Seen on CPython
+    3.11 (a CI run, 2026-12-02): after one worker died, ``shutdown(wait=True)`` waited for 20+
+    minutes on a worker the pool had just started and left blocked; killed, it returns. The pool
+    keeps its processes in a private mapping: read defensively."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(Exception):
+            proc.kill()
+            proc.join(5)
 
 
 def default_tokenize_workers() -> int:

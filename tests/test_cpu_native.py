@@ -51,6 +51,11 @@ def test_add_rms_norm_matches_the_reference_and_hands_x_over(rows, dim, with_res
     assert new_residual is x  # the sum went into x's memory
 
 
+def test_add_rms_norm_takes_a_strided_weight():
+    x, weight = torch.randn(3, 64), torch.randn(128)[::2]  # every other value: not contiguous
+    _close(N.add_rms_norm(x.clone(), weight, 1e-5)[0], R.rms_norm(x, weight, 1e-5)[0])
+
+
 def test_silu_and_mul_matches_the_reference_over_the_whole_range():
     # every exp input from underflow to overflow, both signs, odd widths (the scalar tail)
     gate = torch.linspace(-100.0, 100.0, 4001)
@@ -204,6 +209,22 @@ def test_the_fused_path_takes_only_what_it_can_run(tmp_path, monkeypatch):
     build_tiny_moe("qwen3_moe", tmp_path / "moe")
     moe = _llm(tmp_path / "moe", monkeypatch, "native")
     assert moe.model._fused_layers(moe.runner.kv_cache, 1) is None  # MoE layers and q/k norms keep the loop
+
+
+def test_fuse_layers_refuses_what_its_pointers_cannot_hold(tmp_path, monkeypatch):
+    build_tiny("qwen2", tmp_path / "m")
+    llm = _llm(tmp_path / "m", monkeypatch, "native")
+    model, cache = llm.model, llm.runner.kv_cache
+    lw = model.layers[0]
+    plain = model.linear.plain_weight
+    bias = torch.randn(2 * lw.qkv_bias.shape[0])[::2]  # strided: a copy would be freed under the struct
+    layer = dispatch.DenseLayer(lw.input_norm, lw.post_norm, plain(lw.qkv), bias, plain(lw.o_proj),
+                                plain(lw.gate_up), plain(lw.down), cache[0])
+    with pytest.raises(ValueError, match="contiguous"):
+        dispatch.fuse_layers([layer])
+    with pytest.raises(ValueError, match="qkv is"):
+        dispatch.fuse_layers([dispatch.DenseLayer(lw.input_norm, lw.post_norm, plain(lw.o_proj), None,
+                                                  plain(lw.o_proj), plain(lw.gate_up), plain(lw.down), cache[0])])
 
 
 def test_fused_layers_refuse_bad_indices_before_writing(tmp_path, monkeypatch):
