@@ -179,33 +179,46 @@ void kvb_silu_and_mul(const float *x, float *out, int64_t rows, int64_t half, in
  * qkv [rows, row_stride] in place, by cos_sin [max_pos, d] (cos in the first d/2 columns, sin in
  * the last); then, when k_plane is given, copy each row's hkv key heads (rotated) and the hkv
  * value heads after them to slot slots[t] of k_plane / v_plane ([num_slots, hkv, d] each). */
+/* Checks each token's position and (when slots is given) its cache slot; 0 when all are in range. */
+static int check_rows(int64_t rows, const int64_t *positions, int64_t max_pos, const int64_t *slots,
+                      int64_t num_slots) {
+    for (int64_t t = 0; t < rows; t++) {
+        if (positions[t] < 0 || positions[t] >= max_pos) return KVB_BAD_INDEX;
+        if (slots != NULL && (slots[t] < 0 || slots[t] >= num_slots)) return KVB_BAD_INDEX;
+    }
+    return KVB_OK;
+}
+
+/* One token's rotary (its hq + hkv heads at the start of row, by the cos/sin row cs) and, when
+ * k_plane is given, its rotated K and its V copied to the cache slot. */
+static void rotate_store_row(float *row, const float *cs, int64_t hq, int64_t hkv, int64_t d, float *k_plane,
+                             float *v_plane, int64_t slot) {
+    const int64_t half = d / 2, kv = hkv * d;
+    const float *sn = cs + half;
+    for (int64_t h = 0; h < hq + hkv; h++) {
+        float *x1 = row + h * d, *x2 = x1 + half;
+#pragma omp simd
+        for (int64_t j = 0; j < half; j++) {
+            float a = x1[j], b = x2[j];
+            x1[j] = a * cs[j] - b * sn[j];
+            x2[j] = b * cs[j] + a * sn[j];
+        }
+    }
+    if (k_plane != NULL) {
+        memcpy(k_plane + slot * kv, row + hq * d, (size_t)kv * sizeof(float));
+        memcpy(v_plane + slot * kv, row + (hq + hkv) * d, (size_t)kv * sizeof(float));
+    }
+}
+
 int kvb_rotary_store(float *qkv, int64_t rows, int64_t row_stride, int64_t hq, int64_t hkv, int64_t d,
                      const int64_t *positions, const float *cos_sin, int64_t max_pos, float *k_plane,
                      float *v_plane, const int64_t *slots, int64_t num_slots, int nthreads) {
     if (d % 2 || (hq + 2 * hkv) * d > row_stride) return KVB_BAD_SHAPE;
-    for (int64_t t = 0; t < rows; t++) {
-        if (positions[t] < 0 || positions[t] >= max_pos) return KVB_BAD_INDEX;
-        if (k_plane != NULL && (slots[t] < 0 || slots[t] >= num_slots)) return KVB_BAD_INDEX;
-    }
-    const int64_t half = d / 2, kv = hkv * d;
+    if (check_rows(rows, positions, max_pos, k_plane != NULL ? slots : NULL, num_slots)) return KVB_BAD_INDEX;
 #pragma omp parallel for num_threads(nthreads) if (rows * row_stride >= PAR_WORK && rows > 1)
-    for (int64_t t = 0; t < rows; t++) {
-        float *row = qkv + t * row_stride;
-        const float *c = cos_sin + positions[t] * d, *s = c + half;
-        for (int64_t h = 0; h < hq + hkv; h++) {
-            float *x1 = row + h * d, *x2 = x1 + half;
-#pragma omp simd
-            for (int64_t j = 0; j < half; j++) {
-                float a = x1[j], b = x2[j];
-                x1[j] = a * c[j] - b * s[j];
-                x2[j] = b * c[j] + a * s[j];
-            }
-        }
-        if (k_plane != NULL) {
-            memcpy(k_plane + slots[t] * kv, row + hq * d, (size_t)kv * sizeof(float));
-            memcpy(v_plane + slots[t] * kv, row + (hq + hkv) * d, (size_t)kv * sizeof(float));
-        }
-    }
+    for (int64_t t = 0; t < rows; t++)
+        rotate_store_row(qkv + t * row_stride, cos_sin + positions[t] * d, hq, hkv, d, k_plane, v_plane,
+                         k_plane != NULL ? slots[t] : 0);
     return KVB_OK;
 }
 
@@ -498,15 +511,12 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
     const int64_t rows = s->rows, dim = s->dim, hq = s->hq, hkv = s->hkv, d = s->d, inter = s->inter;
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 || s->block_size <= 0 || rows <= 0)
         return KVB_BAD_SHAPE;
-    for (int64_t t = 0; t < rows; t++) {
-        if (s->positions[t] < 0 || s->positions[t] >= s->max_pos) return KVB_BAD_INDEX;
-        if (s->slots[t] < 0 || s->slots[t] >= s->num_slots) return KVB_BAD_INDEX;
-    }
+    if (check_rows(rows, s->positions, s->max_pos, s->slots, s->num_slots)) return KVB_BAD_INDEX;
     int64_t max_len, total;
     if (check_decode_indices(rows, s->block_tables, s->table_stride, s->context_lens, s->num_blocks, s->block_size,
                              &max_len, &total))
         return KVB_BAD_INDEX;
-    const int64_t group = hq / hkv, qkv_out = (hq + 2 * hkv) * d, kv = hkv * d, half = d / 2;
+    const int64_t group = hq / hkv, qkv_out = (hq + 2 * hkv) * d;
     float *x = work, *qkv = x + rows * dim, *attn = qkv + rows * qkv_out, *gu = attn + rows * hq * d,
           *act = gu + rows * 2 * inter;
     int failed = 0;
@@ -535,21 +545,9 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
                     for (int64_t c = c0; c < c1; c++) qkv[r * qkv_out + c] += L->qkv_bias[c];
 #pragma omp barrier
 #pragma omp single
-            for (int64_t r = 0; r < rows; r++) {
-                float *row = qkv + r * qkv_out;
-                const float *cs = s->cos_sin + s->positions[r] * d, *sn = cs + half;
-                for (int64_t hh = 0; hh < hq + hkv; hh++) {
-                    float *x1 = row + hh * d, *x2 = x1 + half;
-#pragma omp simd
-                    for (int64_t j = 0; j < half; j++) {
-                        float a = x1[j], b = x2[j];
-                        x1[j] = a * cs[j] - b * sn[j];
-                        x2[j] = b * cs[j] + a * sn[j];
-                    }
-                }
-                memcpy(L->k_plane + s->slots[r] * kv, row + hq * d, (size_t)kv * sizeof(float));
-                memcpy(L->v_plane + s->slots[r] * kv, row + (hq + hkv) * d, (size_t)kv * sizeof(float));
-            }
+            for (int64_t r = 0; r < rows; r++)
+                rotate_store_row(qkv + r * qkv_out, s->cos_sin + s->positions[r] * d, hq, hkv, d, L->k_plane,
+                                 L->v_plane, s->slots[r]);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < rows * hkv; task++) {
                 const int64_t r = task / hkv, g = task % hkv;

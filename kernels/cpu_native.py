@@ -33,13 +33,10 @@ _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded library, or the reason there is none (cached: one build per process)."""
-    try:
-        path = native_build.build(SOURCE, native_build.cache_dir("cpu-native"))
-        lib = ctypes.CDLL(str(path))
-    except (RuntimeError, OSError) as exc:
-        return str(exc)
-    if lib.kvb_native_abi_version() != _ABI:
-        return f"{path} has another ABI version"
+    lib = native_build.load(lambda: native_build.build(SOURCE, native_build.cache_dir("cpu-native")),
+                            "kvb_native_abi_version", _ABI)
+    if isinstance(lib, str):
+        return lib
     lib.kvb_add_rms_norm.restype = None
     lib.kvb_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, _F32, _INT]
     lib.kvb_silu_and_mul.restype = None
@@ -55,13 +52,12 @@ def _library() -> ctypes.CDLL | str:
 
 
 def available() -> bool:
-    return not isinstance(_library(), str)
+    return not unavailable_reason()
 
 
 def unavailable_reason() -> str:
     """Why the native kernels are off ('' when they are on)."""
-    lib = _library()
-    return lib if isinstance(lib, str) else ""
+    return native_build.reason(_library())
 
 
 def _lib() -> ctypes.CDLL:
@@ -228,6 +224,7 @@ class FusedLayers:
     tensors: tuple[DenseLayer, ...]
     dim: int
     inter: int
+    num_q_heads: int
     num_kv_heads: int
     head_dim: int
 
@@ -238,7 +235,9 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
         raise ValueError("fuse_layers needs at least one layer")
     first = layers[0]
     dim, inter = first.input_norm.shape[0], first.down.shape[0]
-    _, num_blocks, block_size, hkv, d = first.kv_layer.shape
+    hkv, d = first.kv_layer.shape[-2:]
+    hq = first.o.shape[0] // d  # query heads: the o projection's inputs, D each
+    qkv_out = (hq + 2 * hkv) * d
     structs = (_Layer * len(layers))()
     for i, lw in enumerate(layers):
         tensors = [lw.input_norm, lw.post_norm, lw.qkv, lw.o, lw.gate_up, lw.down, lw.kv_layer]
@@ -247,8 +246,6 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
         _fp32(*tensors)
         if not all(t.is_contiguous() for t in tensors):
             raise ValueError(f"layer {i}: fuse_layers takes contiguous tensors")
-        hq = first.o.shape[0] // d  # query heads: the o projection's inputs, D each
-        qkv_out = (hq + 2 * hkv) * d
         shapes = {"o": (lw.o.shape, (hq * d, dim)), "qkv": (lw.qkv.shape, (dim, qkv_out)),
                   "gate_up": (lw.gate_up.shape, (dim, 2 * inter)), "down": (lw.down.shape, (inter, dim)),
                   "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape)}
@@ -262,7 +259,7 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
                             None if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), lw.o.data_ptr(),
                             lw.gate_up.data_ptr(), lw.down.data_ptr(), k_plane,
                             k_plane + lw.kv_layer.stride(0) * lw.kv_layer.element_size())
-    return FusedLayers(structs, tuple(layers), dim, inter, hkv, d)
+    return FusedLayers(structs, tuple(layers), dim, inter, hq, hkv, d)
 
 
 def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual: torch.Tensor | None,
@@ -277,8 +274,7 @@ def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual
     if dim != fused.dim or not 0 < num_layers <= len(fused.tensors):
         raise ValueError(f"decode_layers: rows of {fused.dim} through 1-{len(fused.tensors)} layers, "
                          f"got {tuple(h.shape)} through {num_layers}")
-    hkv, d = fused.num_kv_heads, fused.head_dim
-    hq = fused.tensors[0].o.shape[0] // d
+    hq, hkv, d = fused.num_q_heads, fused.num_kv_heads, fused.head_dim
     h = h.clone() if not h.is_contiguous() else h
     resid = torch.empty_like(h) if residual is None else residual.contiguous()
     positions, slots = _ints(positions, torch.int64), _ints(slot_mapping, torch.int64)

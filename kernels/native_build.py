@@ -13,11 +13,13 @@ raises ``RuntimeError`` with the reason, and the caller falls back to its PyTorc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kvbatch.kernels.machine import cpu_identity, default_cache_dir
@@ -73,3 +75,21 @@ def build(source: Path, folder: Path) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
     return target
+
+
+def load(built: Callable[[], Path], abi_symbol: str, abi: int) -> ctypes.CDLL | str:
+    """The library ``built()`` returns, loaded and checked to export ``abi_symbol() == abi``; or,
+    when it cannot be had, the reason (a non-empty string) for the caller to fall back on."""
+    try:
+        path = built()
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as exc:
+        return str(exc) or type(exc).__name__
+    if getattr(lib, abi_symbol)() != abi:
+        return f"{path} has another ABI version"
+    return lib
+
+
+def reason(lib: ctypes.CDLL | str) -> str:
+    """Why a :func:`load` result is no library ('' when it is one)."""
+    return lib if isinstance(lib, str) else ""

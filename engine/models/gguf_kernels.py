@@ -82,13 +82,9 @@ def build(cache_dir: Path | None = None) -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel, or the reason there is none (cached: one build per process)."""
-    try:
-        path = build()
-        lib = ctypes.CDLL(str(path))
-    except (RuntimeError, OSError) as exc:
-        return str(exc)
-    if lib.kvb_abi_version() != 1:
-        return f"{path} has another ABI version"
+    lib = native_build.load(build, "kvb_abi_version", 1)
+    if isinstance(lib, str):
+        return lib
     fn = lib.kvb_gguf_matmul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -98,13 +94,12 @@ def _library() -> ctypes.CDLL | str:
 
 
 def available() -> bool:
-    return not isinstance(_library(), str)
+    return not unavailable_reason()
 
 
 def unavailable_reason() -> str:
     """Why the native route is off ('' when it is on)."""
-    lib = _library()
-    return lib if isinstance(lib, str) else ""
+    return native_build.reason(_library())
 
 
 def simd() -> bool:
