@@ -37,7 +37,7 @@
 #define MAX_HEAD_DIM 256
 #define PAR_WORK (1 << 15)  /* elements from which a call splits across threads */
 
-int kvb_native_abi_version(void) { return 1; }
+int kvb_native_abi_version(void) { return 2; }
 
 static inline float kvb_expf(float x) {
     x = fminf(fmaxf(x, -87.3f), 88.3f);
@@ -282,6 +282,31 @@ static inline void qk_dots(const float *q, int64_t group, const float *k, int64_
     }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* qk_dots for 4 consecutive positions k, k + stride, ... (fp32 cache, d a multiple of 8, at most
+ * 128): each head's 4 dots summed in vector lanes, then reduced together by three horizontal adds
+ * (one lane reduction per dot cost more than the dot itself with AVX2's 8-float vectors). */
+static inline void qk_dots4(const float *q, int64_t group, const float *k, int64_t stride, int64_t d, float scale,
+                            float *out, int64_t out_stride) {
+    for (int64_t j = 0; j < group; j++) {
+        const float *qj = q + j * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t e = 0; e < d; e += 8) {
+            const __m256 qv = _mm256_loadu_ps(qj + e);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + e), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + stride + e), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * stride + e), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * stride + e), a3);
+        }
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        const __m128 sums = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale));
+        float lanes[4];
+        _mm_storeu_ps(lanes, sums);
+        for (int c = 0; c < 4; c++) out[j * out_stride + c] = lanes[c];
+    }
+}
+#endif
+
 /* One cache position's d values as fp32: the fp32 cache itself, or a bf16 cache's values widened
  * into tmp (bf16 is the top half of an fp32: widening is exact). */
 static inline const float *cache_pos(const void *base, int64_t index, int64_t d, int bf16, float *tmp) {
@@ -304,34 +329,36 @@ static inline const float *cache_pos(const void *base, int64_t index, int64_t d,
     return tmp;
 }
 
-#if defined(__AVX512F__)
-/* The weighted sum of V for head size 64 and up to 4 query heads per KV head (Llama 3, SmolLM2,
- * Qwen2: groups of 2-4): the 16 accumulators stay in registers (the generic loop below keeps
- * them in memory, a store-to-load chain per position: measured the hot spot at long contexts). */
-static void pv_d64(const float *scores, int64_t len, int64_t group, const void *v_cache, int bf16,
-                   const int32_t *table, int64_t block_size, int64_t hkv, int64_t g, const float *inv, float *og) {
-    float tmp[64];
-    __m512 a[4][4];
+#ifdef VEC
+/* The weighted sum of V over columns [e0, e0 + 4 VEC) of the head for up to 4 query heads per KV
+ * head (Llama 3, SmolLM2, Qwen2: groups of 2-4): the 16 accumulators stay in registers (the
+ * generic loop below keeps them in memory, a store-to-load chain per position: measured the hot
+ * spot at long contexts). AVX-512 covers head size 64 in one pass, AVX2 in two. */
+static void pv_cols(const float *scores, int64_t p_begin, int64_t p_end, int64_t group, const void *v_cache,
+                    int bf16, const int32_t *table, int64_t block_size, int64_t hkv, int64_t g, int64_t d, int64_t e0,
+                    const float *inv, float *og) {
+    const int64_t len = p_end - p_begin;
+    float tmp[4 * VEC];
+    vec_t a[4][4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
-    const int64_t pos_stride = hkv * 64;
-    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-        const int64_t vb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * 64;
-        const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        for (int c = 0; c < 4; c++) a[j][c] = vset1(0.0f);
+    const int64_t pos_stride = hkv * d;
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += block_size) {
+        const int64_t vb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d + e0;
+        const int64_t m = p_end - p0 < block_size ? p_end - p0 : block_size;
         for (int64_t i = 0; i < m; i++) {
-            const float *vp = cache_pos(v_cache, vb + i * pos_stride, 64, bf16, tmp);
-            const __m512 v0 = _mm512_loadu_ps(vp), v1 = _mm512_loadu_ps(vp + 16), v2 = _mm512_loadu_ps(vp + 32),
-                         v3 = _mm512_loadu_ps(vp + 48);
+            const float *vp = cache_pos(v_cache, vb + i * pos_stride, 4 * VEC, bf16, tmp);
+            const vec_t v0 = vload(vp), v1 = vload(vp + VEC), v2 = vload(vp + 2 * VEC), v3 = vload(vp + 3 * VEC);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 if (j < group) {
-                    const __m512 w = _mm512_set1_ps(scores[j * len + p0 + i]);
-                    a[j][0] = _mm512_fmadd_ps(w, v0, a[j][0]);
-                    a[j][1] = _mm512_fmadd_ps(w, v1, a[j][1]);
-                    a[j][2] = _mm512_fmadd_ps(w, v2, a[j][2]);
-                    a[j][3] = _mm512_fmadd_ps(w, v3, a[j][3]);
+                    const vec_t w = vset1(scores[j * len + p0 - p_begin + i]);
+                    a[j][0] = vfma(w, v0, a[j][0]);
+                    a[j][1] = vfma(w, v1, a[j][1]);
+                    a[j][2] = vfma(w, v2, a[j][2]);
+                    a[j][3] = vfma(w, v3, a[j][3]);
                 }
             }
         }
@@ -340,50 +367,65 @@ static void pv_d64(const float *scores, int64_t len, int64_t group, const void *
     for (int j = 0; j < 4; j++)
         if (j < group)
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(og + j * 64 + c * 16, _mm512_mul_ps(a[j][c], _mm512_set1_ps(inv[j])));
+            for (int c = 0; c < 4; c++) vstore(og + j * d + e0 + c * VEC, vmul(a[j][c], vset1(inv[j])));
 }
 #endif
 
-/* Attention of the `group` query heads sharing KV head g, for one sequence of `len` positions.
- * scores: scratch of group * len floats. */
+/* Attention of the `group` query heads sharing KV head g, for one sequence, over its positions
+ * [p_begin, p_end) (p_begin a multiple of block_size): og gets the softmax-weighted sum of V over
+ * those positions, normalized by their own softmax sum; stats (when not NULL) gets each head's
+ * score maximum and sum of exp(score - maximum), so that parts of one sequence can be combined
+ * (combine_parts). scores: scratch of group * (p_end - p_begin) floats. */
 static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t hkv, int64_t d,
                    const void *k_cache, const void *v_cache, int bf16, int64_t block_size, const int32_t *table,
-                   int64_t len, float scale, float *scores) {
-    const int64_t pos_stride = hkv * d;
+                   int64_t p_begin, int64_t p_end, float scale, float *scores, float *stats) {
+    const int64_t pos_stride = hkv * d, len = p_end - p_begin;
     float tmp[MAX_HEAD_DIM];
-    if (len == 0) {
+    if (len <= 0) {
         memset(og, 0, (size_t)(group * d) * sizeof(float));
+        if (stats != NULL)
+            for (int64_t j = 0; j < group; j++) stats[2 * j] = -INFINITY, stats[2 * j + 1] = 0.0f;
         return;
     }
     /* scores[j, p] = scale * q_j . k_p */
-    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += block_size) {
         const int64_t kb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
-        const int64_t m = len - p0 < block_size ? len - p0 : block_size;
-        for (int64_t i = 0; i < m; i++)
-            qk_dots(qg, group, cache_pos(k_cache, kb + i * pos_stride, d, bf16, tmp), d, scale, scores + p0 + i, len);
+        const int64_t m = p_end - p0 < block_size ? p_end - p0 : block_size;
+        float *sp = scores + (p0 - p_begin);
+        int64_t i = 0;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        if (!bf16 && d % 8 == 0)
+            for (; i + 4 <= m; i += 4)
+                qk_dots4(qg, group, (const float *)k_cache + kb + i * pos_stride, pos_stride, d, scale, sp + i, len);
+#endif
+        for (; i < m; i++)
+            qk_dots(qg, group, cache_pos(k_cache, kb + i * pos_stride, d, bf16, tmp), d, scale, sp + i, len);
     }
     float inv[MAX_GROUP];
     for (int64_t j = 0; j < group; j++) {
         float *sj = scores + j * len, mx = sj[0];
 #pragma omp simd reduction(max : mx)
         for (int64_t p = 1; p < len; p++) mx = sj[p] > mx ? sj[p] : mx;
-        inv[j] = 1.0f / exp_sub_sum(sj, len, mx);
+        const float sum = exp_sub_sum(sj, len, mx);
+        inv[j] = 1.0f / sum;
+        if (stats != NULL) stats[2 * j] = mx, stats[2 * j + 1] = sum;
     }
-#if defined(__AVX512F__)
-    if (d == 64 && group <= 4) {
-        pv_d64(scores, len, group, v_cache, bf16, table, block_size, hkv, g, inv, og);
+#ifdef VEC
+    if (d % (4 * VEC) == 0 && group <= 4) {
+        for (int64_t e0 = 0; e0 < d; e0 += 4 * VEC)
+            pv_cols(scores, p_begin, p_end, group, v_cache, bf16, table, block_size, hkv, g, d, e0, inv, og);
         return;
     }
 #endif
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     memset(acc, 0, (size_t)(group * d) * sizeof(float));
-    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += block_size) {
         const int64_t vb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
-        const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        const int64_t m = p_end - p0 < block_size ? p_end - p0 : block_size;
         for (int64_t i = 0; i < m; i++) {
             const float *vp = cache_pos(v_cache, vb + i * pos_stride, d, bf16, tmp);
             for (int64_t j = 0; j < group; j++) {
-                const float w = scores[j * len + p0 + i];
+                const float w = scores[j * len + p0 - p_begin + i];
                 float *aj = acc + j * d;
 #pragma omp simd
                 for (int64_t e = 0; e < d; e++) aj[e] += w * vp[e];
@@ -394,10 +436,127 @@ static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t
         for (int64_t e = 0; e < d; e++) og[j * d + e] = acc[j * d + e] * inv[j];
 }
 
+/* How a call's attention is cut into tasks: one per (sequence, KV head), and when that leaves
+ * the threads too few tasks (batch 1 has as many as KV heads, 3 for SmolLM2 on 2 threads: one
+ * thread idle a third of the time), each long sequence's positions also in parts of `part`
+ * positions, combined afterwards (flash-decoding's split over the context). */
+typedef struct {
+    int64_t part;  /* positions per part, a multiple of block_size; 0: no sequence is split */
+    int64_t n_seqs, n_items;  /* items: (sequence, part) pairs; tasks = n_items * hkv */
+    int64_t *item_seq, *item_begin, *seq_first;  /* per item: sequence, first position; per sequence: first item */
+    float *part_out, *part_stats;  /* per item and query head: d outputs; (max, sum). NULL when unsplit */
+} split_t;
+
+/* Parts of at least this many positions: a part's fixed costs (its own max and sum, the combine)
+ * stay small against its dot products. */
+#define MIN_PART 128
+/* Aim for this many tasks per thread, so that unequal tasks still even out. */
+#define TASKS_PER_THREAD 8
+
+static int64_t parts_of(const split_t *sp, int64_t len) {
+    return sp->part && len > sp->part ? (len + sp->part - 1) / sp->part : 1;
+}
+
+static int plan_split(split_t *sp, int64_t n_seqs, const int32_t *context_lens, int64_t total, int64_t hkv,
+                      int64_t hq, int64_t d, int64_t block_size, int nthreads) {
+    memset(sp, 0, sizeof *sp);
+    sp->n_seqs = n_seqs;
+    const int64_t want = (int64_t)TASKS_PER_THREAD * nthreads;
+    if (nthreads > 1 && n_seqs * hkv < want && total > MIN_PART) {
+        int64_t part = (total * hkv + want - 1) / want;
+        part = part < MIN_PART ? MIN_PART : part;
+        sp->part = (part + block_size - 1) / block_size * block_size;
+    }
+    for (int64_t n = 0; n < n_seqs; n++) sp->n_items += parts_of(sp, context_lens[n]);
+    sp->item_seq = malloc((size_t)(2 * sp->n_items + n_seqs + 1) * sizeof(int64_t));
+    if (sp->item_seq == NULL) return KVB_NO_MEMORY;
+    sp->item_begin = sp->item_seq + sp->n_items;
+    sp->seq_first = sp->item_begin + sp->n_items;
+    int64_t k = 0;
+    for (int64_t n = 0; n < n_seqs; n++) {
+        sp->seq_first[n] = k;
+        for (int64_t c = 0; c < parts_of(sp, context_lens[n]); c++, k++) sp->item_seq[k] = n, sp->item_begin[k] = c * sp->part;
+    }
+    sp->seq_first[n_seqs] = k;
+    if (sp->n_items > n_seqs) {
+        sp->part_out = malloc((size_t)(sp->n_items * hq * (d + 2)) * sizeof(float));
+        if (sp->part_out == NULL) {
+            free(sp->item_seq);
+            return KVB_NO_MEMORY;
+        }
+        sp->part_stats = sp->part_out + sp->n_items * hq * d;
+    }
+    return KVB_OK;
+}
+
+static void free_split(split_t *sp) {
+    free(sp->item_seq);
+    free(sp->part_out);
+}
+
+/* Every task of the split, then the combination of the split sequences' parts: called by every
+ * thread of an OpenMP region (each with its own scores scratch of group * max(part, longest
+ * unsplit context) floats). q: row n, head h at q + n * q_row_stride + h * d; out [n_seqs, hq, d]. */
+static void attend_tasks(const split_t *sp, const float *q, int64_t q_row_stride, float *out, int64_t hq,
+                         int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, int bf16,
+                         int64_t block_size, const int32_t *block_tables, int64_t table_stride,
+                         const int32_t *context_lens, float scale, float *scores) {
+    const int64_t group = hq / hkv, tasks = sp->n_items * hkv;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t k = task / hkv, g = task % hkv, n = sp->item_seq[k], len = context_lens[n];
+        const int64_t begin = sp->item_begin[k], h0 = g * group;
+        const float *qg = q + n * q_row_stride + h0 * d;
+        if (parts_of(sp, len) == 1)
+            attend(qg, out + (n * hq + h0) * d, group, g, hkv, d, k_cache, v_cache, bf16, block_size,
+                   block_tables + n * table_stride, 0, len, scale, scores, NULL);
+        else
+            attend(qg, sp->part_out + (k * hq + h0) * d, group, g, hkv, d, k_cache, v_cache, bf16, block_size,
+                   block_tables + n * table_stride, begin, begin + sp->part < len ? begin + sp->part : len, scale,
+                   scores, sp->part_stats + (k * hq + h0) * 2);
+    }
+    if (sp->part_out == NULL) return;
+    /* out = sum over parts of w_c o_c / sum of w_c, w_c = sum_c exp(max_c - max): the softmax over
+     * the whole context, from each part's own */
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < sp->n_seqs * hq; t++) {
+        const int64_t n = t / hq, h = t % hq, k0 = sp->seq_first[n], k1 = sp->seq_first[n + 1];
+        if (k1 - k0 == 1) continue;
+        float mx = -INFINITY, wsum = 0.0f;
+        for (int64_t k = k0; k < k1; k++) mx = fmaxf(mx, sp->part_stats[(k * hq + h) * 2]);
+        float *o = out + (n * hq + h) * d;
+        memset(o, 0, (size_t)d * sizeof(float));
+        for (int64_t k = k0; k < k1; k++) {
+            const float w = sp->part_stats[(k * hq + h) * 2 + 1] * expf(sp->part_stats[(k * hq + h) * 2] - mx);
+            const float *oc = sp->part_out + (k * hq + h) * d;
+            wsum += w;
+#pragma omp simd
+            for (int64_t e = 0; e < d; e++) o[e] += w * oc[e];
+        }
+        const float inv = 1.0f / wsum;
+#pragma omp simd
+        for (int64_t e = 0; e < d; e++) o[e] *= inv;
+    }
+}
+
+/* How many (sequence, part) items plan_split cuts n_seqs contexts into on nthreads threads (the
+ * tests pin the split with it); -1 when out of memory. */
+int64_t kvb_attention_parts(int64_t n_seqs, const int32_t *context_lens, int64_t hkv, int64_t block_size,
+                            int nthreads) {
+    int64_t total = 0;
+    for (int64_t n = 0; n < n_seqs; n++) total += context_lens[n];
+    split_t sp;
+    if (plan_split(&sp, n_seqs, context_lens, total, hkv, hkv, 1, block_size, nthreads)) return -1;
+    const int64_t items = sp.n_items;
+    free_split(&sp);
+    return items;
+}
+
 /* One query token per sequence against its paged context, read where it lies.
  * q: row n, head h at q + n * q_row_stride + h * d; k_cache / v_cache [num_blocks, block_size,
- * hkv, d], fp32, or bf16 when bf16 is set (q and out stay fp32); block_tables int32 [n_seqs, table_stride]; context_lens int32 [n_seqs]; out [n_seqs,
- * hq, d]. Query head h reads KV head h / (hq / hkv). A sequence with context 0 gets zeros. */
+ * hkv, d], fp32, or bf16 when bf16 is set (q and out stay fp32); block_tables int32 [n_seqs,
+ * table_stride]; context_lens int32 [n_seqs]; out [n_seqs, hq, d]. Query head h reads KV head
+ * h / (hq / hkv). A sequence with context 0 gets zeros. */
 int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, int64_t hq, int64_t hkv, int64_t d,
                          const void *k_cache, const void *v_cache, int bf16, int64_t num_blocks, int64_t block_size,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
@@ -407,24 +566,26 @@ int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, i
     if (check_decode_indices(n_seqs, block_tables, table_stride, context_lens, num_blocks, block_size, &max_len,
                              &total))
         return KVB_BAD_INDEX;
-    const int64_t group = hq / hkv, tasks = n_seqs * hkv;
+    const int parallel = n_seqs * hkv > 1 && total * hkv * d >= PAR_WORK;
+    split_t sp;
+    if (plan_split(&sp, n_seqs, context_lens, total, hkv, hq, d, block_size, parallel ? nthreads : 1))
+        return KVB_NO_MEMORY;
+    const int64_t group = hq / hkv;
     int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (tasks > 1 && total * hkv * d >= PAR_WORK)
+#pragma omp parallel num_threads(nthreads) if (parallel)
     {
         float *scores = malloc((size_t)(group * (max_len > 0 ? max_len : 1)) * sizeof(float));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
-            if (scores == NULL) continue;
-            const int64_t n = task / hkv, g = task % hkv;
-            attend(q + n * q_row_stride + g * group * d, out + (n * hq + g * group) * d, group, g, hkv, d, k_cache,
-                   v_cache, bf16, block_size, block_tables + n * table_stride, context_lens[n], scale, scores);
-        }
+#pragma omp barrier
+        if (!failed)
+            attend_tasks(&sp, q, q_row_stride, out, hq, hkv, d, k_cache, v_cache, bf16, block_size, block_tables,
+                         table_stride, context_lens, scale, scores);
         free(scores);
     }
+    free_split(&sp);
     return failed ? KVB_NO_MEMORY : KVB_OK;
 }
 
@@ -519,6 +680,8 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
     const int64_t group = hq / hkv, qkv_out = (hq + 2 * hkv) * d;
     float *x = work, *qkv = x + rows * dim, *attn = qkv + rows * qkv_out, *gu = attn + rows * hq * d,
           *act = gu + rows * 2 * inter;
+    split_t sp;  /* the same context lengths in every layer: one plan for all */
+    if (plan_split(&sp, rows, s->context_lens, total, hkv, hq, d, s->block_size, nthreads)) return KVB_NO_MEMORY;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -548,13 +711,8 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
             for (int64_t r = 0; r < rows; r++)
                 rotate_store_row(qkv + r * qkv_out, s->cos_sin + s->positions[r] * d, hq, hkv, d, L->k_plane,
                                  L->v_plane, s->slots[r]);
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < rows * hkv; task++) {
-                const int64_t r = task / hkv, g = task % hkv;
-                attend(qkv + r * qkv_out + g * group * d, attn + (r * hq + g * group) * d, group, g, hkv, d,
-                       L->k_plane, L->v_plane, 0, s->block_size, s->block_tables + r * s->table_stride,
-                       s->context_lens[r], s->scale, scores);
-            }
+            attend_tasks(&sp, qkv, qkv_out, attn, hq, hkv, d, L->k_plane, L->v_plane, 0, s->block_size,
+                         s->block_tables, s->table_stride, s->context_lens, s->scale, scores);
             share(dim, t, n, &c0, &c1);
             gemv_cols(attn, rows, L->o, hq * d, dim, h, c0, c1);
 #pragma omp barrier
@@ -576,5 +734,6 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
         }
         free(scores);
     }
+    free_split(&sp);
     return failed ? KVB_NO_MEMORY : KVB_OK;
 }

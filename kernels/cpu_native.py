@@ -23,7 +23,7 @@ import torch
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 1
+_ABI = 2
 _ERRORS = {1: (IndexError, "an index (position, slot, block id or context length) is out of range"),
            2: (ValueError, "a shape the kernel does not take"),
            3: (MemoryError, "no memory for the attention scores")}
@@ -48,6 +48,8 @@ def _library() -> ctypes.CDLL | str:
                                          _F32, _P, _INT]
     lib.kvb_decode_layers.restype = _INT
     lib.kvb_decode_layers.argtypes = [_P, _I64, _P, _P, _P, _INT, _P, _INT]
+    lib.kvb_attention_parts.restype = _I64
+    lib.kvb_attention_parts.argtypes = [_I64, _P, _I64, _I64, _INT]
     return lib
 
 
@@ -181,6 +183,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                      tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
     _check(rc, "paged_decode_attention")
     return out.to(torch.bfloat16) if bf16 else out
+
+
+def attention_parts(context_lens: torch.Tensor, num_kv_heads: int, block_size: int, threads: int) -> int:
+    """How many (sequence, part) pieces decode attention cuts these contexts into on ``threads``
+    threads: one per sequence, unless that leaves fewer than 8 tasks (pieces x KV heads) per
+    thread, when contexts longer than a part (at least 128 positions, whole blocks) are split and
+    their parts' softmax sums combined (:func:`paged_decode_attention` and the fused layers alike)."""
+    lens = _ints(context_lens, torch.int32)
+    items = _lib().kvb_attention_parts(lens.numel(), lens.data_ptr(), num_kv_heads, block_size, threads)
+    if items < 0:
+        raise MemoryError("attention_parts: out of memory")
+    return int(items)
 
 
 # ---------------------------------------------------------------- the fused decode layers

@@ -9,6 +9,7 @@ greedy tokens as well.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 
 from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.engine.runtime.engine_config import EngineConfig
-from kvbatch.engine.runtime.llm import LLM
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import cpu_native as N
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
@@ -133,6 +135,44 @@ def test_decode_attention_reads_a_bf16_cache(shape):
     assert dispatch.native(q, bf16=True) and not dispatch.native(q)  # bf16: the attention only
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_long_contexts_are_split_over_threads_only_when_tasks_are_few():
+    lens = lambda *n: torch.tensor(n, dtype=torch.int32)  # noqa: E731
+    # batch 1, 3 KV heads on 2 threads: 3 tasks, so the 751 positions go in parts (16 tasks wanted:
+    # parts of ceil(751 * 3 / 16) = 141 -> 144 positions, 6 of them)
+    assert N.attention_parts(lens(751), 3, 16, 2) == 6
+    assert N.attention_parts(lens(751), 3, 16, 1) == 1  # one thread: nothing to balance
+    assert N.attention_parts(lens(100), 3, 16, 2) == 1  # shorter than a part (128 positions)
+    assert N.attention_parts(lens(*[400] * 64), 3, 16, 2) == 64  # 192 tasks already
+    # mixed: parts of ceil(1617 * 3 / 16) = 304 positions; only the contexts longer than a part
+    # split (1000: 4 parts, 600: 2); the empty one and the short one are one item each
+    assert N.attention_parts(lens(1000, 0, 17, 600), 3, 16, 2) == 4 + 1 + 1 + 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.one_of(st.integers(0, 40), st.integers(129, 1200)), min_size=1, max_size=4),
+       shape=st.sampled_from([(9, 3, 64), (4, 2, 16), (8, 1, 128), (6, 6, 8)]), seed=st.integers(0, 2**16))
+def test_split_contexts_give_the_reference_attention(lens, shape, seed):
+    # long contexts on 2 threads: parts attended apart and combined by their softmax sums
+    Hq, Hkv, D = shape
+    gen = torch.Generator().manual_seed(seed)
+    k, v, tables, ctx = _paged(gen, lens, Hkv, D)
+    q = torch.randn(len(lens), Hq, D, generator=gen)
+    with _threads(2):
+        native = N.paged_decode_attention(q, k, v, tables, ctx, D ** -0.5)
+    _close(native, R.paged_decode_attention(q, k, v, tables, ctx, D ** -0.5), rel=2e-6)
+    assert all(not native[i].any() for i, n in enumerate(lens) if n == 0)
+
+
 def test_decode_attention_takes_strided_queries_and_gives_an_empty_context_zeros():
     gen = torch.Generator().manual_seed(3)
     k, v, tables, ctx = _paged(gen, [37, 5], 3, 64)
@@ -192,6 +232,26 @@ def test_native_and_fused_paths_match_the_torch_forward_pass(tmp_path, monkeypat
         assert set(calls) == ({n} if n <= 8 else set()) and (calls or n > 8)
         unfused = _tokens_and_logits(_llm(tmp_path / arch, monkeypatch, "native", fused="0"), n)
         assert unfused[0] == torch_tokens
+
+
+def test_the_fused_path_splits_a_long_context_and_matches_the_torch_forward_pass(tmp_path, monkeypatch):
+    # batch 1 on 2 threads, a 230-token prompt: 2 KV heads leave too few tasks, so each layer's
+    # attention runs in parts of 128 positions and combines them inside the fused call
+    build_tiny("llama", tmp_path / "dense")
+    prompt = torch.randint(3, 97, (230,), generator=torch.Generator().manual_seed(7)).tolist()
+    assert N.attention_parts(torch.tensor([231]), 2, 4, 2) == 2
+    results = {}
+    with _threads(2):
+        for kernels in ("reference", "native"):
+            llm = _llm(tmp_path / "dense", monkeypatch, kernels)
+            seen, execute = [], llm.runner.execute
+            llm.runner.execute = lambda step, execute=execute, seen=seen: seen.append(execute(step)) or seen[-1]
+            req = GenerationRequest("r", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                    prompt_token_ids=prompt)
+            results[kernels] = (llm.generate([req])[0].output_token_ids, [s[0].clone() for s in seen])
+    assert results["native"][0] == results["reference"][0]
+    for a, b in zip(results["native"][1], results["reference"][1], strict=True):
+        _close(a, b, rel=1e-5)
 
 
 def test_the_fused_path_takes_only_what_it_can_run(tmp_path, monkeypatch):
