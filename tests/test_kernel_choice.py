@@ -287,3 +287,17 @@ def test_the_cli_options_reach_the_engine_config():
     assert (default.linear, default.weights) == ("auto", "full")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--input", "a", "--output", "b", "--weights", "int4"])
+
+
+def test_bf16_slower_than_fp32_on_this_cpu_comes_with_a_note(tmp_path):
+    # measured at a batched decode step's 64 rows, bf16's kernel against fp32 BLAS
+    calls = []
+    slow = fake_timer({"fp32-blas": [1.0] * 4, "bf16-blas": [4.0] * 4}, calls)
+    choice = kc.choose_kernels(torch.bfloat16, SHAPES, linear="blas", cache_dir=tmp_path, timer=slow)
+    assert "bf16 projections measured 4.0x slower than fp32 at 64 rows" in choice.note
+    assert "--dtype fp32 is the faster setting here" in choice.note
+    assert sorted(set(calls)) == [("bf16-blas", 64), ("fp32-blas", 64)] and len(calls) == 6
+    fast = fake_timer({"fp32-blas": [2.0] * 4, "bf16-blas": [1.0] * 4})
+    assert kc.choose_kernels(torch.bfloat16, SHAPES, linear="blas", cache_dir=tmp_path, timer=fast).note == ""
+    # fp32 is not compared with anything
+    assert kc.choose_kernels(torch.float32, SHAPES, linear="blas", cache_dir=tmp_path, timer=refusing_timer).note == ""

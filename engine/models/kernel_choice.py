@@ -35,7 +35,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -327,7 +327,57 @@ def choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], *, num
     the static choice (one kernel whose padding rule is known; cuBLAS).
 
     ``gguf`` falls back to the dequantized fp32 weights, saying why in ``KernelChoice.note``, when
-    the checkpoint holds no blocks of a native type or the native kernel cannot be built here."""
+    the checkpoint holds no blocks of a native type or the native kernel cannot be built here.
+    bf16 on the CPU gets a note too where it measures slower than fp32 (:func:`bf16_slowdown`);
+    ``build_model`` warns with every note."""
+    choice = _choose_kernels(dtype, shapes, num_layers, linear, weights, batch_invariant, device, cache_dir, timer,
+                             gguf_qtype)
+    if dtype == torch.bfloat16 and choice.fmt.device.type == "cpu" and shapes:
+        slower = bf16_slowdown(choice.fmt, shapes, timer)
+        if slower > 1.0:
+            model, flags = cpu_identity()
+            bf16_flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "neither avx512_bf16 nor amx_bf16"
+            note = (f"bf16 projections measured {slower:.1f}x slower than fp32 at {_SLOWDOWN_ROWS} rows (a batched "
+                    f"decode step) on this CPU ({model}; {bf16_flags}); --dtype fp32 is the faster setting here")
+            choice = replace(choice, note="; ".join(n for n in (choice.note, note) if n))
+    return choice
+
+
+# bf16_slowdown's rows: a batched decode step (bucket 9-64), compute-bound. An emulated bf16
+# multiply loses there, while at 1-8 rows it still gains by halving the bytes: on a 2-vCPU AVX2
+# EPYC (family 25), one SmolLM2 layer in bf16 BLAS took 0.69x and 0.88x of fp32's time at 1 and 8
+# rows, 3.5x at 64 and 4.3x at 128.
+_SLOWDOWN_ROWS = 64
+
+
+def bf16_slowdown(fmt: LinearFormat, shapes: Sequence[tuple[int, int]], timer: Timer = one_call) -> float:
+    """How many times longer one layer's projections (``shapes``) take at ``_SLOWDOWN_ROWS`` rows
+    in the bf16 format ``fmt`` than in fp32 BLAS on this machine: best of 3 calls each after one
+    warm-up (tens of milliseconds where bf16 is emulated, a few where it is not). Below 1 where
+    bf16 is the faster setting, as on CPUs with AVX512-BF16 or AMX; several times 1 where bf16 is emulated (seen on an AVX2-only EPYC:
+    bf16 batched decode at 0.7x transformers fp32 against kvbatch fp32's 3.0x, ``bench_engine.py
+    --quick``)."""
+    g = torch.Generator().manual_seed(1)
+    layer = [torch.empty(o, i).uniform_(-1, 1, generator=g) for o, i in shapes]
+    fp32 = LinearFormat(BLAS, torch.float32)
+    best = {}
+    for name, f, dtype in (("fp32-blas", fp32, torch.float32), (f"bf16-{fmt.kind_for(_SLOWDOWN_ROWS)}", fmt, torch.bfloat16)):
+        ws = [(f.prepare(w.to(dtype)), torch.ones(_SLOWDOWN_ROWS, w.shape[1], dtype=dtype)) for w in layer]
+
+        def run(ws: list = ws, f: LinearFormat = f) -> None:
+            for w, x in ws:
+                f(x, w)
+
+        run()
+        best[name] = min(timer(name, _SLOWDOWN_ROWS, run) for _ in range(3))
+    fp32_s, bf16_s = best.values()
+    return bf16_s / fp32_s if fp32_s > 0 else 0.0
+
+
+def _choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], num_layers: int, linear: str,
+                    weights: str, batch_invariant: bool, device: torch.device | str, cache_dir: Path | str | None,
+                    timer: Timer, gguf_qtype: str | None) -> KernelChoice:
+    """:func:`choose_kernels` before its bf16 check."""
     if linear not in LINEAR_CHOICES:
         raise ValueError(f"linear must be one of {', '.join(LINEAR_CHOICES)}, not {linear!r}")
     if weights not in WEIGHT_CHOICES:
