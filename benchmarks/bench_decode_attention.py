@@ -1,4 +1,4 @@
-"""CPU decode attention: the padded gather path against attending over the cache in place.
+"""CPU decode attention: the padded gather path, the in-place PyTorch path and the native C kernel.
 
     python benchmarks/bench_decode_attention.py            # 1 and 2 threads, 64 sequences, 5 rounds
     python benchmarks/bench_decode_attention.py --quick    # 1 thread, 2 rounds, fewer cases
@@ -13,7 +13,9 @@ own slice of one ``[L, 2, blocks, 16, 3, 64]`` cache as the engine lays it out.
   before issue 18's change; still the path for small batches and 16-bit caches);
 - *in place*: ``plan_decode(...)`` as the engine calls it (from
   ``reference.SPARSE_DECODE_MIN_ROWS`` rows on: sampled_addmm, segmented softmax, embedding_bag
-  over the cache, nothing copied).
+  over the cache, nothing copied);
+- *native*: ``kernels/cpu_native.paged_decode_attention``, the C kernel the engine runs for fp32
+  CPU tensors where it builds (``KVBATCH_KERNELS=auto``), also reading the cache in place.
 
 Context lengths: the prompt lengths of the engine benchmark's 64-request chat workload
 (``chat_workload(None, 64)`` through SmolLM2's chat template, 34-533 tokens; listed below so this
@@ -22,8 +24,8 @@ file needs neither the datasets nor the model), plus ``--new-tokens`` already ge
 same cache blocks, as the prefix cache leaves them. Every other block is placed at random in the
 cache (decode allocates blocks to many sequences in turn, so a sequence's blocks are scattered).
 
-The two paths alternate within each round (their order swapped every round), so both see the
-same machine load; the ratio is of the medians. The CPU model, its SIMD flags and the load
+The paths alternate within each round (their order reversed every round), so all see the same
+machine load; the ratios are of the medians. The CPU model, its SIMD flags and the load
 average (before and after each table) are printed with every table.
 """
 
@@ -43,6 +45,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from kvbatch.engine.models.kernel_choice import cpu_identity  # noqa: E402
+from kvbatch.kernels import cpu_native as N  # noqa: E402
 from kvbatch.kernels import reference as R  # noqa: E402
 
 # chat_workload(None, 64) prompt lengths with SmolLM2-135M-Instruct's tokenizer (2026-12-01).
@@ -83,8 +86,14 @@ class Case:
         self.workspace = (torch.zeros(shape), torch.zeros(shape))
         self.kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 4 * 2  # K and V a layer reads, unpadded
 
-    def step(self, sparse: bool) -> torch.Tensor:
-        """One decode step's attention, every layer; returns the last layer's output."""
+    def step(self, sparse: bool | None) -> torch.Tensor:
+        """One decode step's attention, every layer; returns the last layer's output. ``sparse``:
+        the reference's in-place path (True) or padded path (False); None: the native kernel."""
+        if sparse is None:
+            for li in range(LAYERS):
+                out = N.paged_decode_attention(self.q, self.kv[li, 0], self.kv[li, 1], self.tables, self.lens,
+                                               HEAD_DIM ** -0.5)
+            return out
         plan = R.plan_decode(self.tables, self.lens, BLOCK, sparse=sparse)
         for li in range(LAYERS):
             out = R.paged_decode_attention(self.q, self.kv[li, 0], self.kv[li, 1], self.tables, self.lens,
@@ -92,16 +101,18 @@ class Case:
         return out
 
 
-def interleaved(case: Case, rounds: int) -> tuple[list[float], list[float]]:
-    """Per-round step times (ms) of the padded and the in-place path, alternating."""
-    padded, in_place = [], []
-    case.step(False), case.step(True)  # warm: workspace pages, allocator, thread pool
+def interleaved(case: Case, rounds: int, native: bool) -> dict[str, list[float]]:
+    """Per-round step times (ms) of each path (padded, in place, and native when it builds), alternating."""
+    paths = {"padded": False, "in place": True, **({"native": None} if native else {})}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for sparse in paths.values():  # warm: workspace pages, allocator, thread pool
+        case.step(sparse)
     for r in range(rounds):
-        for sparse in ((False, True) if r % 2 == 0 else (True, False)):
+        for name, sparse in (list(paths.items()) if r % 2 == 0 else list(paths.items())[::-1]):
             t = time.perf_counter()
             case.step(sparse)
-            (in_place if sparse else padded).append((time.perf_counter() - t) * 1e3)
-    return padded, in_place
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return times
 
 
 def load() -> str:
@@ -110,19 +121,26 @@ def load() -> str:
 
 def run_table(title: str, cases: list[tuple[str, list[int]]], rounds: int, threads: int) -> list[dict]:
     torch.set_num_threads(threads)
+    native = N.available()
     print(f"\n{title}; {threads} thread(s); load average before {load()}")
-    print(f"  {'case':<34} {'padded ms':>10} {'in place ms':>12} {'ratio':>7} {'max |diff|':>11} {'KV MB/layer':>12}")
+    print(f"  {'case':<34} {'padded ms':>10} {'in place ms':>12} {'ratio':>7} {'native ms':>10} {'ratio':>7} "
+          f"{'max |diff|':>11} {'KV MB/layer':>12}")
     rows = []
     for name, lens in cases:
         case = Case(lens)
-        diff = (case.step(False) - case.step(True)).abs().max().item()
-        padded, in_place = interleaved(case, rounds)
-        p, n = statistics.median(padded), statistics.median(in_place)
-        print(f"  {name:<34} {p:10.1f} {n:12.1f} {p / n:6.2f}x {diff:11.1e} {case.kv_bytes / 1e6:12.1f}")
-        rows.append({"case": name, "threads": threads, "padded_ms": p, "in_place_ms": n, "ratio": p / n,
-                     "max_abs_diff": diff})
+        ref = case.step(False)
+        diff = max((ref - case.step(s)).abs().max().item() for s in ((True, None) if native else (True,)))
+        times = interleaved(case, rounds, native)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        p, n = med["padded"], med["in place"]
+        c = med.get("native", float("nan"))
+        print(f"  {name:<34} {p:10.1f} {n:12.1f} {p / n:6.2f}x {c:10.1f} {n / c:6.2f}x {diff:11.1e} "
+              f"{case.kv_bytes / 1e6:12.1f}")
+        rows.append({"case": name, "threads": threads, "padded_ms": p, "in_place_ms": n, "native_ms": c,
+                     "ratio": p / n, "in_place_over_native": n / c, "max_abs_diff": diff})
         del case
-    print(f"  load average after {load()}")
+    print(f"  load average after {load()}"
+          + ("" if native else f"; no native column: {N.unavailable_reason()}"))
     return rows
 
 
@@ -150,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [(f"{b} seqs, +{news[0]} tokens", [p + news[0] for p in PROMPT_LENS[:b]]) for b in sizes]
     for threads in (int(x) for x in args.threads.split(",")):
         run_table("one step's decode attention (plan + every layer), 64 sequences", batch64, args.rounds, threads)
-        # Below SPARSE_DECODE_MIN_ROWS both columns are the padded path: the threshold's evidence is
-        # where the ratio crosses 1 with the threshold lowered.
+        # Below SPARSE_DECODE_MIN_ROWS the padded and in-place columns are both the padded path:
+        # the threshold's evidence is where their ratio crosses 1 with the threshold lowered.
         saved = R.SPARSE_DECODE_MIN_ROWS
         R.SPARSE_DECODE_MIN_ROWS = 1
         try:

@@ -37,7 +37,7 @@
 #define MAX_HEAD_DIM 256
 #define PAR_WORK (1 << 15)  /* elements from which a call splits across threads */
 
-int kvb_native_abi_version(void) { return 2; }
+int kvb_native_abi_version(void) { return 3; }
 
 static inline float kvb_expf(float x) {
     x = fminf(fmaxf(x, -87.3f), 88.3f);
@@ -299,7 +299,8 @@ static inline void qk_dots4(const float *q, int64_t group, const float *k, int64
             a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * stride + e), a3);
         }
         const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        const __m128 sums = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale));
+        const __m128 sums =
+            _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale));
         float lanes[4];
         _mm_storeu_ps(lanes, sums);
         for (int c = 0; c < 4; c++) out[j * out_stride + c] = lanes[c];
@@ -475,7 +476,8 @@ static int plan_split(split_t *sp, int64_t n_seqs, const int32_t *context_lens, 
     int64_t k = 0;
     for (int64_t n = 0; n < n_seqs; n++) {
         sp->seq_first[n] = k;
-        for (int64_t c = 0; c < parts_of(sp, context_lens[n]); c++, k++) sp->item_seq[k] = n, sp->item_begin[k] = c * sp->part;
+        for (int64_t c = 0; c < parts_of(sp, context_lens[n]); c++, k++)
+            sp->item_seq[k] = n, sp->item_begin[k] = c * sp->part;
     }
     sp->seq_first[n_seqs] = k;
     if (sp->n_items > n_seqs) {
@@ -626,6 +628,36 @@ static void share(int64_t out, int t, int n, int64_t *c0, int64_t *c1) {
     *c1 = t == n - 1 ? out : lines * (t + 1) / n * 16;
     if (*c1 > out) *c1 = out;
     if (*c0 > out) *c0 = out;
+}
+
+/* Column chunks of a standalone GEMV: each thread's band of a wide output (the LM head's
+ * 49,152 columns) is walked in pieces whose rows of y stay in L1/L2 across the input rows. */
+#define GEMV_CHUNK 2048
+
+/* y [rows, out] = x [rows, in] @ w [in, out] (+ bias [out], or NULL): the fused layers' GEMV as
+ * its own call, for the kernel measurement to time against BLAS and oneDNN, and for the
+ * projections of a bucket it won outside the fused layers (the LM head). */
+int kvb_gemv(const float *x, int64_t rows, const float *w, int64_t in, int64_t out, const float *bias, float *y,
+             int nthreads) {
+    if (rows <= 0 || in <= 0 || out <= 0) return KVB_BAD_SHAPE;
+#pragma omp parallel num_threads(nthreads) if (in * out >= PAR_WORK)
+    {
+        int t = 0, n = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        n = omp_get_num_threads();
+#endif
+        int64_t c0, c1;
+        share(out, t, n, &c0, &c1);
+        for (int64_t c = c0; c < c1; c += GEMV_CHUNK) {
+            const int64_t e = c + GEMV_CHUNK < c1 ? c + GEMV_CHUNK : c1;
+            gemv_cols(x, rows, w, in, out, y, c, e);
+            if (bias != NULL)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t k = c; k < e; k++) y[r * out + k] += bias[k];
+        }
+    }
+    return KVB_OK;
 }
 
 static void add_norm_rows(float *resid, const float *h, int copy, const float *w, float *x, int64_t rows,

@@ -23,7 +23,7 @@ import torch
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 2
+_ABI = 3
 _ERRORS = {1: (IndexError, "an index (position, slot, block id or context length) is out of range"),
            2: (ValueError, "a shape the kernel does not take"),
            3: (MemoryError, "no memory for the attention scores")}
@@ -50,6 +50,8 @@ def _library() -> ctypes.CDLL | str:
     lib.kvb_decode_layers.argtypes = [_P, _I64, _P, _P, _P, _INT, _P, _INT]
     lib.kvb_attention_parts.restype = _I64
     lib.kvb_attention_parts.argtypes = [_I64, _P, _I64, _I64, _INT]
+    lib.kvb_gemv.restype = _INT
+    lib.kvb_gemv.argtypes = [_P, _I64, _P, _I64, _I64, _P, _P, _INT]
     return lib
 
 
@@ -60,6 +62,13 @@ def available() -> bool:
 def unavailable_reason() -> str:
     """Why the native kernels are off ('' when they are on)."""
     return native_build.reason(_library())
+
+
+def identity() -> str:
+    """Names the build a measurement timed (kernel_choice's cache key: a changed source or compiler
+    measures the native GEMV again)."""
+    cc = native_build.compiler()
+    return native_build.build_key(SOURCE, cc) if cc and available() else "unavailable"
 
 
 def _lib() -> ctypes.CDLL:
@@ -183,6 +192,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                      tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
     _check(rc, "paged_decode_attention")
     return out.to(torch.bfloat16) if bf16 else out
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w (+ bias)`` for fp32 ``x`` [rows, in] and ``w`` [in, out] (BLAS's layout: the weight
+    transposed): the fused decode layers' GEMV as its own call, each thread a band of output
+    columns, every 4 rows of ``w`` read once for all rows of ``x`` (memory-bound at a few rows, so
+    the kernel measurement offers it for 1-8 rows; :data:`kvbatch.engine.models.linear.NATIVE`)."""
+    _fp32(x, w, *(() if bias is None else (bias,)))
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0] or not w.is_contiguous() \
+            or (bias is not None and (bias.shape != (w.shape[1],) or not bias.is_contiguous())):
+        raise ValueError(f"gemv: x [rows, in] @ w [in, out] (contiguous) + bias [out], got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}, {None if bias is None else tuple(bias.shape)}")
+    x = x.contiguous()
+    y = x.new_empty((x.shape[0], w.shape[1]))
+    if x.shape[0]:
+        _check(_lib().kvb_gemv(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], w.shape[1],
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads()),
+               "gemv")
+    return y
 
 
 def attention_parts(context_lens: torch.Tensor, num_kv_heads: int, block_size: int, threads: int) -> int:

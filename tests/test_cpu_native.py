@@ -10,6 +10,7 @@ greedy tokens as well.
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,71 @@ def test_the_c_source_ships_in_the_package():
     config = tomllib.loads((repo / "pyproject.toml").read_text())
     assert "cpu_native.c" in config["tool"]["setuptools"]["package-data"]["kvbatch.kernels"]
     assert (repo / "kernels" / "cpu_native.c").is_file()
+
+
+# ------------------------------------------------------------------------- the native GEMV
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(576, 960), (37, 1000), (1536, 576), (64, 5000)])
+def test_gemv_matches_blas(rows, shape):
+    # in sizes not a multiple of 4 and outputs wider than a column chunk (2048) included
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, shape[0], generator=gen), torch.randn(*shape, generator=gen)
+    b = torch.randn(shape[1], generator=gen)
+    _close(N.gemv(x, w), x @ w, rel=1e-5)
+    _close(N.gemv(x, w, b), torch.addmm(b, x, w), rel=1e-5)
+    with pytest.raises(ValueError, match="gemv"):
+        N.gemv(x, w.t())  # a transposed view: not the [in, out] layout
+
+
+def test_the_native_gemv_is_a_kernel_choice_candidate_for_decode_rows(tmp_path):
+    from kvbatch.engine.models import kernel_choice as kc
+    from kvbatch.engine.models.linear import NATIVE
+    from tests.test_kernel_choice import fake_timer
+
+    calls = []
+    timer = fake_timer({"onednn": [5.0, 5.0, 5.0, 9.0], "blas": [4.0, 6.0, 4.0, 10.0], NATIVE: [2.0, 3.0, 1.0, 1.0]},
+                       calls)
+    choice = kc.choose_kernels(torch.float32, [(96, 64), (64, 160)], cache_dir=tmp_path, timer=timer)
+    if not kc.onednn_available():
+        pytest.skip("needs the oneDNN candidate too")
+    assert choice.fmt.bucket_kinds == (NATIVE, NATIVE, "blas", "onednn")
+    assert {r for k, r in calls if k == NATIVE} == {1, 8}  # never timed for 64 or 128 rows
+    assert choice.fmt.plain_rows(1) and choice.fmt.plain_rows(8) and choice.fmt.plain_rows(64)
+    assert not choice.fmt.plain_rows(128)
+    # a GEMV far ahead at 1-8 rows leaves the larger buckets to the others, each still measured
+    # (it once made them all "hopeless": nothing left to time at 64 rows)
+    far = fake_timer({"onednn": [5.0, 5.0, 5.0, 9.0], "blas": [4.0, 6.0, 4.0, 10.0], NATIVE: [1e-3, 1e-3, 1.0, 1.0]})
+    assert kc.choose_kernels(torch.float32, [(96, 64)], cache_dir=tmp_path / "far",
+                             timer=far).fmt.bucket_kinds == (NATIVE, NATIVE, "blas", "onednn")
+
+
+def test_a_bucket_the_native_gemv_won_takes_the_fused_path(tmp_path, monkeypatch):
+    from kvbatch.engine.models import factory, kernel_choice as kc
+    from kvbatch.engine.models.linear import NATIVE
+
+    build_tiny("llama", tmp_path / "dense")
+    monkeypatch.setenv("KVBATCH_KERNELS", "native")
+    monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
+
+    def native_wins_small_batches(kind, rows, run):
+        run()
+        return 1e-6 if kind == NATIVE else 1e-3
+
+    monkeypatch.setattr(factory, "choose_kernels", functools.partial(kc.choose_kernels, timer=native_wins_small_batches,
+                                                                     cache_dir=tmp_path / "cache"))
+    calls = []
+    real = N.decode_layers
+    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    llm = LLM(str(tmp_path / "dense"), engine_config=EngineConfig(block_size=4, num_blocks=256))
+    assert llm.model.linear.bucket_kinds[:2] == (NATIVE, NATIVE)
+    tokens, logits = _tokens_and_logits(llm, 3)
+    assert set(calls) == {3}  # every decode step of the 3 requests ran fused
+    monkeypatch.setenv("KVBATCH_KERNELS", "reference")
+    monkeypatch.setattr(factory, "choose_kernels", functools.partial(kc.choose_kernels, linear="blas"))
+    ref_tokens, ref_logits = _tokens_and_logits(LLM(str(tmp_path / "dense"),
+                                                    engine_config=EngineConfig(block_size=4, num_blocks=256)), 3)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        _close(a, b, rel=1e-5)

@@ -52,12 +52,15 @@ from kvbatch.engine.models.linear import (
     GGUF_NATIVE,
     INT8,
     MIXED,
+    NATIVE,
+    NATIVE_MAX_ROWS,
     ONEDNN,
     LinearFormat,
     choose_linear_format,
     linear_override,
     onednn_available,
 )
+from kvbatch.kernels import cpu_native
 from kvbatch.kernels.machine import cpu_identity, default_cache_dir  # also this module's API
 from kvbatch.engine.models.quant import DEQUANT, INT8PACK, Int8Weight, int8_linear, quantize_int8
 
@@ -127,7 +130,8 @@ def dense_shapes(tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, int]]:
 def cache_key(dtype: torch.dtype, weights: str, shapes: Sequence[tuple[int, int]], num_layers: int,
               candidates: Sequence[str], gguf_qtype: str | None = None) -> dict[str, Any]:
     """Everything a measurement depends on; a change in any of it measures again (for GGUF
-    weights also the block type and the native kernel's build)."""
+    weights also the block type and the native kernel's build; with the native GEMV a candidate,
+    its build)."""
     model, flags = cpu_identity()
     key = {"version": CACHE_VERSION, "cpu": model, "flags": sorted(flags), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "weights": weights,
@@ -135,6 +139,8 @@ def cache_key(dtype: torch.dtype, weights: str, shapes: Sequence[tuple[int, int]
            "buckets": list(BUCKET_BOUNDS)}
     if weights == "gguf":
         key.update(gguf_qtype=gguf_qtype, gguf_kernel=gguf_kernels.identity())
+    if NATIVE in candidates:
+        key.update(native_kernel=cpu_native.identity())
     return key
 
 
@@ -155,13 +161,16 @@ def int8pack_available() -> bool:
 
 def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
     """The kernels (float) or routes (int8) worth measuring for ``dtype`` weights on this CPU; for
-    GGUF weights the native kernel (when it builds here) and the float kernels."""
+    GGUF weights the native kernel (when it builds here) and the float kernels; for fp32 also the
+    native decode GEMV (when the native CPU kernels build), measured for 1-8 rows only."""
     if weights == "int8":
         return ([INT8PACK] if int8pack_available() else []) + [DEQUANT]
     packable = dtype in (torch.float32, torch.bfloat16) and onednn_available(dtype)
     floats = [ONEDNN, BLAS] if packable else [BLAS]
     if weights == "gguf" and gguf_kernels.available():
         return [GGUF_NATIVE, *floats]
+    if dtype == torch.float32 and cpu_native.available():  # the fused decode layers' GEMV, 1-8 rows
+        return [*floats, NATIVE]
     return floats
 
 
@@ -212,7 +221,8 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
     for b, rows in enumerate(BUCKET_ROWS):
         # Lost the previous bucket by far: more rows will not save it. (Not from bucket 1 on:
         # one row takes other kernels, matrix-vector ones, than two or more.)
-        live = [k for k in candidates if not (b > 1 and _hopeless(timings, k, b - 1))]
+        eligible = [k for k in candidates if not (k == NATIVE and rows > NATIVE_MAX_ROWS)]  # GEMV: decode rows only
+        live = [k for k in eligible if not (b > 1 and _hopeless(timings, k, b - 1, eligible))]
         runs = {}
         for kind in live:
             fmt = candidate_format(kind, dtype)
@@ -261,8 +271,10 @@ def _copy_prepared(w: object) -> object:
     raise TypeError(f"cannot copy a prepared weight of type {type(w).__name__}")
 
 
-def _hopeless(timings: Mapping[str, Sequence[float]], kind: str, b: int) -> bool:
-    best = min(t[b] for t in timings.values())
+def _hopeless(timings: Mapping[str, Sequence[float]], kind: str, b: int, among: Sequence[str]) -> bool:
+    """Whether ``kind`` lost bucket ``b`` by more than ``_HOPELESS`` against the best of ``among``
+    (the kernels that run the next bucket: the native GEMV's win at 8 rows says nothing at 64)."""
+    best = min(timings[k][b] for k in among)
     return timings[kind][b] > _HOPELESS * best
 
 
@@ -336,7 +348,8 @@ def choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], *, num
         slower = bf16_slowdown(choice.fmt, shapes, timer)
         if slower > 1.0:
             model, flags = cpu_identity()
-            bf16_flags = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "neither avx512_bf16 nor amx_bf16"
+            bf16_flags = (", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags)
+                          or "neither avx512_bf16 nor amx_bf16")
             note = (f"bf16 projections measured {slower:.1f}x slower than fp32 at {_SLOWDOWN_ROWS} rows (a batched "
                     f"decode step) on this CPU ({model}; {bf16_flags}); --dtype fp32 is the faster setting here")
             choice = replace(choice, note="; ".join(n for n in (choice.note, note) if n))
@@ -354,14 +367,15 @@ def bf16_slowdown(fmt: LinearFormat, shapes: Sequence[tuple[int, int]], timer: T
     """How many times longer one layer's projections (``shapes``) take at ``_SLOWDOWN_ROWS`` rows
     in the bf16 format ``fmt`` than in fp32 BLAS on this machine: best of 3 calls each after one
     warm-up (tens of milliseconds where bf16 is emulated, a few where it is not). Below 1 where
-    bf16 is the faster setting, as on CPUs with AVX512-BF16 or AMX; several times 1 where bf16 is emulated (seen on an AVX2-only EPYC:
-    bf16 batched decode at 0.7x transformers fp32 against kvbatch fp32's 3.0x, ``bench_engine.py
-    --quick``)."""
+    bf16 is the faster setting, as on CPUs with AVX512-BF16 or AMX; several times 1 where bf16 is
+    emulated (seen on an AVX2-only EPYC: bf16 batched decode at 0.7x transformers fp32 against
+    kvbatch fp32's 3.0x, ``bench_engine.py --quick``)."""
     g = torch.Generator().manual_seed(1)
     layer = [torch.empty(o, i).uniform_(-1, 1, generator=g) for o, i in shapes]
     fp32 = LinearFormat(BLAS, torch.float32)
     best = {}
-    for name, f, dtype in (("fp32-blas", fp32, torch.float32), (f"bf16-{fmt.kind_for(_SLOWDOWN_ROWS)}", fmt, torch.bfloat16)):
+    bf16_kind = f"bf16-{fmt.kind_for(_SLOWDOWN_ROWS)}"
+    for name, f, dtype in (("fp32-blas", fp32, torch.float32), (bf16_kind, fmt, torch.bfloat16)):
         ws = [(f.prepare(w.to(dtype)), torch.ones(_SLOWDOWN_ROWS, w.shape[1], dtype=dtype)) for w in layer]
 
         def run(ws: list = ws, f: LinearFormat = f) -> None:

@@ -21,7 +21,9 @@ row), so :func:`kvbatch.engine.models.factory.build_model` measures the candidat
 bucket at load time (:mod:`kvbatch.engine.models.kernel_choice`) and hands the result in through
 :func:`use_linear_format`. When the buckets disagree, ``prepare`` keeps one layout per kernel
 chosen (a :class:`MixedWeight`: more memory, the fastest multiply at every row count). ``INT8``
-holds weight-only int8 weights (:mod:`kvbatch.engine.models.quant`); ``GGUF`` multiplies by a GGUF
+holds weight-only int8 weights (:mod:`kvbatch.engine.models.quant`); ``NATIVE`` is the fused
+decode layers' own GEMV (:func:`kvbatch.kernels.cpu_native.gemv`) over BLAS's fp32 layout, a
+candidate for 1-8 rows (a bucket it wins runs the fused decode step); ``GGUF`` multiplies by a GGUF
 file's own Q4_0/Q4_1/Q8_0 blocks in the buckets where that measured faster
 (:mod:`kvbatch.engine.models.gguf_kernels`), by the dequantized fp32 weight elsewhere.
 """
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
 from kvbatch.engine.models.quant import int8_linear, quantize_int8
+from kvbatch.kernels import cpu_native
 
 ONEDNN = "onednn"
 BLAS = "blas"
@@ -50,7 +53,13 @@ INT8 = "int8"  # weight-only int8, per-output-channel scales; ``bucket_kinds`` n
 # GGUF: per bucket GGUF_NATIVE (the file's blocks, our C kernel) or a CPU kind over the fp32 weight
 GGUF = "gguf"
 GGUF_NATIVE = "gguf-native"
-CPU_KINDS = (ONEDNN, BLAS)
+# The native decode GEMV (kvbatch.kernels.cpu_native.gemv) over BLAS's fp32 [in, out] layout: what
+# the fused decode layers multiply with, so the kernel measurement times it against the others
+# for up to NATIVE_MAX_ROWS rows (a multiply of more rows runs BLAS on the same layout).
+NATIVE = "native"
+NATIVE_MAX_ROWS = 8
+CPU_KINDS = (ONEDNN, BLAS, NATIVE)
+_PLAIN_KINDS = (BLAS, NATIVE)  # the kinds that multiply the plain fp32 [in, out] layout
 _BUCKETED = (MIXED, INT8, GGUF)
 # Row-count buckets the kernels are measured and chosen for: upper bounds (inclusive), the last
 # one open. 1: plain decode; 2-8: small batches, speculative verification; 9-64: batched decode;
@@ -96,7 +105,10 @@ class LinearFormat:
                              f"got {self.bucket_kinds!r}")
         if self.kind == MIXED and not set(self.bucket_kinds) <= set(CPU_KINDS):
             raise ValueError(f"mixed bucket kinds must be among {CPU_KINDS}, got {self.bucket_kinds!r}")
-        if self.kind == GGUF and (not set(self.bucket_kinds) <= {GGUF_NATIVE, *CPU_KINDS} or self.dtype != torch.float32):
+        if NATIVE in (self.kind, *self.bucket_kinds) and (self.dtype != torch.float32 or self.device.type != "cpu"):
+            raise ValueError(f"the native GEMV multiplies fp32 on the CPU, not {self.dtype} on {self.device}")
+        if self.kind == GGUF and (not set(self.bucket_kinds) <= {GGUF_NATIVE, *CPU_KINDS}
+                                  or self.dtype != torch.float32):
             raise ValueError(f"gguf bucket kinds must be among {(GGUF_NATIVE, *CPU_KINDS)} over fp32, "
                              f"got {self.bucket_kinds!r} {self.dtype}")
 
@@ -116,8 +128,11 @@ class LinearFormat:
             return self._prepare_gguf(w.to(device=self.device, dtype=self.dtype).contiguous())
         w = w.to(device=self.device, dtype=self.dtype).contiguous()
         if self.kind == MIXED:
-            kinds = tuple(dict.fromkeys(self.bucket_kinds))
-            return MixedWeight({k: LinearFormat(k, self.dtype, self.device).prepare(w) for k in kinds})
+            layouts: dict[str, Any] = {}
+            for k in dict.fromkeys(self.bucket_kinds):  # BLAS and NATIVE share one plain layout
+                shared = next((layouts[o] for o in _PLAIN_KINDS if k in _PLAIN_KINDS and o in layouts), None)
+                layouts[k] = shared if shared is not None else _SINGLE[k, self.dtype].prepare(w)
+            return MixedWeight(layouts)
         if self.kind == CUBLAS:
             return w
         if self.kind == ONEDNN:
@@ -150,21 +165,24 @@ class LinearFormat:
             return _SINGLE[kind, self.dtype]._multiply(x, w.layouts[kind], b)
         if self.kind == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        if self.kind == NATIVE and x.shape[0] <= NATIVE_MAX_ROWS:
+            return cpu_native.gemv(x, w, b)
         if self.kind == CUBLAS or self.dtype != torch.float32:
             return F.linear(x, w, b)
         return torch.addmm(b, x, w) if b is not None else x @ w
 
     def plain_rows(self, rows: int) -> bool:
-        """Whether a multiply of ``rows`` rows runs BLAS over the plain fp32 ``[in, out]`` layout
-        (what :meth:`plain_weight` hands out, and the fused native decode multiplies)."""
-        return self.dtype == torch.float32 and self.device.type == "cpu" and self.kind in (BLAS, MIXED) \
-            and self.kind_for(rows) == BLAS
+        """Whether a multiply of ``rows`` rows runs BLAS or the native GEMV over the plain fp32
+        ``[in, out]`` layout (what :meth:`plain_weight` hands out, and the fused native decode
+        multiplies)."""
+        return self.dtype == torch.float32 and self.device.type == "cpu" and self.kind in (*_PLAIN_KINDS, MIXED) \
+            and self.kind_for(rows) in _PLAIN_KINDS
 
     def plain_weight(self, w: Any) -> torch.Tensor:
         """The plain fp32 ``[in, out]`` layout of a weight this format prepared (see :meth:`plain_rows`)."""
         if self.kind == MIXED:
-            return w.layouts[BLAS]
-        if self.kind != BLAS or self.dtype != torch.float32:
+            return next(w.layouts[k] for k in _PLAIN_KINDS if k in w.layouts)
+        if self.kind not in _PLAIN_KINDS or self.dtype != torch.float32:
             raise ValueError(f"a {self.kind} {self.dtype} format holds no plain [in, out] fp32 layout")
         return w
 
@@ -172,7 +190,7 @@ class LinearFormat:
         """The row count to multiply ``rows`` rows as so each row's result equals its result in
         any larger batch: ``rows`` padded up to where the kernel's bits stop depending on the
         batch (``_INVARIANT_FROM``, measured)."""
-        if self.kind in _BUCKETED:  # each bucket's kernel rounds differently
+        if self.kind in (*_BUCKETED, NATIVE):  # each bucket's kernel rounds differently (NATIVE: up to 8 rows)
             raise ValueError(f"a {self.kind} linear format is not batch-invariant; use one kernel")
         if self.kind == ONEDNN:
             return max(rows, _INVARIANT_FROM[ONEDNN, self.dtype == torch.float32]) if rows else 0

@@ -15,7 +15,7 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
-from kvbatch.engine.models.linear import LinearFormat, choose_linear_format
+from kvbatch.engine.models.linear import NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
 from kvbatch.engine.models.moe import (
     ExpertCompute,
     LocalExperts,
@@ -43,8 +43,9 @@ def refuse_batch_invariant_moe(config: ModelConfig) -> None:
 
 
 # Decode steps of at most this many sequences take the fused native path (one C call for every
-# layer; see LlamaModel._fused_layers); more rows are compute-bound, where BLAS/oneDNN GEMMs win.
-FUSED_DECODE_MAX_ROWS = 8
+# layer; see LlamaModel._fused_layers): the rows its GEMV is measured for. More rows are
+# compute-bound, where BLAS/oneDNN GEMMs win.
+FUSED_DECODE_MAX_ROWS = NATIVE_MAX_ROWS
 
 
 def _env_switch(name: str, default: str = "1") -> bool:
@@ -281,9 +282,10 @@ class LlamaModel:
         """The model's layers over ``kv_cache`` laid out for :func:`K.decode_layers`, when a decode
         step of ``rows`` sequences can take that path: fp32 on the CPU with the native kernels
         built, at most FUSED_DECODE_MAX_ROWS rows, every layer dense without q/k norms, and the
-        projections held in the BLAS layout the kernel choice picked for this many rows (the
-        fused kernel multiplies that layout; another kernel's layout keeps the per-op path). Made
-        once per cache tensor."""
+        projections held in the plain layout for this many rows: the kernel choice gave the
+        bucket to the native GEMV (the fused layers' own, measured against BLAS and oneDNN) or to
+        BLAS (the same layout; the fused step still saves the small ops between the GEMVs). Where
+        oneDNN's packed layout won, the per-op path keeps it. Made once per cache tensor."""
         if not (self.fused_decode and 0 < rows <= FUSED_DECODE_MAX_ROWS and K.native(kv_cache)
                 and self.linear.plain_rows(rows)):
             return None
