@@ -283,8 +283,8 @@ static inline void qk_dots(const float *q, int64_t group, const float *k, int64_
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-/* qk_dots for 4 consecutive positions k, k + stride, ... (fp32 cache, d a multiple of 8, at most
- * 128): each head's 4 dots summed in vector lanes, then reduced together by three horizontal adds
+/* qk_dots for 4 consecutive positions k, k + stride, ... (fp32 cache, d a multiple of 8): each
+ * head's 4 dots summed in vector lanes, then reduced together by three horizontal adds
  * (one lane reduction per dot cost more than the dot itself with AVX2's 8-float vectors). */
 static inline void qk_dots4(const float *q, int64_t group, const float *k, int64_t stride, int64_t d, float scale,
                             float *out, int64_t out_stride) {
@@ -376,7 +376,7 @@ static void pv_cols(const float *scores, int64_t p_begin, int64_t p_end, int64_t
  * [p_begin, p_end) (p_begin a multiple of block_size): og gets the softmax-weighted sum of V over
  * those positions, normalized by their own softmax sum; stats (when not NULL) gets each head's
  * score maximum and sum of exp(score - maximum), so that parts of one sequence can be combined
- * (combine_parts). scores: scratch of group * (p_end - p_begin) floats. */
+ * (attend_tasks). scores: scratch of group * (p_end - p_begin) floats. */
 static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t hkv, int64_t d,
                    const void *k_cache, const void *v_cache, int bf16, int64_t block_size, const int32_t *table,
                    int64_t p_begin, int64_t p_end, float scale, float *scores, float *stats) {

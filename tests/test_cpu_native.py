@@ -354,6 +354,21 @@ def test_gemv_matches_blas(rows, shape):
         N.gemv(x, w.t())  # a transposed view: not the [in, out] layout
 
 
+def test_the_native_format_runs_the_gemv_for_decode_rows_and_blas_otherwise(monkeypatch):
+    from kvbatch.engine.models.linear import NATIVE, LinearFormat
+
+    fmt = LinearFormat(NATIVE, torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    w = fmt.prepare(torch.randn(96, 64, generator=gen))  # [out, in] -> BLAS's [in, out]
+    assert w.shape == (64, 96)
+    x8, x9 = torch.randn(8, 64, generator=gen), torch.randn(9, 64, generator=gen)
+    assert torch.equal(fmt(x8, w), N.gemv(x8, w)) and torch.equal(fmt(x9, w), x9 @ w)
+    monkeypatch.setenv("KVBATCH_KERNELS", "reference")  # the PyTorch path everywhere: BLAS, bit for bit
+    assert torch.equal(fmt(x8, w), x8 @ w)
+    with pytest.raises(ValueError, match="fp32 on the CPU"):
+        LinearFormat(NATIVE, torch.bfloat16)
+
+
 def test_the_native_gemv_is_a_kernel_choice_candidate_for_decode_rows(tmp_path):
     from kvbatch.engine.models import kernel_choice as kc
     from kvbatch.engine.models.linear import NATIVE

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
 from kvbatch.engine.models.quant import int8_linear, quantize_int8
-from kvbatch.kernels import cpu_native
+from kvbatch.kernels import cpu_native, dispatch
 
 ONEDNN = "onednn"
 BLAS = "blas"
@@ -165,8 +165,8 @@ class LinearFormat:
             return _SINGLE[kind, self.dtype]._multiply(x, w.layouts[kind], b)
         if self.kind == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        if self.kind == NATIVE and x.shape[0] <= NATIVE_MAX_ROWS:
-            return cpu_native.gemv(x, w, b)
+        if self.kind == NATIVE and x.shape[0] <= NATIVE_MAX_ROWS and dispatch.native(x):
+            return cpu_native.gemv(x, w, b)  # (KVBATCH_KERNELS=reference: BLAS on the same layout, below)
         if self.kind == CUBLAS or self.dtype != torch.float32:
             return F.linear(x, w, b)
         return torch.addmm(b, x, w) if b is not None else x @ w
