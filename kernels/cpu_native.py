@@ -17,13 +17,14 @@ import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 3
+_ABI = 4
 _ERRORS = {1: (IndexError, "an index (position, slot, block id or context length) is out of range"),
            2: (ValueError, "a shape the kernel does not take"),
            3: (MemoryError, "no memory for the attention scores")}
@@ -51,7 +52,9 @@ def _library() -> ctypes.CDLL | str:
     lib.kvb_attention_parts.restype = _I64
     lib.kvb_attention_parts.argtypes = [_I64, _P, _I64, _I64, _INT]
     lib.kvb_gemv.restype = _INT
-    lib.kvb_gemv.argtypes = [_P, _I64, _P, _I64, _I64, _P, _P, _INT]
+    lib.kvb_int8_block.restype = _INT
+    lib.kvb_int8_block.argtypes = []
+    lib.kvb_gemv.argtypes = [_P, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
     return lib
 
 
@@ -194,20 +197,71 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.to(torch.bfloat16) if bf16 else out
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+class Int8Blocks(NamedTuple):
+    """An int8 weight as the native GEMV streams it: ``q`` [ceil(out / 16), in, 16], blocks of 16
+    output columns each one contiguous run (the last block's missing columns zero), standing for
+    ``w[i, c] = q[c // 16, i, c % 16] * scale[c]`` (weight-only int8, one scale per output channel;
+    ``scale`` padded to whole blocks). Made by :func:`int8_blocks`."""
+
+    q: torch.Tensor  # [blocks, in, 16] int8
+    scale: torch.Tensor  # [blocks * 16] fp32
+    out_features: int
+
+
+def int8_block() -> int:
+    """Output columns per block of :class:`Int8Blocks` (the native library's I8_BLOCK)."""
+    return int(_lib().kvb_int8_block())
+
+
+def int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> Int8Blocks:
+    """The blocked layout of an int8 weight ``q`` [out, in] with scales [out]."""
+    if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+        raise ValueError(f"int8_blocks takes an int8 [out, in] and its [out] scales, got {q.dtype} "
+                         f"{tuple(q.shape)} and {tuple(scale.shape)}")
+    out, width = q.shape[0], int8_block()
+    pad = -out % width
+    q = torch.cat([q, q.new_zeros(pad, q.shape[1])]) if pad else q
+    blocks = q.view(-1, width, q.shape[1]).transpose(1, 2).contiguous()
+    scale = torch.cat([scale.float(), scale.new_zeros(pad, dtype=torch.float32)]) if pad else scale.float()
+    return Int8Blocks(blocks, scale.contiguous(), out)
+
+
+Weight = torch.Tensor | Int8Blocks  # fp32 [in, out], or int8 blocks with their scales
+
+
+def _weight_ptrs(w: Weight, name: str) -> tuple[int, int | None, tuple[int, int]]:
+    """(data pointer, scale pointer or None, (in, out)) of a weight the native GEMV takes, checked."""
+    if isinstance(w, Int8Blocks):
+        q, scale, out = w
+        if q.dtype != torch.int8 or scale.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3 \
+                or q.shape[2] != int8_block() or q.shape[0] != -(-out // q.shape[2]) \
+                or scale.shape != (q.shape[0] * q.shape[2],) or not (q.is_contiguous() and scale.is_contiguous()):
+            raise ValueError(f"{name}: int8 blocks are a contiguous int8 [ceil({out} / {int8_block()}), in, "
+                             f"{int8_block()}] with padded fp32 scales, got {q.dtype} {tuple(q.shape)} and "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        return q.data_ptr(), scale.data_ptr(), (q.shape[1], out)
+    _fp32(w)
+    if w.dim() != 2 or not w.is_contiguous():
+        raise ValueError(f"{name}: the weight must be a contiguous [in, out], got {tuple(w.shape)}")
+    return w.data_ptr(), None, tuple(w.shape)
+
+
+def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w (+ bias)`` for fp32 ``x`` [rows, in] and ``w`` [in, out] (BLAS's layout: the weight
-    transposed): the fused decode layers' GEMV as its own call, each thread a band of output
-    columns, every 4 rows of ``w`` read once for all rows of ``x`` (memory-bound at a few rows, so
-    the kernel measurement offers it for 1-8 rows; :data:`kvbatch.engine.models.linear.NATIVE`)."""
-    _fp32(x, w, *(() if bias is None else (bias,)))
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0] or not w.is_contiguous() \
-            or (bias is not None and (bias.shape != (w.shape[1],) or not bias.is_contiguous())):
-        raise ValueError(f"gemv: x [rows, in] @ w [in, out] (contiguous) + bias [out], got {tuple(x.shape)}, "
-                         f"{tuple(w.shape)}, {None if bias is None else tuple(bias.shape)}")
+    transposed), or int8 :class:`Int8Blocks`: the fused decode layers' GEMV as its own call, each
+    thread a band of output columns, every 4 rows of ``w`` read once for all rows of ``x``
+    (memory-bound at a few rows, so the kernel measurement offers it for 1-8 rows:
+    :data:`kvbatch.engine.models.linear.NATIVE`, and the int8 route ``gemv``)."""
+    _fp32(x, *(() if bias is None else (bias,)))
+    w_ptr, scale_ptr, (w_in, w_out) = _weight_ptrs(w, "gemv")
+    bad_bias = bias is not None and (bias.shape != (w_out,) or not bias.is_contiguous())
+    if x.dim() != 2 or x.shape[1] != w_in or bad_bias:
+        raise ValueError(f"gemv: x [rows, in] @ w [in, out] + bias [out], got {tuple(x.shape)}, "
+                         f"{(w_in, w_out)}, {None if bias is None else tuple(bias.shape)}")
     x = x.contiguous()
-    y = x.new_empty((x.shape[0], w.shape[1]))
+    y = x.new_empty((x.shape[0], w_out))
     if x.shape[0]:
-        _check(_lib().kvb_gemv(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], w.shape[1],
+        _check(_lib().kvb_gemv(x.data_ptr(), x.shape[0], w_ptr, scale_ptr, w_in, w_out,
                                None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads()),
                "gemv")
     return y
@@ -227,11 +281,14 @@ def attention_parts(context_lens: torch.Tensor, num_kv_heads: int, block_size: i
 
 # ---------------------------------------------------------------- the fused decode layers
 
-_LAYER_FIELDS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "k_plane", "v_plane")
+class _Proj(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + \
+               [(name, _Proj) for name in ("qkv", "o", "gate_up", "down")] + \
+               [(name, ctypes.c_void_p) for name in ("qkv_bias", "k_plane", "v_plane")]
 
 
 class _Step(ctypes.Structure):
@@ -244,16 +301,16 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True)
 class DenseLayer:
     """One dense Llama layer as :func:`decode_layers` takes it: norms [dim], projections in the
-    ``[in, out]`` layout (the BLAS layout the engine keeps), and the layer's cache [2, blocks,
-    block_size, Hkv, D]."""
+    ``[in, out]`` layout (the BLAS layout the engine keeps; fp32, or int8 with per-column scales),
+    and the layer's cache [2, blocks, block_size, Hkv, D]."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    o: Weight
+    gate_up: Weight
+    down: Weight
     kv_layer: torch.Tensor
 
 
@@ -276,20 +333,22 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
     if not layers:
         raise ValueError("fuse_layers needs at least one layer")
     first = layers[0]
-    dim, inter = first.input_norm.shape[0], first.down.shape[0]
+    dim, inter = first.input_norm.shape[0], _weight_ptrs(first.down, "layer 0: down")[2][0]
     hkv, d = first.kv_layer.shape[-2:]
-    hq = first.o.shape[0] // d  # query heads: the o projection's inputs, D each
+    hq = _weight_ptrs(first.o, "layer 0: o")[2][0] // d  # query heads: the o projection's inputs, D each
     qkv_out = (hq + 2 * hkv) * d
     structs = (_Layer * len(layers))()
     for i, lw in enumerate(layers):
-        tensors = [lw.input_norm, lw.post_norm, lw.qkv, lw.o, lw.gate_up, lw.down, lw.kv_layer]
+        tensors = [lw.input_norm, lw.post_norm, lw.kv_layer]
         if lw.qkv_bias is not None:  # the struct keeps raw pointers: no temporary copies here
             tensors.append(lw.qkv_bias)
         _fp32(*tensors)
         if not all(t.is_contiguous() for t in tensors):
             raise ValueError(f"layer {i}: fuse_layers takes contiguous tensors")
-        shapes = {"o": (lw.o.shape, (hq * d, dim)), "qkv": (lw.qkv.shape, (dim, qkv_out)),
-                  "gate_up": (lw.gate_up.shape, (dim, 2 * inter)), "down": (lw.down.shape, (inter, dim)),
+        projs = {name: _weight_ptrs(getattr(lw, name), f"layer {i}: {name}")
+                 for name in ("qkv", "o", "gate_up", "down")}
+        shapes = {"o": (projs["o"][2], (hq * d, dim)), "qkv": (projs["qkv"][2], (dim, qkv_out)),
+                  "gate_up": (projs["gate_up"][2], (dim, 2 * inter)), "down": (projs["down"][2], (inter, dim)),
                   "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape)}
         for name, (got, want) in shapes.items():
             if tuple(got) != tuple(want):
@@ -297,9 +356,9 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
         if lw.qkv_bias is not None and lw.qkv_bias.shape != (qkv_out,):
             raise ValueError(f"layer {i}: qkv bias {tuple(lw.qkv_bias.shape)} does not match {qkv_out} outputs")
         k_plane = lw.kv_layer.data_ptr()
-        structs[i] = _Layer(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), lw.qkv.data_ptr(),
-                            None if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), lw.o.data_ptr(),
-                            lw.gate_up.data_ptr(), lw.down.data_ptr(), k_plane,
+        structs[i] = _Layer(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(),
+                            *(_Proj(*projs[name][:2]) for name in ("qkv", "o", "gate_up", "down")),
+                            None if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), k_plane,
                             k_plane + lw.kv_layer.stride(0) * lw.kv_layer.element_size())
     return FusedLayers(structs, tuple(layers), dim, inter, hq, hkv, d)
 

@@ -277,7 +277,7 @@ def test_fuse_layers_refuses_what_its_pointers_cannot_hold(tmp_path, monkeypatch
     llm = _llm(tmp_path / "m", monkeypatch, "native")
     model, cache = llm.model, llm.runner.kv_cache
     lw = model.layers[0]
-    plain = model.linear.plain_weight
+    plain = model.linear.fused_weight
     bias = torch.randn(2 * lw.qkv_bias.shape[0])[::2]  # strided: a copy would be freed under the struct
     layer = dispatch.DenseLayer(lw.input_norm, lw.post_norm, plain(lw.qkv), bias, plain(lw.o_proj),
                                 plain(lw.gate_up), plain(lw.down), cache[0])
@@ -354,6 +354,35 @@ def test_gemv_matches_blas(rows, shape):
         N.gemv(x, w.t())  # a transposed view: not the [in, out] layout
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 8), in_f=st.integers(1, 70), out=st.integers(1, 100), bias=st.booleans(),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_the_int8_gemv_computes_the_dequantized_product(rows, in_f, out, bias, threads, seed):
+    # any shape: outputs not a whole number of 16-column blocks, inputs not of 4-row passes
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out, in_f), dtype=torch.int8, generator=gen)
+    scale = torch.rand(out, generator=gen) + 0.01
+    x, b = torch.randn(rows, in_f, generator=gen), torch.randn(out, generator=gen) if bias else None
+    blocks = N.int8_blocks(q, scale)
+    assert blocks.q.shape == (-(-out // 16), in_f, 16) and blocks.out_features == out
+    want = torch.nn.functional.linear(x, q.float() * scale[:, None], b)
+    with _threads(threads):
+        _close(N.gemv(x, blocks, b), want, rel=1e-5)
+
+
+def test_int8_blocks_are_checked():
+    q, scale = torch.ones(20, 8, dtype=torch.int8), torch.ones(20)
+    blocks = N.int8_blocks(q, scale)
+    assert torch.equal(blocks.q[1, :, :4], torch.ones(8, 4, dtype=torch.int8)) and not blocks.q[1, :, 4:].any()
+    assert blocks.scale.shape == (32,) and not blocks.scale[20:].any()
+    with pytest.raises(ValueError, match="int8 \\[out, in\\]"):
+        N.int8_blocks(q.float(), scale)
+    with pytest.raises(ValueError, match="int8 blocks are a contiguous"):
+        N.gemv(torch.ones(1, 8), blocks._replace(q=blocks.q.transpose(1, 2)))
+    with pytest.raises(ValueError, match="gemv: x"):
+        N.gemv(torch.ones(1, 9), blocks)
+
+
 def test_the_native_format_runs_the_gemv_for_decode_rows_and_blas_otherwise(monkeypatch):
     from kvbatch.engine.models.linear import NATIVE, LinearFormat
 
@@ -382,8 +411,8 @@ def test_the_native_gemv_is_a_kernel_choice_candidate_for_decode_rows(tmp_path):
         pytest.skip("needs the oneDNN candidate too")
     assert choice.fmt.bucket_kinds == (NATIVE, NATIVE, "blas", "onednn")
     assert {r for k, r in calls if k == NATIVE} == {1, 8}  # never timed for 64 or 128 rows
-    assert choice.fmt.plain_rows(1) and choice.fmt.plain_rows(8) and choice.fmt.plain_rows(64)
-    assert not choice.fmt.plain_rows(128)
+    assert choice.fmt.fused_rows(1) and choice.fmt.fused_rows(8) and choice.fmt.fused_rows(64)
+    assert not choice.fmt.fused_rows(128)
     # a GEMV far ahead at 1-8 rows leaves the larger buckets to the others, each still measured
     # (it once made them all "hopeless": nothing left to time at 64 rows)
     far = fake_timer({"onednn": [5.0, 5.0, 5.0, 9.0], "blas": [4.0, 6.0, 4.0, 10.0], NATIVE: [1e-3, 1e-3, 1.0, 1.0]})

@@ -12,16 +12,18 @@ import torch
 from kvbatch.engine.models import factory
 from kvbatch.engine.models import kernel_choice as kc
 from kvbatch.engine.models.linear import INT8, LinearFormat
-from kvbatch.engine.models.quant import DEQUANT, INT8PACK, Int8Weight, int8_linear, quantize_int8
+from kvbatch.engine.models.quant import DEQUANT, GEMV, INT8PACK, Int8Weight, int8_linear, quantize_int8
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels import cpu_native, dispatch
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.test_kernel_choice import fake_timer
 from tests.tiny_models import VOCAB, build_tiny
 
 ROUTES = [pytest.param(INT8PACK, marks=pytest.mark.skipif(not kc.int8pack_available(), reason="no int8pack op")),
-          DEQUANT]
+          DEQUANT,
+          pytest.param(GEMV, marks=pytest.mark.skipif(not cpu_native.available(), reason="no native kernels"))]
 
 
 def test_quantization_error_is_at_most_half_a_step():
@@ -46,7 +48,7 @@ def test_quantization_error_is_at_most_half_a_step():
 def test_every_route_computes_the_dequantized_product(route, dtype):
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    q = quantize_int8(w)
+    q = quantize_int8(w, (route,))  # gemv: 1 and 7 rows natively (fp32), 70 rows and bf16 dequantized
     for rows in (1, 7, 70):
         x = torch.randn(rows, 64, generator=g)
         want = torch.nn.functional.linear(x, q.dequantize(), b)
@@ -54,6 +56,19 @@ def test_every_route_computes_the_dequantized_product(route, dtype):
         assert got.dtype == dtype and got.shape == (rows, 96)
         tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.2, "rtol": 0.02}
         torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_an_int8_weight_holds_the_layouts_its_routes_read():
+    w = torch.randn(40, 24, generator=torch.Generator().manual_seed(2))
+    plain = quantize_int8(w)
+    assert plain.blocks is None and plain.q is not None
+    native = quantize_int8(w, (GEMV, DEQUANT))  # one copy: the blocks, which dequant reads too
+    assert native.q is None and native.shape == (40, 24) and torch.equal(native.values(), plain.q)
+    assert torch.equal(native.dequantize(), plain.dequantize())
+    both = quantize_int8(w, (GEMV, INT8PACK))  # int8pack needs [out, in]
+    assert both.q is not None and both.blocks is not None
+    with pytest.raises(ValueError, match="unknown int8 routes \\['fast'\\]"):
+        quantize_int8(w, ("fast",))
 
 
 def test_an_int8_format_takes_its_route_per_bucket(monkeypatch):
@@ -87,10 +102,31 @@ def test_int8_routes_are_chosen_by_measurement(tmp_path):
         kc.choose_kernels(torch.float32, [(32, 16)], weights="int8", batch_invariant=True, cache_dir=tmp_path)
 
 
-def test_the_int8_engine_equals_fp32_over_the_dequantized_weights(tmp_path, monkeypatch):
+def test_the_int8_gemv_is_a_candidate_for_decode_rows_only(tmp_path):
+    if not cpu_native.available():
+        pytest.skip("no native kernels")
+    calls: list[tuple[str, int]] = []
+    timer = fake_timer({INT8PACK: [5.0, 5.0, 2.0, 2.0], DEQUANT: [9.0, 9.0, 3.0, 1.0], GEMV: [1.0, 2.0, 1.0, 1.0]},
+                       calls)
+    choice = kc.choose_kernels(torch.float32, [(32, 16)], weights="int8", cache_dir=tmp_path, timer=timer)
+    assert choice.fmt.bucket_kinds[:2] == (GEMV, GEMV) and GEMV not in choice.fmt.bucket_kinds[2:]
+    assert {r for k, r in calls if k == GEMV} == {1, 8}  # never timed for 64 or 128 rows
+    assert choice.fmt.fused_rows(1) and choice.fmt.fused_rows(8) and not choice.fmt.fused_rows(64)
+    assert GEMV not in kc.candidates_for(torch.bfloat16, "int8")  # bf16 activations: no native int8 GEMV
+
+
+@pytest.mark.parametrize("gemv", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_native.available(), reason="no native kernels"))])
+def test_the_int8_engine_equals_fp32_over_the_dequantized_weights(tmp_path, monkeypatch, gemv):
+    # gemv: the native int8 GEMV wins 1-8 rows, so decode runs the fused layers over int8 blocks
     monkeypatch.setenv("KVBATCH_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(factory, "choose_kernels", partial(
-        kc.choose_kernels, timer=fake_timer({INT8PACK: [1.0, 9.0, 9.0, 9.0], DEQUANT: [9.0, 1.0, 1.0, 1.0]})))
+    times = {INT8PACK: [1.0, 9.0, 9.0, 9.0], DEQUANT: [9.0, 1.0, 1.0, 1.0]}
+    if gemv:
+        times[GEMV] = [0.5, 0.5, 9.0, 9.0]
+    monkeypatch.setattr(factory, "choose_kernels", partial(kc.choose_kernels, timer=fake_timer(times)))
+    fused_rows: list[int] = []
+    real = dispatch.decode_layers
+    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: fused_rows.append(a[2].shape[0]) or real(*a, **k))
     ref = build_tiny("qwen2", tmp_path / "model")  # tied embeddings: the head is quantized, the embedding not
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -107,3 +143,4 @@ def test_the_int8_engine_equals_fp32_over_the_dequantized_weights(tmp_path, monk
                                           prompt_token_ids=p) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert_logits_match(ref, seen, f"r{i}", p, out[i].output_token_ids, "int8")
+    assert bool(fused_rows) == gemv and set(fused_rows) <= {1, 2}

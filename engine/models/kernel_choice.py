@@ -62,7 +62,7 @@ from kvbatch.engine.models.linear import (
 )
 from kvbatch.kernels import cpu_native
 from kvbatch.kernels.machine import cpu_identity, default_cache_dir  # also this module's API
-from kvbatch.engine.models.quant import DEQUANT, INT8PACK, Int8Weight, int8_linear, quantize_int8
+from kvbatch.engine.models.quant import DEQUANT, GEMV, GEMV_MAX_ROWS, INT8PACK, Int8Weight, int8_linear, quantize_int8
 
 LINEAR_CHOICES = ("auto", ONEDNN, BLAS)
 # full: the compute dtype; int8: weight-only int8; gguf: the GGUF file's own blocks where they win
@@ -139,7 +139,7 @@ def cache_key(dtype: torch.dtype, weights: str, shapes: Sequence[tuple[int, int]
            "buckets": list(BUCKET_BOUNDS)}
     if weights == "gguf":
         key.update(gguf_qtype=gguf_qtype, gguf_kernel=gguf_kernels.identity())
-    if NATIVE in candidates:
+    if NATIVE in candidates or GEMV in candidates:
         key.update(native_kernel=cpu_native.identity())
     return key
 
@@ -162,9 +162,11 @@ def int8pack_available() -> bool:
 def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
     """The kernels (float) or routes (int8) worth measuring for ``dtype`` weights on this CPU; for
     GGUF weights the native kernel (when it builds here) and the float kernels; for fp32 also the
-    native decode GEMV (when the native CPU kernels build), measured for 1-8 rows only."""
+    native decode GEMV (when the native CPU kernels build), measured for 1-8 rows only, and for
+    int8 weights under fp32 activations the native int8 GEMV likewise."""
     if weights == "int8":
-        return ([INT8PACK] if int8pack_available() else []) + [DEQUANT]
+        native = [GEMV] if dtype == torch.float32 and cpu_native.available() else []
+        return ([INT8PACK] if int8pack_available() else []) + [DEQUANT] + native
     packable = dtype in (torch.float32, torch.bfloat16) and onednn_available(dtype)
     floats = [ONEDNN, BLAS] if packable else [BLAS]
     if weights == "gguf" and gguf_kernels.available():
@@ -175,7 +177,7 @@ def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
 
 
 def candidate_format(kind: str, dtype: torch.dtype) -> LinearFormat:
-    if kind in (INT8PACK, DEQUANT):
+    if kind in (INT8PACK, DEQUANT, GEMV):
         return LinearFormat(INT8, dtype, bucket_kinds=(kind,) * len(BUCKET_ROWS))
     if kind == GGUF_NATIVE:
         return LinearFormat(GGUF, dtype, bucket_kinds=(kind,) * len(BUCKET_ROWS))
@@ -186,6 +188,8 @@ def _weight_bytes(kind: str, shapes: Sequence[tuple[int, int]], dtype: torch.dty
     """One layer's weight bytes as ``kind`` streams them."""
     if kind == GGUF_NATIVE:
         return sum(o * i // 32 * NATIVE_QTYPES[gguf_qtype or "Q4_1"][1] for o, i in shapes)
+    if kind in (INT8PACK, DEQUANT, GEMV):
+        return sum(o * i for o, i in shapes)
     return sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
 
 
@@ -221,7 +225,8 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
     for b, rows in enumerate(BUCKET_ROWS):
         # Lost the previous bucket by far: more rows will not save it. (Not from bucket 1 on:
         # one row takes other kernels, matrix-vector ones, than two or more.)
-        eligible = [k for k in candidates if not (k == NATIVE and rows > NATIVE_MAX_ROWS)]  # GEMV: decode rows only
+        eligible = [k for k in candidates  # the GEMVs: decode rows only
+                    if not ((k == NATIVE and rows > NATIVE_MAX_ROWS) or (k == GEMV and rows > GEMV_MAX_ROWS))]
         live = [k for k in eligible if not (b > 1 and _hopeless(timings, k, b - 1, eligible))]
         runs = {}
         for kind in live:
@@ -264,7 +269,8 @@ def _copy_prepared(w: object) -> object:
     if isinstance(w, torch.Tensor):
         return w.clone()
     if isinstance(w, Int8Weight):
-        return Int8Weight(w.q.clone(), w.scale.clone(), w.scale_bf16.clone())
+        blocks = None if w.blocks is None else w.blocks._replace(q=w.blocks.q.clone())
+        return Int8Weight(None if w.q is None else w.q.clone(), w.scale.clone(), w.scale_bf16.clone(), blocks)
     if isinstance(w, GGUFWeight) and w.blocks is not None and not w.layouts:
         blk = w.blocks
         return GGUFWeight(QuantizedBlocks(blk.qtype, blk.out_features, blk.in_features, blk.data.clone()))

@@ -21,7 +21,8 @@ row), so :func:`kvbatch.engine.models.factory.build_model` measures the candidat
 bucket at load time (:mod:`kvbatch.engine.models.kernel_choice`) and hands the result in through
 :func:`use_linear_format`. When the buckets disagree, ``prepare`` keeps one layout per kernel
 chosen (a :class:`MixedWeight`: more memory, the fastest multiply at every row count). ``INT8``
-holds weight-only int8 weights (:mod:`kvbatch.engine.models.quant`); ``NATIVE`` is the fused
+holds weight-only int8 weights (:mod:`kvbatch.engine.models.quant`; its ``gemv`` route is the
+native int8 GEMV, which the fused decode step runs too); ``NATIVE`` is the fused
 decode layers' own GEMV (:func:`kvbatch.kernels.cpu_native.gemv`) over BLAS's fp32 layout, a
 candidate for 1-8 rows (a bucket it wins runs the fused decode step); ``GGUF`` multiplies by a GGUF
 file's own Q4_0/Q4_1/Q8_0 blocks in the buckets where that measured faster
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
-from kvbatch.engine.models.quant import int8_linear, quantize_int8
+from kvbatch.engine.models.quant import GEMV, GEMV_MAX_ROWS, int8_linear, quantize_int8
 from kvbatch.kernels import cpu_native, dispatch
 
 ONEDNN = "onednn"
@@ -123,7 +124,7 @@ class LinearFormat:
         a :class:`MixedWeight`, an int8 weight (:class:`~kvbatch.engine.models.quant.Int8Weight`) or a
         :class:`~kvbatch.engine.models.gguf_kernels.GGUFWeight`."""
         if self.kind == INT8:
-            return quantize_int8(w.to(device=self.device))
+            return quantize_int8(w.to(device=self.device), tuple(dict.fromkeys(self.bucket_kinds)))
         if self.kind == GGUF:
             return self._prepare_gguf(w.to(device=self.device, dtype=self.dtype).contiguous())
         w = w.to(device=self.device, dtype=self.dtype).contiguous()
@@ -171,19 +172,26 @@ class LinearFormat:
             return F.linear(x, w, b)
         return torch.addmm(b, x, w) if b is not None else x @ w
 
-    def plain_rows(self, rows: int) -> bool:
-        """Whether a multiply of ``rows`` rows runs BLAS or the native GEMV over the plain fp32
-        ``[in, out]`` layout (what :meth:`plain_weight` hands out, and the fused native decode
-        multiplies)."""
-        return self.dtype == torch.float32 and self.device.type == "cpu" and self.kind in (*_PLAIN_KINDS, MIXED) \
+    def fused_rows(self, rows: int) -> bool:
+        """Whether a multiply of ``rows`` rows runs a kernel whose weight layout the fused native
+        decode layers take (what :meth:`fused_weight` hands out): BLAS or the native GEMV over the
+        plain fp32 ``[in, out]`` layout, or the int8 ``gemv`` route over its blocks."""
+        if self.device.type != "cpu":
+            return False
+        if self.kind == INT8:
+            return self.dtype == torch.float32 and rows <= GEMV_MAX_ROWS and self.kind_for(rows) == GEMV
+        return self.dtype == torch.float32 and self.kind in (*_PLAIN_KINDS, MIXED) \
             and self.kind_for(rows) in _PLAIN_KINDS
 
-    def plain_weight(self, w: Any) -> torch.Tensor:
-        """The plain fp32 ``[in, out]`` layout of a weight this format prepared (see :meth:`plain_rows`)."""
+    def fused_weight(self, w: Any) -> cpu_native.Weight:
+        """The layout of a weight this format prepared that the fused decode layers multiply (see
+        :meth:`fused_rows`): the plain fp32 ``[in, out]`` tensor, or an int8 weight's blocks."""
+        if self.kind == INT8 and w.blocks is not None:
+            return w.blocks
         if self.kind == MIXED:
             return next(w.layouts[k] for k in _PLAIN_KINDS if k in w.layouts)
         if self.kind not in _PLAIN_KINDS or self.dtype != torch.float32:
-            raise ValueError(f"a {self.kind} {self.dtype} format holds no plain [in, out] fp32 layout")
+            raise ValueError(f"a {self.kind} {self.dtype} format holds no layout the fused decode layers take")
         return w
 
     def invariant_rows(self, rows: int) -> int:

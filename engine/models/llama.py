@@ -282,18 +282,19 @@ class LlamaModel:
         """The model's layers over ``kv_cache`` laid out for :func:`K.decode_layers`, when a decode
         step of ``rows`` sequences can take that path: fp32 on the CPU with the native kernels
         built, at most FUSED_DECODE_MAX_ROWS rows, every layer dense without q/k norms, and the
-        projections held in the plain layout for this many rows: the kernel choice gave the
-        bucket to the native GEMV (the fused layers' own, measured against BLAS and oneDNN) or to
-        BLAS (the same layout; the fused step still saves the small ops between the GEMVs). Where
-        oneDNN's packed layout won, the per-op path keeps it. Made once per cache tensor."""
+        projections held in a layout the fused layers take for this many rows: the kernel choice
+        gave the bucket to the native GEMV (the fused layers' own, measured against BLAS and
+        oneDNN), to BLAS (the same layout; the fused step still saves the small ops between the
+        GEMVs) or, for int8 weights, to the native int8 GEMV (its blocks). Where oneDNN's packed
+        layout or another int8 route won, the per-op path keeps it. Made once per cache tensor."""
         if not (self.fused_decode and 0 < rows <= FUSED_DECODE_MAX_ROWS and K.native(kv_cache)
-                and self.linear.plain_rows(rows)):
+                and self.linear.fused_rows(rows)):
             return None
         held = self._fused
         if held is None or held[0] is not kv_cache:
             fused = None
             if all(not lw.is_moe and lw.q_norm is None for lw in self.layers):
-                plain = self.linear.plain_weight
+                plain = self.linear.fused_weight
                 fused = K.fuse_layers([
                     K.DenseLayer(lw.input_norm, lw.post_norm, plain(lw.qkv), lw.qkv_bias, plain(lw.o_proj),
                                  plain(lw.gate_up), plain(lw.down), kv_cache[li])

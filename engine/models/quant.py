@@ -8,7 +8,15 @@ row-count bucket like the float kernels (:mod:`kvbatch.engine.models.kernel_choi
 
 * ``int8pack``: ``torch._weight_int8pack_mm`` (ATen's weight-only int8 GEMM, no weight copy);
 * ``dequant``: cast the int8 weight to the activation dtype, multiply, scale the output columns
-  (one transient float copy of the weight per call: only pays with many rows).
+  (one transient float copy of the weight per call: only pays with many rows);
+* ``gemv``: the native CPU kernels' int8 GEMV (:func:`kvbatch.kernels.cpu_native.gemv`, fp32
+  activations, up to ``GEMV_MAX_ROWS`` rows; more rows take ``dequant``), each weight widened in
+  registers as it streams, over the blocked layout it reads front to back
+  (:class:`~kvbatch.kernels.cpu_native.Int8Blocks`); the fused decode layers run it too.
+
+An :class:`Int8Weight` holds the layouts its routes read: ``q`` [out, in] for ``int8pack`` (and
+``dequant``), the blocks for ``gemv`` (``dequant`` reads them when ``q`` is not kept), so a model
+whose buckets all take ``gemv`` or ``dequant`` holds its int8 weights once.
 """
 
 from __future__ import annotations
@@ -18,47 +26,77 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvbatch.kernels import cpu_native, dispatch
+
 INT8PACK = "int8pack"
 DEQUANT = "dequant"
-INT8_ROUTES = (INT8PACK, DEQUANT)
+GEMV = "gemv"
+INT8_ROUTES = (INT8PACK, DEQUANT, GEMV)
+GEMV_MAX_ROWS = 8  # the native GEMV's rows (decode, small batches); more rows are compute-bound
 
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """A projection ``[out, in]`` as int8 values and per-output-channel fp32 scales."""
+    """A projection ``[out, in]`` as int8 values and per-output-channel fp32 scales, in the layouts
+    its routes read: ``q`` [out, in] and/or ``blocks`` (at least one of them)."""
 
-    q: torch.Tensor  # [out, in] int8
+    q: torch.Tensor | None  # [out, in] int8
     scale: torch.Tensor  # [out] fp32
     scale_bf16: torch.Tensor  # [out] bf16: int8pack takes scales in the activations' dtype
+    blocks: cpu_native.Int8Blocks | None = None
+
+    def __post_init__(self) -> None:
+        if self.q is None and self.blocks is None:
+            raise ValueError("an int8 weight needs its [out, in] values or their blocks")
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size((self.scale.shape[0], self.in_features))
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[1] if self.q is not None else self.blocks.q.shape[1]
+
+    def values(self) -> torch.Tensor:
+        """The int8 values [out, in] (from the blocks when ``q`` is not kept: a copy)."""
+        if self.q is not None:
+            return self.q
+        return self.blocks.q.transpose(1, 2).reshape(-1, self.in_features)[:self.scale.shape[0]]
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight this stands for."""
-        return self.q.float() * self.scale[:, None]
+        return self.values().float() * self.scale[:, None]
 
 
-def quantize_int8(w: torch.Tensor) -> Int8Weight:
-    """``w`` [out, in] (any float dtype) -> its symmetric per-output-channel int8 form. A row of
-    zeros gets scale 1 (its values are 0 either way), so no division by zero."""
+def quantize_int8(w: torch.Tensor, routes: tuple[str, ...] = (INT8PACK, DEQUANT)) -> Int8Weight:
+    """``w`` [out, in] (any float dtype) -> its symmetric per-output-channel int8 form, in the
+    layouts ``routes`` read. A row of zeros gets scale 1 (its values are 0 either way), so no
+    division by zero."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"int8 quantization takes a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+    unknown = set(routes) - set(INT8_ROUTES)
+    if unknown or not routes:
+        raise ValueError(f"unknown int8 routes {sorted(unknown) or routes!r} (use some of {INT8_ROUTES})")
     w = w.float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8).contiguous()
-    return Int8Weight(q, scale.contiguous(), scale.to(torch.bfloat16).contiguous())
+    blocks = cpu_native.int8_blocks(q, scale) if GEMV in routes else None
+    keep_q = INT8PACK in routes or blocks is None
+    return Int8Weight(q if keep_q else None, scale.contiguous(), scale.to(torch.bfloat16).contiguous(), blocks)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight, b: torch.Tensor | None, route: str) -> torch.Tensor:
-    """``x`` [rows, in] (fp32 or bf16) times the int8 weight -> [rows, out] in ``x.dtype``."""
+    """``x`` [rows, in] (fp32 or bf16) times the int8 weight -> [rows, out] in ``x.dtype``. The
+    ``gemv`` route runs ``dequant`` past ``GEMV_MAX_ROWS`` rows, for bf16, and where the native
+    kernels are off (``KVBATCH_KERNELS=reference``)."""
+    if route == GEMV and w.blocks is not None and x.shape[0] <= GEMV_MAX_ROWS and dispatch.native(x):
+        return cpu_native.gemv(x, w.blocks, b)
     if route == INT8PACK:
         scale = w.scale if x.dtype == torch.float32 else w.scale_bf16.to(x.dtype)
         y = torch._weight_int8pack_mm(x.contiguous(), w.q, scale)
-    elif route == DEQUANT:
-        y = F.linear(x, w.q.to(x.dtype)) * w.scale.to(x.dtype)
+    elif route in (DEQUANT, GEMV):
+        y = F.linear(x, w.values().to(x.dtype)) * w.scale.to(x.dtype)
     else:
         raise ValueError(f"unknown int8 route {route!r} (use one of {INT8_ROUTES})")
     return y + b if b is not None else y
