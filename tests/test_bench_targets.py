@@ -1,0 +1,37 @@
+"""The engine benchmark holds each row to issue 18's target for its variant and mode
+(``benchmarks/bench_engine.py`` ``row_target``), and to none where the issue sets none."""
+
+from __future__ import annotations
+
+from benchmarks.bench_engine import Row, row_target
+
+BASE = {"batched": 40.0, "eot-honoured": 50.0, "batch-1": 20.0}  # transformers fp32, tok/s
+
+
+def _row(dtype: str, mode: str, tok_s: float, engine: str = "kvbatch", **extra: float) -> Row:
+    return Row(engine, dtype, mode, [tok_s], dict(extra))
+
+
+def test_batched_rows_need_5x_in_fp32_and_8x_in_bf16():
+    assert row_target(_row("fp32", "batched", 200.0), BASE, None) == (">=5x", True)
+    assert row_target(_row("fp32", "eot-honoured", 249.0), BASE, None) == (">=5x", False)
+    assert row_target(_row("bf16", "batched", 319.0), BASE, None) == (">=8x", False)
+    assert row_target(_row("bf16", "eot-honoured", 400.0), BASE, None) == (">=8x", True)
+
+
+def test_batch_1_fp32_needs_the_ratio_and_the_bandwidth_floor():
+    assert row_target(_row("fp32", "batch-1", 40.0, share_of_ceiling=0.7), BASE, None) == (">=2x, 70%", True)
+    assert row_target(_row("fp32", "batch-1", 40.0, share_of_ceiling=0.69), BASE, None)[1] is False
+    assert row_target(_row("fp32", "batch-1", 39.0, share_of_ceiling=0.9), BASE, None)[1] is False
+
+
+def test_batch_1_int8_is_held_to_llama_cpp_when_it_ran():
+    assert row_target(_row("fp32+int8", "batch-1", 90.0), BASE, 80.0) == ("llama.cpp", True)
+    assert row_target(_row("fp32+int8", "batch-1", 70.0), BASE, 80.0) == ("llama.cpp", False)
+    assert row_target(_row("fp32+int8", "batch-1", 90.0), BASE, None) == (None, None)
+
+
+def test_rows_the_issue_sets_no_target_for_have_none():
+    for row in (_row("bf16", "batch-1", 30.0), _row("fp32+int8", "batched", 90.0),
+                _row("fp32+gguf", "batch-1", 30.0), _row("fp32", "batched", 40.0, engine="transformers")):
+        assert row_target(row, BASE, 80.0) == (None, None)
