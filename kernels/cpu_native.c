@@ -349,14 +349,8 @@ static inline const float *cache_pos(const void *base, int64_t index, int64_t d,
     if (!bf16) return (const float *)base + index;
     const uint16_t *src = (const uint16_t *)base + index;
     int64_t e = 0;
-#if defined(__AVX512F__)
-    for (; e + 16 <= d; e += 16)
-        _mm512_storeu_ps(tmp + e, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + e))), 16)));
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (; e + 8 <= d; e += 8)
-        _mm256_storeu_ps(tmp + e, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + e))), 16)));
+#ifdef VEC
+    for (; e + VEC <= d; e += VEC) vstore(tmp + e, kv_load(base, index + e, 1));
 #endif
     for (; e < d; e++) {
         uint32_t bits = (uint32_t)src[e] << 16;
@@ -662,7 +656,6 @@ static void gemv_cols(const float *x, int64_t rows, const float *w, int64_t in, 
         }
     }
 }
-
 
 #ifdef VEC
 #define I8_VECS (I8_BLOCK / VEC)  /* vectors per block row: 1 with AVX-512, 2 with AVX2 */

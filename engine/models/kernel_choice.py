@@ -62,7 +62,16 @@ from kvbatch.engine.models.linear import (
 )
 from kvbatch.kernels import cpu_native
 from kvbatch.kernels.machine import cpu_identity, default_cache_dir  # also this module's API
-from kvbatch.engine.models.quant import DEQUANT, GEMV, GEMV_MAX_ROWS, INT8PACK, Int8Weight, int8_linear, quantize_int8
+from kvbatch.engine.models.quant import (
+    DEQUANT,
+    GEMV,
+    GEMV_MAX_ROWS,
+    INT8_ROUTES,
+    INT8PACK,
+    Int8Weight,
+    int8_linear,
+    quantize_int8,
+)
 
 LINEAR_CHOICES = ("auto", ONEDNN, BLAS)
 # full: the compute dtype; int8: weight-only int8; gguf: the GGUF file's own blocks where they win
@@ -177,7 +186,7 @@ def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
 
 
 def candidate_format(kind: str, dtype: torch.dtype) -> LinearFormat:
-    if kind in (INT8PACK, DEQUANT, GEMV):
+    if kind in INT8_ROUTES:
         return LinearFormat(INT8, dtype, bucket_kinds=(kind,) * len(BUCKET_ROWS))
     if kind == GGUF_NATIVE:
         return LinearFormat(GGUF, dtype, bucket_kinds=(kind,) * len(BUCKET_ROWS))
@@ -188,7 +197,7 @@ def _weight_bytes(kind: str, shapes: Sequence[tuple[int, int]], dtype: torch.dty
     """One layer's weight bytes as ``kind`` streams them."""
     if kind == GGUF_NATIVE:
         return sum(o * i // 32 * NATIVE_QTYPES[gguf_qtype or "Q4_1"][1] for o, i in shapes)
-    if kind in (INT8PACK, DEQUANT, GEMV):
+    if kind in INT8_ROUTES:
         return sum(o * i for o, i in shapes)
     return sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
 

@@ -58,7 +58,7 @@ GGUF_NATIVE = "gguf-native"
 # the fused decode layers multiply with, so the kernel measurement times it against the others
 # for up to NATIVE_MAX_ROWS rows (a multiply of more rows runs BLAS on the same layout).
 NATIVE = "native"
-NATIVE_MAX_ROWS = 8
+NATIVE_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
 CPU_KINDS = (ONEDNN, BLAS, NATIVE)
 _PLAIN_KINDS = (BLAS, NATIVE)  # the kinds that multiply the plain fp32 [in, out] layout
 _BUCKETED = (MIXED, INT8, GGUF)

@@ -32,7 +32,7 @@ INT8PACK = "int8pack"
 DEQUANT = "dequant"
 GEMV = "gemv"
 INT8_ROUTES = (INT8PACK, DEQUANT, GEMV)
-GEMV_MAX_ROWS = 8  # the native GEMV's rows (decode, small batches); more rows are compute-bound
+GEMV_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
 
 
 @dataclass(frozen=True)
