@@ -67,7 +67,7 @@ from benchmarks.timing import Stopwatch, Timed, profile_decode_steps
 from benchmarks.workloads import WorkloadPrompt, chat_workload, default_datasets_dir
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.gguf_blocks import layer_qtype
-from kvbatch.engine.models.kernel_choice import choose_kernels, cpu_identity, dense_shapes
+from kvbatch.engine.models.kernel_choice import LINEAR_CHOICES, choose_kernels, cpu_identity, dense_shapes
 from kvbatch.engine.models.linear import GGUF, GGUF_NATIVE
 from kvbatch.engine.models.weights import Checkpoint, load_checkpoint, resolve_model
 from kvbatch.engine.runtime.engine_config import EngineConfig
@@ -347,7 +347,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="fp32,bf16,fp32+int8,fp32+gguf",
                    help="kvbatch variants, comma-separated: a dtype, + int8 for int8 weights, + gguf for the GGUF "
                         "file's own blocks (default fp32,bf16,fp32+int8,fp32+gguf)")
-    p.add_argument("--linear", default="auto", choices=["auto", "onednn", "blas"],
+    p.add_argument("--linear", default="auto", choices=LINEAR_CHOICES,
                    help="kvbatch CPU kernel (default auto)")
     p.add_argument("--eot-requests", type=int, help="requests in the end-of-turn-honoured workload (default 256)")
     p.add_argument("--eot-max-tokens", type=int, help="token cap of an end-of-turn-honoured request (default 256)")

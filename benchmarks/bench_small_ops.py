@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvbatch.engine.models.kernel_choice import cpu_identity  # noqa: E402
+from kvbatch.engine.models.kernel_choice import LINEAR_CHOICES, cpu_identity  # noqa: E402
 from kvbatch.engine.runtime.engine_config import EngineConfig  # noqa: E402
 from kvbatch.engine.runtime.llm import LLM  # noqa: E402
 from kvbatch.engine.runtime.model_runner import WorkItem  # noqa: E402
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompt-len", type=int, default=200)
-    p.add_argument("--linear", default="auto", choices=["auto", "onednn", "blas"])
+    p.add_argument("--linear", default="auto", choices=LINEAR_CHOICES)
     p.add_argument("--paths", action="store_true",
                    help="compare the CPU kernel paths (fused, native ops, native attention only, reference)")
     p.add_argument("--rows", default="1", help="--paths: comma-separated decode batch sizes (default 1)")

@@ -42,6 +42,8 @@ def _positive_float(text: str) -> float:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    from kvbatch.engine.runtime.engine_config import LINEAR_CHOICES  # (no torch: --help stays fast)
+
     p.add_argument("--model", default="smollm2-135m",
                    help="Hugging Face folder (local or fsspec URL), a .gguf file, or 'smollm2-135m' (default)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
@@ -61,9 +63,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numerics: a request's tokens are bitwise independent of its batch, "
                         "chunking and KV source (slower at small batches)")
-    p.add_argument("--linear", choices=["auto", "onednn", "blas"], default="auto",
+    p.add_argument("--linear", choices=LINEAR_CHOICES, default="auto",
                    help="CPU projection kernel: auto (measured on this machine at load, cached in "
-                        "~/.cache/kvbatch), or force oneDNN packed weights or BLAS")
+                        "~/.cache/kvbatch), or force oneDNN packed weights, BLAS, or MKL packed weights (fp32)")
     p.add_argument("--weights", choices=["full", "int8", "gguf"], default="full",
                    help="dense projection weights: full (the --dtype) or int8 (weight-only, per-channel "
                         "scales, CPU; quality delta in docs/performance.md)")

@@ -21,7 +21,7 @@ from kvbatch.engine.models.linear import (
     bucket_index,
     onednn_available,
 )
-from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.engine_config import LINEAR_CHOICES, EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from tests.logit_capture import assert_logits_match, capture_logits
@@ -213,16 +213,19 @@ def test_a_forced_choice_wins(tmp_path, monkeypatch):
 
 
 def test_bad_choices_are_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="linear must be one of auto, onednn, blas, not 'mkl'"):
-        kc.choose_kernels(torch.float32, SHAPES, linear="mkl", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="linear must be one of auto, onednn, blas, mkl, not 'cudnn'"):
+        kc.choose_kernels(torch.float32, SHAPES, linear="cudnn", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="--linear mkl multiplies fp32 weights, not torch.bfloat16"):
+        kc.choose_kernels(torch.bfloat16, SHAPES, linear="mkl", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="weights must be one of full, int8, gguf, not 'int4'"):
         kc.choose_kernels(torch.float32, SHAPES, weights="int4", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="int8 weights choose their int8 route"):
         kc.choose_kernels(torch.float32, SHAPES, weights="int8", linear="blas", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="cannot pack torch.float16"):
         kc.choose_kernels(torch.float16, SHAPES, linear="onednn", cache_dir=tmp_path)
-    with pytest.raises(ValueError, match="linear must be auto, onednn or blas"):
+    with pytest.raises(ValueError, match="linear must be one of auto, onednn, blas, mkl, got 'fast'"):
         EngineConfig(linear="fast")
+    assert LINEAR_CHOICES == kc.LINEAR_CHOICES  # the config's torch-free copy
     with pytest.raises(ValueError, match="weights must be full, int8 or gguf"):
         EngineConfig(weights="q4")
 

@@ -1,5 +1,6 @@
-"""The projection multiply: oneDNN packed weights and the BLAS fallback give the model the same
-numbers, and batch-invariant mode really makes a row's bits independent of its batch."""
+"""The projection multiply: oneDNN packed weights, MKL packed weights and the BLAS fallback give
+the model the same numbers, and batch-invariant mode really makes a row's bits independent of its
+batch."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbatch.engine.models import mkl_packed
 from kvbatch.engine.models.linear import (
     BLAS,
+    MKL,
     ONEDNN,
     LinearFormat,
     choose_linear_format,
@@ -22,7 +25,9 @@ from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_models import VOCAB, build_tiny
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
-FORMATS = [BLAS, pytest.param(ONEDNN, marks=needs_onednn)]
+needs_mkl = pytest.mark.skipif(not mkl_packed.available(), reason="this torch build exports no MKL packed sgemm")
+INVARIANT_FORMATS = [BLAS, pytest.param(ONEDNN, marks=needs_onednn)]  # the kernels with a measured padding rule
+FORMATS = [*INVARIANT_FORMATS, pytest.param(MKL, marks=needs_mkl)]
 
 
 def _format(kind: str, dtype: torch.dtype) -> LinearFormat:
@@ -30,6 +35,10 @@ def _format(kind: str, dtype: torch.dtype) -> LinearFormat:
     AVX-NE-CONVERT; an AVX2-only CPU refuses it, and the engine then chooses BLAS)."""
     if kind == ONEDNN and not onednn_available(dtype):
         pytest.skip(f"this CPU cannot pack {dtype} weights with oneDNN")
+    if kind == MKL and dtype != torch.float32:
+        with pytest.raises(ValueError, match="the mkl kernel multiplies fp32 on the CPU, not torch.bfloat16"):
+            LinearFormat(kind, dtype)
+        pytest.skip("MKL's packed sgemm is fp32 only (refused above)")
     return LinearFormat(kind, dtype)
 
 
@@ -52,7 +61,7 @@ def test_multiply_matches_f_linear(kind, dtype):
 
 # (1536, 576) is SmolLM2's down projection, where a single fp32 row takes a different oneDNN
 # kernel than two or more (measured), so the padding rule is exercised for real.
-@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("kind", INVARIANT_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(576, 1536), (960, 576), (64, 96)])
 def test_batch_invariant_rows_do_not_depend_on_the_batch(kind, dtype, shape):
@@ -72,6 +81,8 @@ def test_batch_invariant_padding_floors_are_the_documented_ones():
     assert LinearFormat("blas", torch.bfloat16).invariant_rows(5) == 48
     assert LinearFormat("onednn", torch.float32).invariant_rows(1) == 2
     assert LinearFormat("onednn", torch.bfloat16).invariant_rows(47) == 48
+    with pytest.raises(ValueError, match="the mkl kernel has no measured batch-invariant padding"):
+        LinearFormat(MKL, torch.float32).invariant_rows(1)
 
 
 @needs_onednn
@@ -94,9 +105,14 @@ def test_format_choice_and_override(monkeypatch):
     assert choose_linear_format(torch.bfloat16).kind == (ONEDNN if onednn_available(torch.bfloat16) else BLAS)
     monkeypatch.setenv("KVBATCH_LINEAR", "blas")
     assert choose_linear_format(torch.float32).kind == BLAS
-    monkeypatch.setenv("KVBATCH_LINEAR", "mkl")
-    with pytest.raises(ValueError, match="KVBATCH_LINEAR must be 'onednn' or 'blas', not 'mkl'"):
+    monkeypatch.setenv("KVBATCH_LINEAR", "fastest")
+    with pytest.raises(ValueError, match="KVBATCH_LINEAR must be 'onednn', 'blas' or 'mkl', not 'fastest'"):
         choose_linear_format(torch.float32)
+    monkeypatch.setenv("KVBATCH_LINEAR", "mkl")
+    with pytest.raises(ValueError, match="KVBATCH_LINEAR=mkl multiplies fp32 weights, not torch.bfloat16"):
+        choose_linear_format(torch.bfloat16)
+    if mkl_packed.available():
+        assert choose_linear_format(torch.float32).kind == MKL
     monkeypatch.setenv("KVBATCH_LINEAR", "onednn")
     with pytest.raises(ValueError, match="cannot pack torch.float16"):
         choose_linear_format(torch.float16)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from kvbatch.engine.models import gguf_kernels
+from kvbatch.engine.models import gguf_kernels, mkl_packed
 from kvbatch.engine.models.gguf_blocks import NATIVE_QTYPES
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, QuantizedBlocks
 from kvbatch.engine.models.linear import (
@@ -52,6 +52,7 @@ from kvbatch.engine.models.linear import (
     GGUF_NATIVE,
     INT8,
     MIXED,
+    MKL,
     NATIVE,
     NATIVE_MAX_ROWS,
     ONEDNN,
@@ -73,7 +74,7 @@ from kvbatch.engine.models.quant import (
     quantize_int8,
 )
 
-LINEAR_CHOICES = ("auto", ONEDNN, BLAS)
+LINEAR_CHOICES = ("auto", ONEDNN, BLAS, MKL)
 # full: the compute dtype; int8: weight-only int8; gguf: the GGUF file's own blocks where they win
 WEIGHT_CHOICES = ("full", "int8", "gguf")
 # The row count each bucket of BUCKET_BOUNDS is measured at. The open bucket (prefill chunks) at
@@ -171,8 +172,9 @@ def int8pack_available() -> bool:
 def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
     """The kernels (float) or routes (int8) worth measuring for ``dtype`` weights on this CPU; for
     GGUF weights the native kernel (when it builds here) and the float kernels; for fp32 also the
-    native decode GEMV (when the native CPU kernels build), measured for 1-8 rows only, and for
-    int8 weights under fp32 activations the native int8 GEMV likewise."""
+    native decode GEMV (when the native CPU kernels build), measured for 1-8 rows only, and MKL's
+    packed sgemm (where torch's library exports it); for int8 weights under fp32 activations the
+    native int8 GEMV likewise."""
     if weights == "int8":
         native = [GEMV] if dtype == torch.float32 and cpu_native.available() else []
         return ([INT8PACK] if int8pack_available() else []) + [DEQUANT] + native
@@ -180,9 +182,9 @@ def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
     floats = [ONEDNN, BLAS] if packable else [BLAS]
     if weights == "gguf" and gguf_kernels.available():
         return [GGUF_NATIVE, *floats]
-    if dtype == torch.float32 and cpu_native.available():  # the fused decode layers' GEMV, 1-8 rows
-        return [*floats, NATIVE]
-    return floats
+    if dtype != torch.float32:
+        return floats
+    return [*floats, *([MKL] if mkl_packed.available() else []), *([NATIVE] if cpu_native.available() else [])]
 
 
 def candidate_format(kind: str, dtype: torch.dtype) -> LinearFormat:
@@ -229,7 +231,11 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
             first = [(GGUFWeight(gguf_kernels.random_blocks(gguf_qtype or "Q4_1", o, i, g)), i) for o, i in shapes]
         else:
             first = [(fmt.prepare(w), w.shape[1]) for w in layer]
-        prepared[kind] = first + [(_copy_prepared(w), in_f) for _ in range(copies_of[kind] - 1) for w, in_f in first]
+        if kind == MKL:  # MKL's packed buffers must not move: each copy is packed afresh, not cloned
+            more = [(fmt.prepare(w), w.shape[1]) for _ in range(copies_of[kind] - 1) for w in layer]
+        else:
+            more = [(_copy_prepared(w), in_f) for _ in range(copies_of[kind] - 1) for w, in_f in first]
+        prepared[kind] = first + more
     timings: dict[str, list[float]] = {kind: [] for kind in candidates}
     for b, rows in enumerate(BUCKET_ROWS):
         # Lost the previous bucket by far: more rows will not save it. (Not from bucket 1 on:
@@ -443,6 +449,10 @@ def _choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], num_l
         if linear != "auto":
             if linear == ONEDNN and ONEDNN not in candidates_for(dtype, weights):
                 raise ValueError(f"--linear onednn, but this torch build cannot pack {dtype} weights with oneDNN")
+            if linear == MKL and dtype != torch.float32:
+                raise ValueError(f"--linear mkl multiplies fp32 weights, not {dtype}")
+            if linear == MKL and not mkl_packed.available():
+                raise ValueError("--linear mkl, but this torch build exports no MKL packed sgemm")
             return KernelChoice(LinearFormat(linear, dtype), "forced")
         if linear_override():
             return KernelChoice(choose_linear_format(dtype, device), "env")

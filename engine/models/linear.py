@@ -26,7 +26,9 @@ native int8 GEMV, which the fused decode step runs too); ``NATIVE`` is the fused
 decode layers' own GEMV (:func:`kvbatch.kernels.cpu_native.gemv`) over BLAS's fp32 layout, a
 candidate for 1-8 rows (a bucket it wins runs the fused decode step); ``GGUF`` multiplies by a GGUF
 file's own Q4_0/Q4_1/Q8_0 blocks in the buckets where that measured faster
-(:mod:`kvbatch.engine.models.gguf_kernels`), by the dequantized fp32 weight elsewhere.
+(:mod:`kvbatch.engine.models.gguf_kernels`), by the dequantized fp32 weight elsewhere. ``MKL`` is
+MKL's own packed-weight sgemm (:mod:`kvbatch.engine.models.mkl_packed`, fp32), a candidate at
+every row count where torch's library exports it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbatch.engine.models import mkl_packed
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
 from kvbatch.engine.models.quant import GEMV, GEMV_MAX_ROWS, int8_linear, quantize_int8
 from kvbatch.kernels import cpu_native, dispatch
@@ -59,7 +62,10 @@ GGUF_NATIVE = "gguf-native"
 # for up to NATIVE_MAX_ROWS rows (a multiply of more rows runs BLAS on the same layout).
 NATIVE = "native"
 NATIVE_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
-CPU_KINDS = (ONEDNN, BLAS, NATIVE)
+# MKL's packed sgemm over weights packed once at load (mkl_packed): fp32 only, opaque like oneDNN's.
+MKL = "mkl"
+CPU_KINDS = (ONEDNN, BLAS, NATIVE, MKL)
+_FP32_ONLY = (NATIVE, MKL)
 _PLAIN_KINDS = (BLAS, NATIVE)  # the kinds that multiply the plain fp32 [in, out] layout
 _BUCKETED = (MIXED, INT8, GGUF)
 # Row-count buckets the kernels are measured and chosen for: upper bounds (inclusive), the last
@@ -106,8 +112,9 @@ class LinearFormat:
                              f"got {self.bucket_kinds!r}")
         if self.kind == MIXED and not set(self.bucket_kinds) <= set(CPU_KINDS):
             raise ValueError(f"mixed bucket kinds must be among {CPU_KINDS}, got {self.bucket_kinds!r}")
-        if NATIVE in (self.kind, *self.bucket_kinds) and (self.dtype != torch.float32 or self.device.type != "cpu"):
-            raise ValueError(f"the native GEMV multiplies fp32 on the CPU, not {self.dtype} on {self.device}")
+        only_fp32 = next((k for k in _FP32_ONLY if k in (self.kind, *self.bucket_kinds)), None)
+        if only_fp32 and (self.dtype != torch.float32 or self.device.type != "cpu"):
+            raise ValueError(f"the {only_fp32} kernel multiplies fp32 on the CPU, not {self.dtype} on {self.device}")
         if self.kind == GGUF and (not set(self.bucket_kinds) <= {GGUF_NATIVE, *CPU_KINDS}
                                   or self.dtype != torch.float32):
             raise ValueError(f"gguf bucket kinds must be among {(GGUF_NATIVE, *CPU_KINDS)} over fp32, "
@@ -138,6 +145,8 @@ class LinearFormat:
             return w
         if self.kind == ONEDNN:
             return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
+        if self.kind == MKL:
+            return mkl_packed.pack(w)
         return w.t().contiguous() if self.dtype == torch.float32 else w
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -166,6 +175,8 @@ class LinearFormat:
             return _SINGLE[kind, self.dtype]._multiply(x, w.layouts[kind], b)
         if self.kind == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        if self.kind == MKL:
+            return mkl_packed.linear(x, w, b)
         if self.kind == NATIVE and x.shape[0] <= NATIVE_MAX_ROWS and dispatch.native(x):
             return cpu_native.gemv(x, w, b)  # (KVBATCH_KERNELS=reference: BLAS on the same layout, below)
         if self.kind == CUBLAS or self.dtype != torch.float32:
@@ -200,6 +211,8 @@ class LinearFormat:
         batch (``_INVARIANT_FROM``, measured)."""
         if self.kind in (*_BUCKETED, NATIVE):  # each bucket's kernel rounds differently (NATIVE: up to 8 rows)
             raise ValueError(f"a {self.kind} linear format is not batch-invariant; use one kernel")
+        if self.kind == MKL:  # its per-row bits have not been measured against the batch size
+            raise ValueError(f"the {MKL} kernel has no measured batch-invariant padding; use {ONEDNN} or {BLAS}")
         if self.kind == ONEDNN:
             return max(rows, _INVARIANT_FROM[ONEDNN, self.dtype == torch.float32]) if rows else 0
         return blas_invariant_rows(rows, self.dtype)
@@ -220,7 +233,7 @@ class LinearFormat:
 class MixedWeight:
     """One projection held in each layout a :data:`MIXED` format's buckets use."""
 
-    layouts: dict[str, torch.Tensor]
+    layouts: dict[str, Any]  # kind -> a tensor, or an opaque packed weight (mkl_packed.PackedWeight)
 
 
 class _SingleFormats(dict):
@@ -277,8 +290,8 @@ def linear_override() -> str:
     """The ``KVBATCH_LINEAR`` variable, lower-cased ('' when unset); raises ``ValueError`` for a
     value that names no kernel."""
     wanted = os.environ.get("KVBATCH_LINEAR", "").strip().lower()
-    if wanted not in ("", ONEDNN, BLAS, CUBLAS):
-        raise ValueError(f"KVBATCH_LINEAR must be {ONEDNN!r} or {BLAS!r}, not {wanted!r} "
+    if wanted not in ("", ONEDNN, BLAS, MKL, CUBLAS):
+        raise ValueError(f"KVBATCH_LINEAR must be {ONEDNN!r}, {BLAS!r} or {MKL!r}, not {wanted!r} "
                          f"({CUBLAS!r} runs the CUDA layout on the CPU, for tests)")
     return wanted
 
@@ -287,8 +300,8 @@ def choose_linear_format(dtype: torch.dtype, device: torch.device | str = "cpu")
     """On CUDA: cuBLAS over plain weights. On the CPU: the format :func:`use_linear_format`
     installed (build_model's measurement) when it matches ``dtype``, else oneDNN packed weights
     where this build has them (fp32, bf16), else BLAS; the ``KVBATCH_LINEAR`` variable
-    (``onednn``, ``blas``, or ``cublas``: the CUDA layout, plain weights and ``F.linear``)
-    overrides the static CPU choice."""
+    (``onednn``, ``blas``, ``mkl`` (fp32), or ``cublas``: the CUDA layout, plain weights and
+    ``F.linear``) overrides the static CPU choice."""
     device = torch.device(device)
     planned = _PLANNED.get()
     if planned is not None and planned.dtype == dtype and planned.device == device:
@@ -298,6 +311,12 @@ def choose_linear_format(dtype: torch.dtype, device: torch.device | str = "cpu")
     wanted = linear_override()
     if wanted == CUBLAS:  # the CUDA layout on the CPU: how tests run the GPU code path without a GPU
         return LinearFormat(CUBLAS, dtype, device)
+    if wanted == MKL:
+        if dtype != torch.float32:
+            raise ValueError(f"KVBATCH_LINEAR=mkl multiplies fp32 weights, not {dtype}")
+        if not mkl_packed.available():
+            raise ValueError("KVBATCH_LINEAR=mkl, but this torch build exports no MKL packed sgemm")
+        return LinearFormat(MKL, dtype)
     packable = dtype in (torch.float32, torch.bfloat16) and onednn_available(dtype)
     if wanted == ONEDNN and not packable:
         raise ValueError(f"KVBATCH_LINEAR=onednn, but this torch build cannot pack {dtype} weights with oneDNN")

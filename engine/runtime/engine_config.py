@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The CPU projection kernels a user may name (kernel_choice.LINEAR_CHOICES, kept here too so the
+# config and the CLI validate without importing torch; a test holds the two equal).
+LINEAR_CHOICES = ("auto", "onednn", "blas", "mkl")
+
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
 # The weight and cache dtypes by the names the CLI and configs accept -> torch's name for each.
@@ -55,8 +59,9 @@ class EngineConfig:
     # fp32 matmuls: "highest" (IEEE fp32), "high" (TF32 on CUDA) or "medium"; set explicitly so a
     # GPU run does not silently lose precision to TF32.
     matmul_precision: str = "highest"
-    # CPU projection kernel: "auto" measures oneDNN packed against BLAS per row-count bucket on
-    # this machine (cached on disk); "onednn" / "blas" force one. See engine/models/kernel_choice.py.
+    # CPU projection kernel: "auto" measures oneDNN packed, BLAS, MKL packed (fp32) and the native
+    # GEMV against each other per row-count bucket on this machine (cached on disk); "onednn" /
+    # "blas" / "mkl" force one. See engine/models/kernel_choice.py.
     linear: str = "auto"
     # Dense projection weights: "full" (the compute dtype), "int8" (weight-only, per-output-
     # channel scales, CPU only) or "gguf" (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks where a native
@@ -70,8 +75,8 @@ class EngineConfig:
         if self.matmul_precision not in ("highest", "high", "medium"):
             raise ValueError(f"matmul_precision must be highest, high or medium, got {self.matmul_precision!r}")
         parse_device_spec(self.device)
-        if self.linear not in ("auto", "onednn", "blas"):
-            raise ValueError(f"linear must be auto, onednn or blas, got {self.linear!r}")
+        if self.linear not in LINEAR_CHOICES:
+            raise ValueError(f"linear must be one of {', '.join(LINEAR_CHOICES)}, got {self.linear!r}")
         if self.weights not in ("full", "int8", "gguf"):
             raise ValueError(f"weights must be full, int8 or gguf, got {self.weights!r}")
 
