@@ -1,5 +1,6 @@
 """The engine benchmark holds each row to issue 18's target for its variant and mode
-(``benchmarks/bench_engine.py`` ``row_target``), and to none where the issue sets none."""
+(``benchmarks/bench_engine.py`` ``row_target``), and to none where the issue sets none; its
+llama.cpp peer is built with the CMake flags ``benchmarks/llama_cpp_build.py`` derives."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ def test_rows_the_issue_sets_no_target_for_have_none():
     for row in (_row("bf16", "batch-1", 30.0), _row("fp32+int8", "batched", 90.0),
                 _row("fp32+gguf", "batch-1", 30.0), _row("fp32", "batched", 40.0, engine="transformers")):
         assert row_target(row, BASE, 80.0) == (None, None)
+
+
+def test_the_llama_cpp_build_names_the_base_simd_levels_and_leaves_the_rest_off():
+    from benchmarks.llama_cpp_build import cmake_args
+
+    xeon = "sse4_2 avx avx2 bmi2 fma f16c avx_vnni avx512f avx512cd avx512vl avx512dq avx512bw avx512_vnni " \
+           "avx512_bf16 avx512vbmi amx_tile amx_int8 amx_bf16".split()
+    on = {a.removeprefix("-D").removesuffix("=ON") for a in cmake_args(xeon) if a.endswith("=ON")}
+    assert on == {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C", "GGML_AVX512"}
+    assert "-DGGML_NATIVE=OFF" in cmake_args(xeon) and "-DGGML_AMX_TILE=OFF" in cmake_args(xeon)
+    epyc = "sse4_2 avx avx2 bmi2 fma f16c".split()  # AVX2, no AVX-512
+    assert "-DGGML_AVX512=OFF" in cmake_args(epyc) and "-DGGML_AVX2=ON" in cmake_args(epyc)
+    assert "-DGGML_AVX512=OFF" in cmake_args(["avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"])  # no AVX2
+    assert [a for a in cmake_args([]) if a.endswith("=ON")] == []

@@ -1,0 +1,57 @@
+"""The native kernels built for older x86 CPUs than this one, run here.
+
+``kernels/cpu_native.c`` and the GGUF kernel pick their SIMD path at compile time (AVX-512, AVX2
+or plain C) from ``-march=native``, so a test run covers only the path of the CPU it runs on. Here
+the sources are built again with ``-march=haswell`` (AVX2 + FMA) and ``-march=x86-64`` (SSE2 only)
+through a compiler wrapper that appends the flag (gcc takes the last ``-march``), into a cache of
+their own, and the native kernel tests run in a child process against each build. A CPU that
+lacks AVX2 skips the Haswell build (its code would not run here)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbatch.kernels import cpu_native
+from kvbatch.kernels.machine import cpu_identity
+
+ROOT = Path(__file__).resolve().parents[1]
+# The native kernel tests: each kernel against its PyTorch reference, the fused decode step
+# against the layer loop, the int8 GEMV and the GGUF block kernel.
+SUITES = ["tests/test_cpu_native.py", "tests/test_int8.py", "tests/test_gguf_native.py"]
+# Instructions an AVX-512 build holds and these builds must not (objdump spells registers so).
+_WIDE_REGISTERS = {"haswell": ("%zmm",), "x86-64": ("%zmm", "%ymm")}
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not cpu_native.available() or shutil.which("objdump") is None,
+                                 reason="no C compiler for the native kernels, or no objdump")]
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_native_kernel_tests_pass_on_an_older_isa_build(tmp_path, march):
+    flags = set(cpu_identity()[1])
+    if march == "haswell" and not {"avx2", "fma", "bmi2"} <= flags:
+        pytest.skip("this CPU cannot run AVX2 code")
+    gcc = os.environ.get("CC") or shutil.which("gcc")
+    wrapper = tmp_path / f"cc-{march}"
+    wrapper.write_text(f'#!/bin/sh\nexec {gcc} "$@" -march={march}\n')
+    wrapper.chmod(0o755)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "CC": str(wrapper), "KVBATCH_CACHE_DIR": str(cache), "KVBATCH_KERNELS": "native"}
+    suites = [s for s in SUITES if (ROOT / s).exists()]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
+                           *suites], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == 0, tail
+    assert " passed" in done.stdout, tail
+    built = sorted(cache.rglob("*.so"))
+    assert {p.name.rsplit("-", 1)[0] for p in built} == {"cpu_native", "gguf_kernels"}, built
+    for lib in built:  # what ran is the older ISA's code
+        asm = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True, timeout=120).stdout
+        wide = [r for r in _WIDE_REGISTERS[march] if r in asm]
+        assert not wide, f"{lib.name} built for {march} uses {wide}"
