@@ -44,7 +44,7 @@
  * between jumps, and the sums loaded and stored on every pass.) */
 #define I8_BLOCK 16
 
-int kvb_native_abi_version(void) { return 4; }
+int kvb_native_abi_version(void) { return 5; }
 int kvb_int8_block(void) { return I8_BLOCK; }
 
 static inline float kvb_expf(float x) {
@@ -227,6 +227,94 @@ int kvb_rotary_store(float *qkv, int64_t rows, int64_t row_stride, int64_t hq, i
     for (int64_t t = 0; t < rows; t++)
         rotate_store_row(qkv + t * row_stride, cos_sin + positions[t] * d, hq, hkv, d, k_plane, v_plane,
                          k_plane != NULL ? slots[t] : 0);
+    return KVB_OK;
+}
+
+/* ---- bf16 twins of the three small ops, for bf16 models ----
+ * Each computes in fp32 and rounds to bf16 where the PyTorch reference's bf16 tensors round (the
+ * residual sum, the normalized row before the weight, the product; silu's output, the product;
+ * the rotated values), so they differ from it only by the fp32 summation order of the norm's
+ * mean of squares and by the exp polynomial. */
+static inline float bf16_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;  /* exact: bf16 is the top half of an fp32 */
+    return v.f;
+}
+
+static inline uint16_t f32_bf16(float f) {  /* round to nearest, ties to even, as torch does; NaN stays NaN */
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* kvb_add_rms_norm over bf16 rows and a bf16 weight: x' = bf16(x + res) into x; out =
+ * bf16(w * bf16(x' * rsqrt(mean(x'^2) + eps))). */
+void kvb_add_rms_norm_bf16(uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out, int64_t rows,
+                           int64_t dim, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * dim >= PAR_WORK && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *xr = x + r * dim, *o = out + r * dim;
+        float ss = 0.0f;
+        if (res != NULL) {
+            const uint16_t *rr = res + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) xr[i] = f32_bf16(bf16_f32(xr[i]) + bf16_f32(rr[i]));
+        }
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) {
+            float v = bf16_f32(xr[i]);
+            ss += v * v;
+        }
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = f32_bf16(bf16_f32(w[i]) * bf16_f32(f32_bf16(bf16_f32(xr[i]) * inv)));
+    }
+}
+
+/* kvb_silu_and_mul over bf16: out = bf16(bf16(silu(gate)) * up). */
+void kvb_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t half, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * half >= PAR_WORK && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = x + r * 2 * half, *u = g + half;
+        uint16_t *o = out + r * half;
+        float buf[256], ones[256];  /* a chunk of the gate in fp32, for silu_mul's vector loop (times 1: exact) */
+        for (int64_t i = 0; i < 256; i++) ones[i] = 1.0f;
+        for (int64_t c = 0; c < half; c += 256) {
+            int64_t n = half - c < 256 ? half - c : 256;
+            for (int64_t i = 0; i < n; i++) buf[i] = bf16_f32(g[c + i]);
+            silu_mul(buf, ones, buf, n);  /* silu(gate) in fp32 */
+            for (int64_t i = 0; i < n; i++) o[c + i] = f32_bf16(bf16_f32(f32_bf16(buf[i])) * bf16_f32(u[c + i]));
+        }
+    }
+}
+
+/* kvb_rotary_store over a bf16 qkv and bf16 cache planes (cos_sin stays fp32): the rotation in
+ * fp32, rounded once to bf16, then K and V copied to the slot. */
+int kvb_rotary_store_bf16(uint16_t *qkv, int64_t rows, int64_t row_stride, int64_t hq, int64_t hkv, int64_t d,
+                          const int64_t *positions, const float *cos_sin, int64_t max_pos, uint16_t *k_plane,
+                          uint16_t *v_plane, const int64_t *slots, int64_t num_slots, int nthreads) {
+    if (d % 2 || (hq + 2 * hkv) * d > row_stride) return KVB_BAD_SHAPE;
+    if (check_rows(rows, positions, max_pos, k_plane != NULL ? slots : NULL, num_slots)) return KVB_BAD_INDEX;
+    const int64_t half = d / 2, kv = hkv * d;
+#pragma omp parallel for num_threads(nthreads) if (rows * row_stride >= PAR_WORK && rows > 1)
+    for (int64_t t = 0; t < rows; t++) {
+        uint16_t *row = qkv + t * row_stride;
+        const float *cs = cos_sin + positions[t] * d, *sn = cs + half;
+        for (int64_t h = 0; h < hq + hkv; h++) {
+            uint16_t *x1 = row + h * d, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                float a = bf16_f32(x1[j]), b = bf16_f32(x2[j]);
+                x1[j] = f32_bf16(a * cs[j] - b * sn[j]);
+                x2[j] = f32_bf16(b * cs[j] + a * sn[j]);
+            }
+        }
+        if (k_plane != NULL) {
+            memcpy(k_plane + slots[t] * kv, row + hq * d, (size_t)kv * sizeof(uint16_t));
+            memcpy(v_plane + slots[t] * kv, row + (hq + hkv) * d, (size_t)kv * sizeof(uint16_t));
+        }
+    }
     return KVB_OK;
 }
 

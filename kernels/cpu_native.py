@@ -1,10 +1,11 @@
-"""The CPU fp32 kernels of ``cpu_native.c``: a decode step's small operations, one call each.
+"""The CPU kernels of ``cpu_native.c``: a decode step's small operations, one call each.
 
-:mod:`kvbatch.kernels.dispatch` runs these instead of the PyTorch reference for fp32 CPU tensors
-when the library builds on this machine (:mod:`kvbatch.kernels.native_build`; ``KVBATCH_KERNELS``
-chooses, see dispatch). Each function takes what its reference twin takes and computes the same
-formula in fp32, in another summation order (the tests bound the difference), except that
-:func:`rotate_and_store` does the work of ``rotate_qk`` and ``store_kv_layer`` in one call.
+:mod:`kvbatch.kernels.dispatch` runs these instead of the PyTorch reference for fp32 CPU tensors,
+and the small ops and decode attention for bf16 ones too, when the library builds on this machine
+(:mod:`kvbatch.kernels.native_build`; ``KVBATCH_KERNELS`` chooses, see dispatch). Each function
+takes what its reference twin takes and computes the same formula in fp32 (bf16 tensors rounded
+where the reference's round), in another summation order (the tests bound the difference), except
+that :func:`rotate_and_store` does the work of ``rotate_qk`` and ``store_kv_layer`` in one call.
 
 Every index the C code follows (positions, slots, block ids, context lengths) is checked there
 against the tensor it indexes; a bad one raises ``IndexError`` here and nothing is written out of
@@ -24,7 +25,7 @@ import torch
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 4
+_ABI = 5
 # Rows the native GEMVs (fp32 and int8) and the fused decode layers are offered for: decode and
 # small batches, where a multiply is bound by streaming the weights; more rows are compute-bound.
 GEMV_MAX_ROWS = 8
@@ -47,6 +48,10 @@ def _library() -> ctypes.CDLL | str:
     lib.kvb_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _INT]
     lib.kvb_rotary_store.restype = _INT
     lib.kvb_rotary_store.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _INT]
+    for fp32_fn, bf16_fn in ((lib.kvb_add_rms_norm, lib.kvb_add_rms_norm_bf16),
+                             (lib.kvb_silu_and_mul, lib.kvb_silu_and_mul_bf16),
+                             (lib.kvb_rotary_store, lib.kvb_rotary_store_bf16)):
+        bf16_fn.restype, bf16_fn.argtypes = fp32_fn.restype, fp32_fn.argtypes
     lib.kvb_decode_attention.restype = _INT
     lib.kvb_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT, _I64, _I64, _P, _I64, _P,
                                          _F32, _P, _INT]
@@ -96,6 +101,17 @@ def _fp32(*tensors: torch.Tensor) -> None:
             raise ValueError(f"the native CPU kernels take fp32 CPU tensors, got {t.dtype} on {t.device}")
 
 
+def _bf16(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` are all bf16 (the small ops' bf16 twins take them) rather than all fp32
+    CPU tensors; raises ``ValueError`` for anything else, or a mix."""
+    if all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
+        return True
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return False
+    got = ", ".join(f"{t.dtype} on {t.device}" for t in tensors)
+    raise ValueError(f"the native CPU kernels take all-fp32 or all-bf16 CPU tensors, got {got}")
+
+
 def _ints(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
@@ -103,35 +119,37 @@ def _ints(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kvbatch.kernels.reference.add_rms_norm`: ``(normed, new_residual)``, the residual
-    added into ``x`` in place (the caller hands ``x`` over)."""
-    _fp32(x, weight)
+    added into ``x`` in place (the caller hands ``x`` over). All fp32, or all bf16 (rounded where
+    the reference's bf16 tensors round)."""
+    bf16 = _bf16(x, weight, *(() if residual is None else (residual,)))
     dim = x.shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"rms_norm weight {tuple(weight.shape)} does not match rows of {dim}")
     if not x.is_contiguous():
         x = x.contiguous()
     if residual is not None:
-        _fp32(residual)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
         residual = residual.contiguous()
     weight = weight.contiguous()  # bound to a name: a temporary's memory would be freed before the call
     out = torch.empty_like(x)
-    _lib().kvb_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                            out.data_ptr(), x.numel() // max(dim, 1), dim, eps, torch.get_num_threads())
+    fn = _lib().kvb_add_rms_norm_bf16 if bf16 else _lib().kvb_add_rms_norm
+    fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+       x.numel() // max(dim, 1), dim, eps, torch.get_num_threads())
     return out, x
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """:func:`kvbatch.kernels.reference.silu_and_mul`: ``silu(gate) * up`` of ``x`` [..., 2 I]."""
-    _fp32(x)
+    """:func:`kvbatch.kernels.reference.silu_and_mul`: ``silu(gate) * up`` of ``x`` [..., 2 I], fp32
+    or bf16."""
+    bf16 = _bf16(x)
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: the last axis holds gate and up halves, got odd width {x.shape[-1]}")
     x = x.contiguous()
     half = x.shape[-1] // 2
     out = x.new_empty((*x.shape[:-1], half))
-    _lib().kvb_silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // max(2 * half, 1), half,
-                            torch.get_num_threads())
+    fn = _lib().kvb_silu_and_mul_bf16 if bf16 else _lib().kvb_silu_and_mul
+    fn(x.data_ptr(), out.data_ptr(), x.numel() // max(2 * half, 1), half, torch.get_num_threads())
     return out
 
 
@@ -141,8 +159,10 @@ def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
     """Rotate the query and key heads of ``qkv`` [T, (Hq + 2 Hkv) D] (a fused projection's output:
     q, k, v heads in that order) in place, as :func:`kvbatch.kernels.reference.rotate_qk` does,
     then write each token's K and V to its slot of ``kv_layer`` [2, num_blocks, block_size, Hkv,
-    D] as :func:`kvbatch.kernels.reference.store_kv_layer` does (``kv_layer`` None: rotate only)."""
-    _fp32(qkv, cos_sin)
+    D] as :func:`kvbatch.kernels.reference.store_kv_layer` does (``kv_layer`` None: rotate only).
+    ``qkv`` and ``kv_layer`` fp32, or both bf16 (rotated in fp32, rounded once); ``cos_sin`` fp32."""
+    _fp32(cos_sin)
+    bf16 = _bf16(qkv, *(() if kv_layer is None else (kv_layer,)))
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (num_q_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"rotate_and_store takes rows of (Hq + 2 Hkv) x D = "
@@ -155,17 +175,17 @@ def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
     k_plane = v_plane = None
     num_slots = 0
     if kv_layer is not None:
-        _fp32(kv_layer)
         if not kv_layer.is_contiguous() or kv_layer.shape[0] != 2 or kv_layer.shape[-2:] != (num_kv_heads, head_dim):
             raise ValueError(f"kv_layer must be a contiguous [2, blocks, block_size, {num_kv_heads}, {head_dim}], "
                              f"got {tuple(kv_layer.shape)}")
         k_plane = kv_layer.data_ptr()
         num_slots = kv_layer[0].numel() // (num_kv_heads * head_dim)
-        v_plane = k_plane + kv_layer.stride(0) * 4
+        v_plane = k_plane + kv_layer.stride(0) * kv_layer.element_size()
     cos_sin = cos_sin.contiguous()
-    rc = _lib().kvb_rotary_store(qkv.data_ptr(), T, qkv.stride(0), num_q_heads, num_kv_heads, head_dim,
-                                 positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0], k_plane, v_plane,
-                                 slots.data_ptr(), num_slots, torch.get_num_threads())
+    fn = _lib().kvb_rotary_store_bf16 if bf16 else _lib().kvb_rotary_store
+    rc = fn(qkv.data_ptr(), T, qkv.stride(0), num_q_heads, num_kv_heads, head_dim, positions.data_ptr(),
+            cos_sin.data_ptr(), cos_sin.shape[0], k_plane, v_plane, slots.data_ptr(), num_slots,
+            torch.get_num_threads())
     _check(rc, "rotate_and_store")
 
 

@@ -1,14 +1,14 @@
 """The one place that decides which implementation of a hot-path kernel runs.
 
-On CUDA tensors with Triton importable, the Triton kernels run. On fp32 CPU tensors the small
-operations of a decode step (residual add + RMSNorm, SiLU-and-multiply, rotary + K/V cache
-write, decode attention, the last also for bf16) run as C kernels built for this CPU (:mod:`kvbatch.kernels.cpu_native`)
+On CUDA tensors with Triton importable, the Triton kernels run. On fp32 and bf16 CPU tensors the
+small operations of a decode step (residual add + RMSNorm, SiLU-and-multiply, rotary + K/V cache
+write, decode attention) run as C kernels built for this CPU (:mod:`kvbatch.kernels.cpu_native`)
 when a C compiler is at hand. Everywhere else the PyTorch reference twins in
 :mod:`kvbatch.kernels.reference` (and ``reference_mla``, ``reference_verify``) do. Callers import
 from here only, so a kernel can be swapped or disabled without touching the engine.
 
 ``KVBATCH_KERNELS`` (read at every call):
-- unset / ``auto``: Triton for CUDA tensors when it imports; the native CPU kernels for fp32 CPU
+- unset / ``auto``: Triton for CUDA tensors when it imports; the native CPU kernels for fp32 (and bf16) CPU
   tensors when they build (silently the reference when they do not); the reference otherwise;
 - ``native``: as ``auto``, but an fp32 CPU call raises when the native kernels cannot be built;
 - ``reference``: always the reference (bit for bit what the engine computed before the native
@@ -135,7 +135,7 @@ def rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """See :func:`reference.silu_and_mul`."""
-    if native(x):
+    if native(x, bf16=True):
         return cpu_native.silu_and_mul(x)
     return _impl(x).silu_and_mul(x)
 
@@ -164,7 +164,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rms_norm` that may add ``residual`` into ``x`` in place (the reference does, see
     :func:`reference.add_rms_norm`): the caller hands ``x`` over."""
-    if native(x):
+    if native(x, bf16=True) and weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype):
         return cpu_native.add_rms_norm(x, weight, eps, residual)
     impl = _impl(x)
     if impl is reference:
@@ -175,7 +175,7 @@ def add_rms_norm(
 def rotary_table(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> reference.RotaryTable | None:
     """:func:`reference.rotary_table`, once per forward pass, where the reference path will run for
     tensors like ``x``; None where a kernel will (it reads ``cos_sin`` itself)."""
-    if native(x) or _impl(x) is not reference:
+    if native(x, bf16=True) or _impl(x) is not reference:
         return None
     return reference.rotary_table(positions, cos_sin)
 
@@ -201,7 +201,7 @@ def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, pos
     T = qkv.shape[0]
     D = kv_layer.shape[-1]
     qk = qkv[:, :(num_q_heads + num_kv_heads) * D].view(T, num_q_heads + num_kv_heads, D)
-    if native(qkv) and native(kv_layer):
+    if native(qkv, bf16=True) and kv_layer.dtype == qkv.dtype:
         cpu_native.rotate_and_store(qkv, num_q_heads, num_kv_heads, D, positions, cos_sin, kv_layer, slot_mapping)
         return qk
     rotate_qk(qk, num_q_heads, positions, cos_sin, table)

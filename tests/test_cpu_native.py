@@ -1,6 +1,7 @@
 """The native CPU kernels (kernels/cpu_native.c, issue 18) against the PyTorch reference they
-replace on fp32 CPU tensors, the fused decode layers against the per-op forward pass, the bounds
-the C code checks, and how dispatch chooses (and falls back) between them.
+replace on fp32 CPU tensors (and their bf16 twins on bf16 ones), the fused decode layers against
+the per-op forward pass, the bounds the C code checks, and how dispatch chooses (and falls back)
+between them.
 
 The tolerances are fp32 summation-order bounds: the kernels compute the reference's formulas in
 another order, so a result is asserted close, not equal; the engine-level tests assert the same
@@ -88,6 +89,58 @@ def test_rotate_and_store_is_rotate_qk_then_store_kv_layer(T, Hq, Hkv, D):
     _close(cache, expected_cache)
 
 
+def _within_a_bf16_step(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether every value of bf16 ``a`` is ``b``'s or one bf16 rounding step from it (2^-7 of its
+    magnitude at most), values under 1e-30 counting as zero (where the exp of a large negative
+    number leaves fp32's normal range, ATen's silu flushes to 0 and ours stays a tiny number)."""
+    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+    a, b = a.float(), b.float()
+    return bool(((a - b).abs() <= 2 ** -7 * b.abs() + 1e-30).all())
+
+
+@pytest.mark.parametrize("rows,dim", [(0, 576), (1, 576), (3, 576), (64, 576), (300, 576), (5, 100), (1, 7)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_add_rms_norm_rounds_where_the_reference_rounds(rows, dim, with_residual):
+    # bf16 x + residual (one rounding: the same bits), the fp32 norm rounded to bf16, times the
+    # bf16 weight rounded again; only the mean of squares is summed in another order, so an
+    # output may sit one bf16 step from the reference's, no further
+    gen = torch.Generator().manual_seed(rows * 5 + dim)
+    x = (torch.randn(rows, dim, generator=gen) * 3).bfloat16()
+    weight = (torch.rand(dim, generator=gen) + 0.5).bfloat16()
+    residual = torch.randn(rows, dim, generator=gen).bfloat16() if with_residual else None
+    expected, expected_residual = R.add_rms_norm(x.clone(), weight, 1e-5, residual)
+    normed, new_residual = N.add_rms_norm(x, weight, 1e-5, residual)
+    assert normed.dtype == torch.bfloat16 and new_residual is x
+    assert torch.equal(new_residual, expected_residual)
+    assert _within_a_bf16_step(normed, expected)
+
+
+def test_bf16_silu_and_mul_and_rotary_round_as_the_reference():
+    gate = torch.linspace(-100.0, 100.0, 4001)
+    x = torch.cat([gate, torch.randn(4001) * 4]).view(1, -1).bfloat16()
+    assert _within_a_bf16_step(N.silu_and_mul(x), R.silu_and_mul(x))  # exp: our polynomial against ATen's
+    for width in (2, 34, 600, 3072):  # 600: a 256-value chunk and a tail
+        y = (torch.randn(3, width) * 10).bfloat16()
+        assert _within_a_bf16_step(N.silu_and_mul(y), R.silu_and_mul(y))
+    # rotary: the reference's fp32 products and sums, rounded once: the same bits
+    T, Hq, Hkv, D = 5, 9, 3, 64
+    gen = torch.Generator().manual_seed(3)
+    cos_sin = cos_sin_table(D, 10000.0, None, 512).float()
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen).bfloat16()
+    positions, slots = torch.randint(0, 512, (T,), generator=gen), torch.randperm(64, generator=gen)[:T]
+    expected_qkv, expected_cache = qkv.clone(), torch.zeros(2, 4, 16, Hkv, D, dtype=torch.bfloat16)
+    R.rotate_qk(expected_qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), R.rotary_table(positions, cos_sin))
+    R.store_kv_layer(expected_qkv[:, Hq * D:].view(T, 2, Hkv, D), expected_cache, slots)
+    cache = torch.zeros_like(expected_cache)
+    N.rotate_and_store(qkv, Hq, Hkv, D, positions, cos_sin, cache, slots)
+    assert torch.equal(qkv, expected_qkv) and torch.equal(cache, expected_cache)
+    with pytest.raises(ValueError, match="all-fp32 or all-bf16 CPU tensors, got torch.bfloat16 on cpu, "
+                                         "torch.float32 on cpu"):  # a mix is refused
+        N.rotate_and_store(qkv, Hq, Hkv, D, positions, cos_sin, cache.float(), slots)
+    with pytest.raises(ValueError, match="all-fp32 or all-bf16"):
+        N.add_rms_norm(x, torch.ones(x.shape[-1]), 1e-5)
+
+
 def _paged(gen: torch.Generator, lens: list[int], Hkv: int, D: int, block_size: int = 16):
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     k = torch.randn(num_blocks, block_size, Hkv, D, generator=gen)
@@ -133,7 +186,7 @@ def test_decode_attention_reads_a_bf16_cache(shape):
     bound = 2 ** -8 * float(exact.abs().max())
     assert float((native.float() - exact).abs().max()) <= bound
     assert float((reference.float() - exact).abs().max()) <= bound
-    assert dispatch.native(q, bf16=True) and not dispatch.native(q)  # bf16: the attention only
+    assert dispatch.native(q, bf16=True) and not dispatch.native(q)  # bf16: the kernels with a bf16 twin only
 
 
 @contextlib.contextmanager
@@ -233,6 +286,28 @@ def test_native_and_fused_paths_match_the_torch_forward_pass(tmp_path, monkeypat
         assert set(calls) == ({n} if n <= 8 else set()) and (calls or n > 8)
         unfused = _tokens_and_logits(_llm(tmp_path / arch, monkeypatch, "native", fused="0"), n)
         assert unfused[0] == torch_tokens
+
+
+def test_a_bf16_model_runs_the_native_small_ops_and_keeps_the_reference_tokens(tmp_path, monkeypatch):
+    build_tiny("qwen2", tmp_path)
+    ran = []
+    for name in ("add_rms_norm", "silu_and_mul", "rotate_and_store"):
+        real = getattr(N, name)
+        monkeypatch.setattr(N, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
+
+    def run(kernels: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+        monkeypatch.setenv("KVBATCH_KERNELS", kernels)
+        monkeypatch.setenv("KVBATCH_LINEAR", "blas")
+        return _tokens_and_logits(LLM(str(tmp_path), dtype="bf16",
+                                      engine_config=EngineConfig(block_size=4, num_blocks=256)), 3)
+
+    torch_tokens, torch_logits = run("reference")
+    assert not ran
+    native_tokens, native_logits = run("native")
+    assert set(ran) == {"add_rms_norm", "silu_and_mul", "rotate_and_store"}
+    assert native_tokens == torch_tokens
+    for a, b in zip(native_logits, torch_logits):  # bf16 rounding steps apart at most, over the tiny model
+        _close(a, b, rel=0.05)
 
 
 def test_the_fused_path_splits_a_long_context_and_matches_the_torch_forward_pass(tmp_path, monkeypatch):
