@@ -26,7 +26,7 @@ install-test: $(VENV)/.installed-test
 # bench_engine's optional llama.cpp peer, built from source for this CPU (minutes; GGML_NATIVE
 # crashed on one Xeon: see benchmarks/llama_cpp_build.py). Not needed by `make test`.
 install-peers: install-test
-	CMAKE_ARGS="$$($(BIN)/python benchmarks/llama_cpp_build.py)" $(BIN)/pip install -q --no-binary llama-cpp-python '.[peers]'
+	CMAKE_ARGS="$$($(BIN)/python benchmarks/llama_cpp_build.py)" $(BIN)/pip install -q --no-binary llama-cpp-python -e '.[peers]'
 
 # The main job: the whole Dagster asset graph on the embedded default (SmolLM2, a generated sample
 # dataset, a local folder as the object store), through the named jobs, so the UI's Overview and

@@ -4,6 +4,9 @@ each copy afresh (a cloned packed buffer crashed MKL with SIGFPE)."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -53,8 +56,12 @@ def test_what_it_does_not_take_is_refused_by_name():
 
 
 def test_the_measurement_packs_every_copy_and_never_clones_one():
+    packed = mkl_packed.pack(_rand(8, 4, seed=0))
     with pytest.raises(TypeError, match="cannot copy a prepared weight of type PackedWeight"):
-        kc._copy_prepared(mkl_packed.pack(_rand(8, 4, seed=0)))
+        kc._copy_prepared(packed)
+    for how in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            how(packed)
     # Several copies of a layer (num_layers 4 at these small shapes): each one multiplied for real.
     ran: list[tuple[str, int]] = []
 

@@ -76,6 +76,10 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self._buffer.numel()
 
+    def __reduce__(self) -> tuple:  # copy, deepcopy and pickle all come here: a moved buffer crashes MKL
+        raise TypeError("an MKL packed weight cannot be copied or pickled (its buffer must not move); pack the "
+                        "source weight again")
+
 
 def pack(w: torch.Tensor) -> PackedWeight:
     """``w`` [out, in] (fp32, CPU) -> its packed layout, as the B matrix of ``x @ w.T``."""
