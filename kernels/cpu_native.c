@@ -456,7 +456,6 @@ static void pv_cols(const float *scores, int64_t p_begin, int64_t p_end, int64_t
                     int bf16, const int32_t *table, int64_t block_size, int64_t hkv, int64_t g, int64_t d, int64_t e0,
                     const float *inv, float *og) {
     const int64_t len = p_end - p_begin;
-    float tmp[4 * VEC];
     vec_t a[4][4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++)
@@ -467,8 +466,9 @@ static void pv_cols(const float *scores, int64_t p_begin, int64_t p_end, int64_t
         const int64_t vb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d + e0;
         const int64_t m = p_end - p0 < block_size ? p_end - p0 : block_size;
         for (int64_t i = 0; i < m; i++) {
-            const float *vp = cache_pos(v_cache, vb + i * pos_stride, 4 * VEC, bf16, tmp);
-            const vec_t v0 = vload(vp), v1 = vload(vp + VEC), v2 = vload(vp + 2 * VEC), v3 = vload(vp + 3 * VEC);
+            const int64_t at = vb + i * pos_stride;  /* a bf16 cache widened in registers as it is read */
+            const vec_t v0 = kv_load(v_cache, at, bf16), v1 = kv_load(v_cache, at + VEC, bf16),
+                        v2 = kv_load(v_cache, at + 2 * VEC, bf16), v3 = kv_load(v_cache, at + 3 * VEC, bf16);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 if (j < group) {
@@ -515,10 +515,12 @@ static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t
         /* each case inlined with its constants: head size 64 (most models) unrolled */
         for (; d % VEC == 0 && i + 4 <= m; i += 4) {
             const int64_t at = kb + i * pos_stride;
-            if (bf16)
-                qk_dots4(qg, group, k_cache, at, pos_stride, d, 1, scale, sp + i, len);
+            if (d == 64 && bf16)
+                qk_dots4(qg, group, k_cache, at, pos_stride, 64, 1, scale, sp + i, len);
             else if (d == 64)
                 qk_dots4(qg, group, k_cache, at, pos_stride, 64, 0, scale, sp + i, len);
+            else if (bf16)
+                qk_dots4(qg, group, k_cache, at, pos_stride, d, 1, scale, sp + i, len);
             else
                 qk_dots4(qg, group, k_cache, at, pos_stride, d, 0, scale, sp + i, len);
         }

@@ -201,7 +201,7 @@ def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, pos
     T = qkv.shape[0]
     D = kv_layer.shape[-1]
     qk = qkv[:, :(num_q_heads + num_kv_heads) * D].view(T, num_q_heads + num_kv_heads, D)
-    if native(qkv, bf16=True) and kv_layer.dtype == qkv.dtype:
+    if native(qkv, bf16=True) and kv_layer.dtype == qkv.dtype and cos_sin.dtype == torch.float32:
         cpu_native.rotate_and_store(qkv, num_q_heads, num_kv_heads, D, positions, cos_sin, kv_layer, slot_mapping)
         return qk
     rotate_qk(qk, num_q_heads, positions, cos_sin, table)

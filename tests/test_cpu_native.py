@@ -89,21 +89,25 @@ def test_rotate_and_store_is_rotate_qk_then_store_kv_layer(T, Hq, Hkv, D):
     _close(cache, expected_cache)
 
 
-def _within_a_bf16_step(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether every value of bf16 ``a`` is ``b``'s or one bf16 rounding step from it (2^-7 of its
-    magnitude at most), values under 1e-30 counting as zero (where the exp of a large negative
-    number leaves fp32's normal range, ATen's silu flushes to 0 and ours stays a tiny number)."""
+def _within_bf16_steps(a: torch.Tensor, b: torch.Tensor, steps: int = 2) -> bool:
+    """Whether every value of bf16 ``a`` is within ``steps`` bf16 rounding steps of ``b``'s (one
+    step is at most 2^-7 of the magnitude), values under 1e-30 counting as zero (where the exp of
+    a large negative number leaves fp32's normal range, ATen's silu flushes to 0 and ours stays a
+    tiny number). Two by default: an intermediate bf16 rounding (the normalized row, silu's
+    output) may land one step away when its fp32 input differs in the last bits, and the product
+    after it rounds again."""
     assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
     a, b = a.float(), b.float()
-    return bool(((a - b).abs() <= 2 ** -7 * b.abs() + 1e-30).all())
+    return bool(((a - b).abs() <= steps * 2 ** -7 * b.abs() + 1e-30).all())
 
 
 @pytest.mark.parametrize("rows,dim", [(0, 576), (1, 576), (3, 576), (64, 576), (300, 576), (5, 100), (1, 7)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_bf16_add_rms_norm_rounds_where_the_reference_rounds(rows, dim, with_residual):
     # bf16 x + residual (one rounding: the same bits), the fp32 norm rounded to bf16, times the
-    # bf16 weight rounded again; only the mean of squares is summed in another order, so an
-    # output may sit one bf16 step from the reference's, no further
+    # bf16 weight rounded again; only the mean of squares is summed in another order (and in
+    # another one again by an AVX2 or SSE build), so an output may sit two bf16 steps from the
+    # reference's (the normalized value one step, the product's rounding another), no further
     gen = torch.Generator().manual_seed(rows * 5 + dim)
     x = (torch.randn(rows, dim, generator=gen) * 3).bfloat16()
     weight = (torch.rand(dim, generator=gen) + 0.5).bfloat16()
@@ -112,16 +116,16 @@ def test_bf16_add_rms_norm_rounds_where_the_reference_rounds(rows, dim, with_res
     normed, new_residual = N.add_rms_norm(x, weight, 1e-5, residual)
     assert normed.dtype == torch.bfloat16 and new_residual is x
     assert torch.equal(new_residual, expected_residual)
-    assert _within_a_bf16_step(normed, expected)
+    assert _within_bf16_steps(normed, expected)
 
 
 def test_bf16_silu_and_mul_and_rotary_round_as_the_reference():
     gate = torch.linspace(-100.0, 100.0, 4001)
     x = torch.cat([gate, torch.randn(4001) * 4]).view(1, -1).bfloat16()
-    assert _within_a_bf16_step(N.silu_and_mul(x), R.silu_and_mul(x))  # exp: our polynomial against ATen's
+    assert _within_bf16_steps(N.silu_and_mul(x), R.silu_and_mul(x))  # exp: our polynomial against ATen's
     for width in (2, 34, 600, 3072):  # 600: a 256-value chunk and a tail
         y = (torch.randn(3, width) * 10).bfloat16()
-        assert _within_a_bf16_step(N.silu_and_mul(y), R.silu_and_mul(y))
+        assert _within_bf16_steps(N.silu_and_mul(y), R.silu_and_mul(y))
     # rotary: the reference's fp32 products and sums, rounded once: the same bits
     T, Hq, Hkv, D = 5, 9, 3, 64
     gen = torch.Generator().manual_seed(3)
