@@ -4,8 +4,10 @@ blocked layout (``cblas_sgemm_pack``) and multiplied by from there (``cblas_sgem
 Plain ``x @ w`` (BLAS) repacks the weight into that layout on every call; for a batched decode
 step, where the weights are reused by 9-64 rows and the multiply turns compute-bound, the repack
 is a real share of the time. Measured on a 2-vCPU Intel Xeon (family 6 model 167, AVX-512, AMX),
-SmolLM2-135M's layer at 64 rows: 1.26x BLAS's speed, bit-identical to BLAS from ~40 rows. Which
-kernel wins a bucket is still measured per machine (:mod:`kvbatch.engine.models.kernel_choice`).
+2026-12-02: SmolLM2-135M's layer at 64 rows 1.26x BLAS's speed in a scratch timing (its results
+bit-identical to BLAS's from ~40 rows); the batch-64 decode step's projections 79.1 ms with BLAS,
+61.6 with this (``bench_engine.py --step-profile 20 --linear blas|mkl``); at one row it is slower.
+Which kernel wins a bucket is measured per machine (:mod:`kvbatch.engine.models.kernel_choice`).
 
 The routines are not in torch's Python API; torch's CPU library carries MKL statically and exports
 them, so they are reached through ctypes, and :func:`available` is False where that library lacks
