@@ -440,10 +440,7 @@ static inline const float *cache_pos(const void *base, int64_t index, int64_t d,
 #ifdef VEC
     for (; e + VEC <= d; e += VEC) vstore(tmp + e, kv_load(base, index + e, 1));
 #endif
-    for (; e < d; e++) {
-        uint32_t bits = (uint32_t)src[e] << 16;
-        memcpy(tmp + e, &bits, sizeof bits);
-    }
+    for (; e < d; e++) tmp[e] = bf16_f32(src[e]);
     return tmp;
 }
 
