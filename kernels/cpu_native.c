@@ -37,15 +37,16 @@
 #define MAX_HEAD_DIM 256
 #define PAR_WORK (1 << 15)  /* elements from which a call splits across threads */
 
-/* Int8 weights are held in blocks of I8_BLOCK output columns, [ceil(out / I8_BLOCK), in, I8_BLOCK]
- * (the last block's missing columns zero): a block's weights are one contiguous run, streamed
- * front to back while its sums stay in registers. (The [in, out] layout, a band of each input
- * row's columns per pass, streamed int8 at under half the rate of fp32: runs a quarter as long
+/* Int8 and bf16 weights are held in blocks of W_BLOCK output columns, [ceil(out / W_BLOCK), in,
+ * W_BLOCK] (the last block's missing columns zero): a block's weights are one contiguous run,
+ * streamed front to back while its sums stay in registers. (The [in, out] layout, a band of each
+ * input row's columns per pass, streamed int8 at under half the rate of fp32, and bf16 at half
+ * (10 against 18-19 GB/s of a plain widening read, Xeon 167): runs a quarter or half as long
  * between jumps, and the sums loaded and stored on every pass.) */
-#define I8_BLOCK 16
+#define W_BLOCK 16
 
-int kvb_native_abi_version(void) { return 5; }
-int kvb_int8_block(void) { return I8_BLOCK; }
+int kvb_native_abi_version(void) { return 6; }
+int kvb_block_cols(void) { return W_BLOCK; }
 
 static inline float kvb_expf(float x) {
     x = fminf(fmaxf(x, -87.3f), 88.3f);
@@ -135,6 +136,23 @@ static float exp_sub_sum(float *x, int64_t n, float sub) {
     return sum;
 }
 
+/* bf16 <-> fp32, for bf16 models (the bf16 twins below, bf16 weights and caches). */
+static inline float bf16_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;  /* exact: bf16 is the top half of an fp32 */
+    return v.f;
+}
+
+static inline uint16_t f32_bf16(float f) {  /* round to nearest, ties to even, as torch does; NaN stays NaN */
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* f rounded to the nearest bf16, kept as fp32: where a bf16 tensor of the reference would round. */
+static inline float round_bf16(float f) { return bf16_f32(f32_bf16(f)); }
+
 /* o[i] = silu(g[i]) * u[i] for i < n. */
 static void silu_mul(const float *g, const float *u, float *o, int64_t n) {
     int64_t i = 0;
@@ -183,6 +201,18 @@ void kvb_silu_and_mul(const float *x, float *out, int64_t rows, int64_t half, in
     }
 }
 
+/* silu_mul with the bf16 twin's roundings, over fp32 values that are bf16 already (the fused
+ * bf16 layers): o = bf16(bf16(silu(g)) * u), kept as fp32. */
+static void silu_mul_rounded(const float *g, const float *u, float *o, int64_t n) {
+    float ones[256];
+    for (int i = 0; i < 256; i++) ones[i] = 1.0f;
+    for (int64_t c = 0; c < n; c += 256) {
+        const int64_t m = n - c < 256 ? n - c : 256;
+        silu_mul(g + c, ones, o + c, m);  /* silu(gate) in fp32 (times 1: exact) */
+        for (int64_t i = c; i < c + m; i++) o[i] = round_bf16(round_bf16(o[i]) * u[i]);
+    }
+}
+
 /* Rotate (rotate-half convention) the hq query and hkv key heads at the start of each row of
  * qkv [rows, row_stride] in place, by cos_sin [max_pos, d] (cos in the first d/2 columns, sin in
  * the last); then, when k_plane is given, copy each row's hkv key heads (rotated) and the hkv
@@ -198,9 +228,11 @@ static int check_rows(int64_t rows, const int64_t *positions, int64_t max_pos, c
 }
 
 /* One token's rotary (its hq + hkv heads at the start of row, by the cos/sin row cs) and, when
- * k_plane is given, its rotated K and its V copied to the cache slot. */
-static void rotate_store_row(float *row, const float *cs, int64_t hq, int64_t hkv, int64_t d, float *k_plane,
-                             float *v_plane, int64_t slot) {
+ * k_plane is given, its rotated K and its V copied to the cache slot. bf16 (the fused bf16
+ * layers: row holds bf16 values as fp32): the rotated values rounded to bf16, as
+ * kvb_rotary_store_bf16 rounds them, and the planes bf16. */
+static void rotate_store_row(float *row, const float *cs, int64_t hq, int64_t hkv, int64_t d, void *k_plane,
+                             void *v_plane, int64_t slot, int bf16) {
     const int64_t half = d / 2, kv = hkv * d;
     const float *sn = cs + half;
     for (int64_t h = 0; h < hq + hkv; h++) {
@@ -212,10 +244,19 @@ static void rotate_store_row(float *row, const float *cs, int64_t hq, int64_t hk
             x2[j] = b * cs[j] + a * sn[j];
         }
     }
-    if (k_plane != NULL) {
-        memcpy(k_plane + slot * kv, row + hq * d, (size_t)kv * sizeof(float));
-        memcpy(v_plane + slot * kv, row + (hq + hkv) * d, (size_t)kv * sizeof(float));
+    if (bf16) {
+#pragma omp simd
+        for (int64_t j = 0; j < (hq + hkv) * d; j++) row[j] = round_bf16(row[j]);
     }
+    if (k_plane == NULL) return;
+    const float *k = row + hq * d, *v = k + kv;
+    if (!bf16) {
+        memcpy((float *)k_plane + slot * kv, k, (size_t)kv * sizeof(float));
+        memcpy((float *)v_plane + slot * kv, v, (size_t)kv * sizeof(float));
+        return;
+    }
+    uint16_t *kp = (uint16_t *)k_plane + slot * kv, *vp = (uint16_t *)v_plane + slot * kv;
+    for (int64_t j = 0; j < kv; j++) kp[j] = f32_bf16(k[j]), vp[j] = f32_bf16(v[j]);  /* exact: bf16 values */
 }
 
 int kvb_rotary_store(float *qkv, int64_t rows, int64_t row_stride, int64_t hq, int64_t hkv, int64_t d,
@@ -226,7 +267,7 @@ int kvb_rotary_store(float *qkv, int64_t rows, int64_t row_stride, int64_t hq, i
 #pragma omp parallel for num_threads(nthreads) if (rows * row_stride >= PAR_WORK && rows > 1)
     for (int64_t t = 0; t < rows; t++)
         rotate_store_row(qkv + t * row_stride, cos_sin + positions[t] * d, hq, hkv, d, k_plane, v_plane,
-                         k_plane != NULL ? slots[t] : 0);
+                         k_plane != NULL ? slots[t] : 0, 0);
     return KVB_OK;
 }
 
@@ -235,19 +276,6 @@ int kvb_rotary_store(float *qkv, int64_t rows, int64_t row_stride, int64_t hq, i
  * residual sum, the normalized row before the weight, the product; silu's output, the product;
  * the rotated values), so they differ from it only by the fp32 summation order of the norm's
  * mean of squares and by the exp polynomial. */
-static inline float bf16_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;  /* exact: bf16 is the top half of an fp32 */
-    return v.f;
-}
-
-static inline uint16_t f32_bf16(float f) {  /* round to nearest, ties to even, as torch does; NaN stays NaN */
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 /* kvb_add_rms_norm over bf16 rows and a bf16 weight: x' = bf16(x + res) into x; out =
  * bf16(w * bf16(x' * rsqrt(mean(x'^2) + eps))). */
 void kvb_add_rms_norm_bf16(uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out, int64_t rows,
@@ -396,8 +424,8 @@ static inline __m128 sum4(vec_t a0, vec_t a1, vec_t a2, vec_t a3) {
 #endif
 }
 
-/* VEC values of the cache at base + index as fp32: a bf16 cache's widened (exact: bf16 is the
- * top half of an fp32). */
+/* VEC values of the cache (or weight) at base + index as fp32: a bf16 one's widened (exact: bf16
+ * is the top half of an fp32). */
 static inline vec_t kv_load(const void *base, int64_t index, int bf16) {
     if (!bf16) return vload((const float *)base + index);
     const uint16_t *src = (const uint16_t *)base + index;
@@ -745,8 +773,9 @@ static void gemv_cols(const float *x, int64_t rows, const float *w, int64_t in, 
 }
 
 #ifdef VEC
-#define I8_VECS (I8_BLOCK / VEC)  /* vectors per block row: 1 with AVX-512, 2 with AVX2 */
-#define I8_AHEAD 256  /* block rows (of 16 bytes) prefetched ahead */
+#define W_VECS (W_BLOCK / VEC)  /* vectors per block row: 1 with AVX-512, 2 with AVX2 */
+#define W_ACC 8  /* accumulator sets (rows x split) of a pass, within the registers */
+#define W_AHEAD 8192  /* bytes of a block prefetched ahead */
 
 /* VEC int8 values widened to fp32 (exact). */
 static inline vec_t load_i8(const int8_t *p) {
@@ -757,87 +786,146 @@ static inline vec_t load_i8(const int8_t *p) {
 #endif
 }
 
-/* out[r, 0:I8_BLOCK] = scale * (x[r, :] @ blk) for `rows` rows (1-4; each its own accumulators, the
- * input split `split` ways so that 4 multiply-add chains run at once). Inlined with constants. */
-static inline __attribute__((always_inline)) void i8_block(const int8_t *blk, int64_t in, const float *x,
-                                                           int64_t x_stride, const float *scale, int rows,
-                                                           int split, float *out) {
-    vec_t acc[4][I8_VECS];
-    for (int a = 0; a < 4; a++)
-        for (int v = 0; v < I8_VECS; v++) acc[a][v] = vset1(0.0f);
+/* VEC weights of a block at element index as fp32: int8 or bf16 widened (both exact). */
+static inline vec_t load_w(const void *blk, int64_t index, int bf16) {
+    return bf16 ? kv_load(blk, index, 1) : load_i8((const int8_t *)blk + index);
+}
+
+/* out[r, 0:W_BLOCK] = (x[r, :] @ blk) (times scale for int8) for `rows` rows (1 to W_ROWS; each
+ * its own accumulators, the input split `split` ways so that several multiply-add chains run at
+ * once: one chain per row waited on the multiply-add's latency, measured 90 GFLOP/s over 8 rows
+ * on a Xeon 167), blk int8 or bf16. Inlined with constants. */
+static inline __attribute__((always_inline)) void w_block(const void *blk, int bf16, int64_t in, const float *x,
+                                                          int64_t x_stride, const float *scale, int rows,
+                                                          int split, float *out) {
+    const int64_t esize = bf16 ? 2 : 1;
+    vec_t acc[W_ACC][W_VECS];
+    for (int a = 0; a < W_ACC; a++)
+        for (int v = 0; v < W_VECS; v++) acc[a][v] = vset1(0.0f);
     int64_t i = 0;
     for (; i + split <= in; i += split) {
-        /* a block ends every few KB: ask ahead, where the hardware prefetcher stops at the page */
-        __builtin_prefetch(blk + (i + I8_AHEAD) * I8_BLOCK, 0, 2);
+        /* a block ends every few KB: ask ahead, where the hardware prefetcher stops at the page;
+         * every cache line of the step (a bf16 step of 4 block rows spans two: asking for one of
+         * them streamed 19 GB/s against 26 on a Xeon 167, 2 threads) */
+        for (int64_t o = 0; o < split * W_BLOCK * esize; o += 64)
+            __builtin_prefetch((const char *)blk + i * W_BLOCK * esize + W_AHEAD + o, 0, 2);
         for (int u = 0; u < split; u++)
-            for (int v = 0; v < I8_VECS; v++) {
-                const vec_t w = load_i8(blk + (i + u) * I8_BLOCK + v * VEC);
+            for (int v = 0; v < W_VECS; v++) {
+                const vec_t w = load_w(blk, (i + u) * W_BLOCK + v * VEC, bf16);
                 for (int r = 0; r < rows; r++)
                     acc[r * split + u][v] = vfma(vset1(x[r * x_stride + i + u]), w, acc[r * split + u][v]);
             }
     }
     for (; i < in; i++)
-        for (int v = 0; v < I8_VECS; v++) {
-            const vec_t w = load_i8(blk + i * I8_BLOCK + v * VEC);
+        for (int v = 0; v < W_VECS; v++) {
+            const vec_t w = load_w(blk, i * W_BLOCK + v * VEC, bf16);
             for (int r = 0; r < rows; r++) acc[r * split][v] = vfma(vset1(x[r * x_stride + i]), w, acc[r * split][v]);
         }
     for (int r = 0; r < rows; r++)
-        for (int v = 0; v < I8_VECS; v++) {
+        for (int v = 0; v < W_VECS; v++) {
             vec_t sum = acc[r * split][v];
             for (int u = 1; u < split; u++) sum = vadd(sum, acc[r * split + u][v]);
-            vstore(out + r * I8_BLOCK + v * VEC, vmul(sum, vload(scale + v * VEC)));
+            vstore(out + r * W_BLOCK + v * VEC, bf16 ? sum : vmul(sum, vload(scale + v * VEC)));
         }
 }
 #endif
 
-/* y[r, c0:c1] = x[r, :] @ w[:, c0:c1] for int8 blocks w with per-column scales (padded to whole
- * blocks), over rows r (the activations stay fp32: weight-only int8). */
-static void gemv_cols_i8(const float *x, int64_t rows, const int8_t *w, const float *scale, int64_t in,
-                         int64_t out, float *y, int64_t c0, int64_t c1) {
-    float tmp[4 * I8_BLOCK];
-    for (int64_t blk = c0 / I8_BLOCK; blk * I8_BLOCK < c1; blk++) {
-        const int8_t *wb = w + blk * in * I8_BLOCK;
-        const float *sb = scale + blk * I8_BLOCK;
-        const int64_t lo = c0 > blk * I8_BLOCK ? c0 : blk * I8_BLOCK;
-        const int64_t hi = c1 < (blk + 1) * I8_BLOCK ? c1 : (blk + 1) * I8_BLOCK;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
+/* Rows of x per pass over a block (each pass streams the block once): AVX-512 (32 registers)
+ * takes 8, AVX2 (16) 4. */
+#if defined(VEC) && VEC == 16
+#define W_ROWS 8
+#else
+#define W_ROWS 4
+#endif
+
+/* y[r, c0:c1] = x[r, :] @ w[:, c0:c1] for blocked weights w, over rows r (the activations stay
+ * fp32: weight-only): int8 with per-column scales (padded to whole blocks), or bf16 (scale NULL). */
+static void gemv_cols_blocks(const float *x, int64_t rows, const void *w, int bf16, const float *scale, int64_t in,
+                             int64_t out, float *y, int64_t c0, int64_t c1) {
+    float tmp[8 * W_BLOCK];
+    const int64_t esize = bf16 ? 2 : 1;
+    for (int64_t blk = c0 / W_BLOCK; blk * W_BLOCK < c1; blk++) {
+        const void *wb = (const char *)w + blk * in * W_BLOCK * esize;
+        const float *sb = bf16 ? NULL : scale + blk * W_BLOCK;
+        const int64_t lo = c0 > blk * W_BLOCK ? c0 : blk * W_BLOCK;
+        const int64_t hi = c1 < (blk + 1) * W_BLOCK ? c1 : (blk + 1) * W_BLOCK;
+        for (int64_t r0 = 0; r0 < rows; r0 += W_ROWS) {
+            const int64_t n = rows - r0 < W_ROWS ? rows - r0 : W_ROWS;
             const float *xr = x + r0 * in;
 #ifdef VEC
-            switch (n) {
-                case 1: i8_block(wb, in, xr, in, sb, 1, 4, tmp); break;
-                case 2: i8_block(wb, in, xr, in, sb, 2, 2, tmp); break;
-                case 3: i8_block(wb, in, xr, in, sb, 3, 1, tmp); break;
-                default: i8_block(wb, in, xr, in, sb, 4, 1, tmp); break;
+#if VEC == 16  /* rows x split accumulators of one vector each: 4-8 chains */
+#define W_BLOCK_ROWS(B)                                            \
+    switch (n) {                                                   \
+        case 1: w_block(wb, B, in, xr, in, sb, 1, 4, tmp); break;  \
+        case 2: w_block(wb, B, in, xr, in, sb, 2, 4, tmp); break;  \
+        case 3: w_block(wb, B, in, xr, in, sb, 3, 2, tmp); break;  \
+        case 4: w_block(wb, B, in, xr, in, sb, 4, 2, tmp); break;  \
+        case 5: w_block(wb, B, in, xr, in, sb, 5, 1, tmp); break;  \
+        case 6: w_block(wb, B, in, xr, in, sb, 6, 1, tmp); break;  \
+        case 7: w_block(wb, B, in, xr, in, sb, 7, 1, tmp); break;  \
+        default: w_block(wb, B, in, xr, in, sb, 8, 1, tmp); break; \
+    }
+#else  /* two vectors a block row: rows x split x 2 registers, at most 8 */
+#define W_BLOCK_ROWS(B)                                            \
+    switch (n) {                                                   \
+        case 1: w_block(wb, B, in, xr, in, sb, 1, 4, tmp); break;  \
+        case 2: w_block(wb, B, in, xr, in, sb, 2, 2, tmp); break;  \
+        case 3: w_block(wb, B, in, xr, in, sb, 3, 1, tmp); break;  \
+        default: w_block(wb, B, in, xr, in, sb, 4, 1, tmp); break; \
+    }
+#endif
+            if (bf16) {
+                W_BLOCK_ROWS(1)
+            } else {
+                W_BLOCK_ROWS(0)
             }
+#undef W_BLOCK_ROWS
 #else
             for (int64_t r = 0; r < n; r++)
-                for (int64_t c = 0; c < I8_BLOCK; c++) {
+                for (int64_t c = 0; c < W_BLOCK; c++) {
                     float acc = 0.0f;
-                    for (int64_t i = 0; i < in; i++) acc += xr[r * in + i] * (float)wb[i * I8_BLOCK + c];
-                    tmp[r * I8_BLOCK + c] = acc * sb[c];
+                    for (int64_t i = 0; i < in; i++) {
+                        const int64_t at = i * W_BLOCK + c;
+                        acc += xr[r * in + i] * (bf16 ? bf16_f32(((const uint16_t *)wb)[at]) : (float)((const int8_t *)wb)[at]);
+                    }
+                    tmp[r * W_BLOCK + c] = bf16 ? acc : acc * sb[c];
                 }
 #endif
             for (int64_t r = 0; r < n; r++)
-                memcpy(y + (r0 + r) * out + lo, tmp + r * I8_BLOCK + (lo - blk * I8_BLOCK),
+                memcpy(y + (r0 + r) * out + lo, tmp + r * W_BLOCK + (lo - blk * W_BLOCK),
                        (size_t)(hi - lo) * sizeof(float));
         }
     }
 }
 
-/* A projection's weight as the fused layers and kvb_gemv take it: fp32 [in, out] (scale NULL), or
- * int8 in blocks of I8_BLOCK columns standing for w[i, c] * scale[c] (scale padded like the blocks). */
+/* A projection's weight as the fused layers and kvb_gemv take it, by kind: fp32 [in, out]; int8
+ * in blocks of W_BLOCK columns standing for w[i, c] * scale[c] (scale padded like the blocks);
+ * bf16 in blocks of W_BLOCK columns. The activations are fp32 in every kind. */
+#define KVB_W_F32 0
+#define KVB_W_I8 1
+#define KVB_W_BF16 2
 typedef struct {
     const void *w;
-    const float *scale;
+    const float *scale;  /* KVB_W_I8 only */
+    int32_t kind;
 } kvb_proj_t;
 
 static void gemv_proj(const float *x, int64_t rows, const kvb_proj_t *p, int64_t in, int64_t out, float *y,
                       int64_t c0, int64_t c1) {
-    if (p->scale == NULL)
-        gemv_cols(x, rows, (const float *)p->w, in, out, y, c0, c1);
+    if (p->kind == KVB_W_I8 || p->kind == KVB_W_BF16)
+        gemv_cols_blocks(x, rows, p->w, p->kind == KVB_W_BF16, p->scale, in, out, y, c0, c1);
     else
-        gemv_cols_i8(x, rows, (const int8_t *)p->w, p->scale, in, out, y, c0, c1);
+        gemv_cols(x, rows, (const float *)p->w, in, out, y, c0, c1);
+}
+
+/* y[r, c0:c1] rounded to bf16 values (the fused bf16 layers: where the per-op path's bf16 output
+ * tensor rounds). */
+static void round_cols(float *y, int64_t rows, int64_t stride, int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * stride;
+#pragma omp simd
+        for (int64_t c = c0; c < c1; c++) yr[c] = round_bf16(yr[c]);
+    }
 }
 
 /* This thread's share [*c0, *c1) of `out` columns, in whole cache lines. */
@@ -853,14 +941,14 @@ static void share(int64_t out, int t, int n, int64_t *c0, int64_t *c1) {
  * 49,152 columns) is walked in pieces whose rows of y stay in L1/L2 across the input rows. */
 #define GEMV_CHUNK 2048
 
-/* y [rows, out] = x [rows, in] @ w [in, out] (+ bias [out], or NULL): the fused layers' GEMV as
- * its own call, for the kernel measurement to time against BLAS and oneDNN (or, int8 blocks with
- * their scales, against the int8 routes), and for the projections of a bucket it won outside the
- * fused layers (the LM head). */
-int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, int64_t in, int64_t out,
+/* y [rows, out] = x [rows, in] @ w [in, out] (+ bias [out], or NULL), w of any kvb_proj_t kind:
+ * the fused layers' GEMV as its own call, for the kernel measurement to time against BLAS and
+ * oneDNN (or, int8 blocks with their scales, against the int8 routes), and for the projections
+ * of a bucket it won outside the fused layers (the LM head). */
+int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, int kind, int64_t in, int64_t out,
              const float *bias, float *y, int nthreads) {
-    if (rows <= 0 || in <= 0 || out <= 0) return KVB_BAD_SHAPE;
-    const kvb_proj_t proj = {w, scale};
+    if (rows <= 0 || in <= 0 || out <= 0 || kind < KVB_W_F32 || kind > KVB_W_BF16) return KVB_BAD_SHAPE;
+    const kvb_proj_t proj = {w, scale, kind};
 #pragma omp parallel num_threads(nthreads) if (in * out >= PAR_WORK)
     {
         int t = 0, n = 1;
@@ -881,8 +969,10 @@ int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, in
     return KVB_OK;
 }
 
+/* resid = h (copy) or resid + h; x = w * (resid * rsqrt(mean(resid^2) + eps)), per row. rb: with
+ * kvb_add_rms_norm_bf16's roundings (the fused bf16 layers). */
 static void add_norm_rows(float *resid, const float *h, int copy, const float *w, float *x, int64_t rows,
-                          int64_t dim, float eps) {
+                          int64_t dim, float eps, int rb) {
     for (int64_t r = 0; r < rows; r++) {
         float *rr = resid + r * dim, *xr = x + r * dim;
         const float *hr = h + r * dim;
@@ -890,12 +980,18 @@ static void add_norm_rows(float *resid, const float *h, int copy, const float *w
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < dim; i++) {
             float v = copy ? hr[i] : rr[i] + hr[i];
+            v = rb ? round_bf16(v) : v;
             rr[i] = v;
             ss += v * v;
         }
         float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        if (rb) {
 #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) xr[i] = w[i] * (rr[i] * inv);
+            for (int64_t i = 0; i < dim; i++) xr[i] = round_bf16(w[i] * round_bf16(rr[i] * inv));
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) xr[i] = w[i] * (rr[i] * inv);
+        }
     }
 }
 
@@ -903,7 +999,7 @@ typedef struct {
     const float *input_norm, *post_norm;  /* [dim] */
     kvb_proj_t qkv, o, gate_up, down;  /* [in, out] each */
     const float *qkv_bias;  /* [qkv out] or NULL */
-    float *k_plane, *v_plane;  /* this layer's cache, [num_slots, hkv, d] each */
+    void *k_plane, *v_plane;  /* this layer's cache, [num_slots, hkv, d] each (bf16 when the step's bf16 is set) */
 } kvb_layer_t;
 
 typedef struct {
@@ -912,6 +1008,7 @@ typedef struct {
     const int64_t *positions, *slots;  /* [rows] */
     const float *cos_sin;  /* [max_pos, d] */
     const int32_t *block_tables, *context_lens;  /* [rows, table_stride], [rows] */
+    int32_t bf16;  /* a bf16 model: bf16 caches, and every value rounded where its per-op path rounds */
 } kvb_step_t;
 
 /* A decode step of `rows` sequences (one token each) through n_layers dense Llama layers, in one
@@ -920,10 +1017,16 @@ typedef struct {
  * gate/up with SiLU-and-multiply, down. On entry h [rows, dim] is the layer input (the embedding
  * when has_resid is 0) and resid the running residual; on return h is the last layer's output and
  * resid the residual before it, as LlamaModel.forward keeps them. work: rows * (dim + qkv_out +
- * hq d + 2 inter + inter) floats of scratch. */
+ * hq d + 2 inter + inter) floats of scratch.
+ *
+ * A bf16 model (s->bf16; bf16 weights and caches) runs the same step in fp32 with every value
+ * rounded to bf16 where the per-op path's bf16 tensors round (each projection's output, the norms'
+ * and the bf16 small ops' own roundings, the attention output), so it differs from that path by
+ * summation order only; h and resid are fp32 holding bf16 values. */
 int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_step_t *s, float *h, float *resid,
                       int has_resid, float *work, int nthreads) {
     const int64_t rows = s->rows, dim = s->dim, hq = s->hq, hkv = s->hkv, d = s->d, inter = s->inter;
+    const int rb = s->bf16 != 0;
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || d % 2 || s->block_size <= 0 || rows <= 0)
         return KVB_BAD_SHAPE;
     if (check_rows(rows, s->positions, s->max_pos, s->slots, s->num_slots)) return KVB_BAD_INDEX;
@@ -954,36 +1057,49 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
             const kvb_layer_t *L = layers + l;
             int64_t c0, c1;
 #pragma omp single
-            add_norm_rows(resid, h, l == 0 && !has_resid, L->input_norm, x, rows, dim, s->eps);
+            add_norm_rows(resid, h, l == 0 && !has_resid, L->input_norm, x, rows, dim, s->eps, rb);
             share(qkv_out, t, n, &c0, &c1);
             gemv_proj(x, rows, &L->qkv, dim, qkv_out, qkv, c0, c1);
             if (L->qkv_bias != NULL)
                 for (int64_t r = 0; r < rows; r++)
                     for (int64_t c = c0; c < c1; c++) qkv[r * qkv_out + c] += L->qkv_bias[c];
+            if (rb) round_cols(qkv, rows, qkv_out, c0, c1);
 #pragma omp barrier
 #pragma omp single
             for (int64_t r = 0; r < rows; r++)
                 rotate_store_row(qkv + r * qkv_out, s->cos_sin + s->positions[r] * d, hq, hkv, d, L->k_plane,
-                                 L->v_plane, s->slots[r]);
-            attend_tasks(&sp, qkv, qkv_out, attn, hq, hkv, d, L->k_plane, L->v_plane, 0, s->block_size,
+                                 L->v_plane, s->slots[r], rb);
+            attend_tasks(&sp, qkv, qkv_out, attn, hq, hkv, d, L->k_plane, L->v_plane, rb, s->block_size,
                          s->block_tables, s->table_stride, s->context_lens, s->scale, scores);
+            if (rb) {  /* every task's output rounded before any thread reads it (the loop's barrier) */
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < rows; r++) round_cols(attn, 1, hq * d, r * hq * d, (r + 1) * hq * d);
+            }
             share(dim, t, n, &c0, &c1);
             gemv_proj(attn, rows, &L->o, hq * d, dim, h, c0, c1);
+            if (rb) round_cols(h, rows, dim, c0, c1);
 #pragma omp barrier
 #pragma omp single
-            add_norm_rows(resid, h, 0, L->post_norm, x, rows, dim, s->eps);
+            add_norm_rows(resid, h, 0, L->post_norm, x, rows, dim, s->eps, rb);
             /* gate columns [c0, c1) and the up columns inter + [c0, c1) on one thread, so it can
              * apply SiLU-and-multiply to its own columns without waiting for the others */
             share(inter, t, n, &c0, &c1);
             gemv_proj(x, rows, &L->gate_up, dim, 2 * inter, gu, c0, c1);
             gemv_proj(x, rows, &L->gate_up, dim, 2 * inter, gu, inter + c0, inter + c1);
             for (int64_t r = 0; r < rows; r++) {
-                const float *g = gu + r * 2 * inter;
-                silu_mul(g + c0, g + inter + c0, act + r * inter + c0, c1 - c0);
+                float *g = gu + r * 2 * inter;
+                if (rb) {
+                    round_cols(g, 1, 0, c0, c1);
+                    round_cols(g, 1, 0, inter + c0, inter + c1);
+                    silu_mul_rounded(g + c0, g + inter + c0, act + r * inter + c0, c1 - c0);
+                } else {
+                    silu_mul(g + c0, g + inter + c0, act + r * inter + c0, c1 - c0);
+                }
             }
 #pragma omp barrier
             share(dim, t, n, &c0, &c1);
             gemv_proj(act, rows, &L->down, inter, dim, h, c0, c1);
+            if (rb) round_cols(h, rows, dim, c0, c1);
 #pragma omp barrier
         }
         free(scores);

@@ -1,7 +1,8 @@
 """The CPU kernels of ``cpu_native.c``: a decode step's small operations, one call each.
 
 :mod:`kvbatch.kernels.dispatch` runs these instead of the PyTorch reference for fp32 CPU tensors,
-and the small ops and decode attention for bf16 ones too, when the library builds on this machine
+and for bf16 ones too (the small ops, decode attention, the GEMV and the fused decode layers over
+bf16 weights), when the library builds on this machine
 (:mod:`kvbatch.kernels.native_build`; ``KVBATCH_KERNELS`` chooses, see dispatch). Each function
 takes what its reference twin takes and computes the same formula in fp32 (bf16 tensors rounded
 where the reference's round), in another summation order (the tests bound the difference), except
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,7 +26,7 @@ import torch
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 5
+_ABI = 6
 # Rows the native GEMVs (fp32 and int8) and the fused decode layers are offered for: decode and
 # small batches, where a multiply is bound by streaming the weights; more rows are compute-bound.
 GEMV_MAX_ROWS = 8
@@ -60,9 +61,9 @@ def _library() -> ctypes.CDLL | str:
     lib.kvb_attention_parts.restype = _I64
     lib.kvb_attention_parts.argtypes = [_I64, _P, _I64, _I64, _INT]
     lib.kvb_gemv.restype = _INT
-    lib.kvb_int8_block.restype = _INT
-    lib.kvb_int8_block.argtypes = []
-    lib.kvb_gemv.argtypes = [_P, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
+    lib.kvb_block_cols.restype = _INT
+    lib.kvb_block_cols.argtypes = []
+    lib.kvb_gemv.argtypes = [_P, _I64, _P, _P, _INT, _I64, _I64, _P, _P, _INT]
     return lib
 
 
@@ -231,9 +232,27 @@ class Int8Blocks(NamedTuple):
     out_features: int
 
 
-def int8_block() -> int:
-    """Output columns per block of :class:`Int8Blocks` (the native library's I8_BLOCK)."""
-    return int(_lib().kvb_int8_block())
+class Bf16Blocks(NamedTuple):
+    """A bf16 weight as the native GEMV streams it: ``q`` [ceil(out / 16), in, 16] bf16 in
+    :class:`Int8Blocks`' layout, standing for ``w[i, c] = q[c // 16, i, c % 16]`` (no scale).
+    Made by :func:`bf16_blocks`."""
+
+    q: torch.Tensor  # [blocks, in, 16] bf16
+    out_features: int
+
+
+def block_cols() -> int:
+    """Output columns per block of :class:`Int8Blocks` and :class:`Bf16Blocks` (the native
+    library's W_BLOCK)."""
+    return int(_lib().kvb_block_cols())
+
+
+def _blocked(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [out, in] as [ceil(out / block_cols), in, block_cols], the missing columns zero."""
+    width = block_cols()
+    pad = -w.shape[0] % width
+    w = torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
+    return w.view(-1, width, w.shape[1]).transpose(1, 2).contiguous()
 
 
 def int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> Int8Blocks:
@@ -241,53 +260,81 @@ def int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> Int8Blocks:
     if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
         raise ValueError(f"int8_blocks takes an int8 [out, in] and its [out] scales, got {q.dtype} "
                          f"{tuple(q.shape)} and {tuple(scale.shape)}")
-    out, width = q.shape[0], int8_block()
-    pad = -out % width
-    q = torch.cat([q, q.new_zeros(pad, q.shape[1])]) if pad else q
-    blocks = q.view(-1, width, q.shape[1]).transpose(1, 2).contiguous()
+    out = q.shape[0]
+    pad = -out % block_cols()
     scale = torch.cat([scale.float(), scale.new_zeros(pad, dtype=torch.float32)]) if pad else scale.float()
-    return Int8Blocks(blocks, scale.contiguous(), out)
+    return Int8Blocks(_blocked(q), scale.contiguous(), out)
 
 
-Weight = torch.Tensor | Int8Blocks  # fp32 [in, out], or int8 blocks with their scales
+def bf16_blocks(w: torch.Tensor) -> Bf16Blocks:
+    """The blocked layout of a bf16 weight ``w`` [out, in] (the native GEMV's, and the fused
+    layers', for a bf16 model)."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2:
+        raise ValueError(f"bf16_blocks takes a bf16 [out, in], got {w.dtype} {tuple(w.shape)}")
+    return Bf16Blocks(_blocked(w), w.shape[0])
 
 
-def _weight_ptrs(w: Weight, name: str) -> tuple[int, int | None, tuple[int, int]]:
-    """(data pointer, scale pointer or None, (in, out)) of a weight the native GEMV takes, checked."""
-    if isinstance(w, Int8Blocks):
-        q, scale, out = w
-        if q.dtype != torch.int8 or scale.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 3 \
-                or q.shape[2] != int8_block() or q.shape[0] != -(-out // q.shape[2]) \
-                or scale.shape != (q.shape[0] * q.shape[2],) or not (q.is_contiguous() and scale.is_contiguous()):
-            raise ValueError(f"{name}: int8 blocks are a contiguous int8 [ceil({out} / {int8_block()}), in, "
-                             f"{int8_block()}] with padded fp32 scales, got {q.dtype} {tuple(q.shape)} and "
-                             f"{scale.dtype} {tuple(scale.shape)}")
-        return q.data_ptr(), scale.data_ptr(), (q.shape[1], out)
+def blocks_linear(x: torch.Tensor, w: Bf16Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w (+ bias)`` by PyTorch over the blocks as they lie (a batched matmul, no copy of the
+    weight): where the native GEMV does not run (past 8 rows, ``KVBATCH_KERNELS=reference``)."""
+    y = torch.matmul(x.unsqueeze(0), w.q).transpose(0, 1).reshape(x.shape[0], -1)[:, :w.out_features]
+    return y + bias if bias is not None else y
+
+
+Weight = torch.Tensor | Int8Blocks | Bf16Blocks  # fp32 [in, out], or int8 or bf16 blocks
+# kvb_proj_t's kinds (cpu_native.c): how the C code reads a weight's bytes
+_W_F32, _W_I8, _W_BF16 = 0, 1, 2
+
+
+def _weight_ptrs(w: Weight, name: str) -> tuple[int, int | None, int, tuple[int, int]]:
+    """(data pointer, scale pointer or None, kind, (in, out)) of a weight the native GEMV takes,
+    checked."""
+    width = block_cols()
+    if isinstance(w, (Int8Blocks, Bf16Blocks)):
+        int8 = isinstance(w, Int8Blocks)
+        q, out = w.q, w.out_features
+        scale = w.scale if int8 else None
+        want = torch.int8 if int8 else torch.bfloat16
+        bad_scale = int8 and (scale.dtype != torch.float32 or not scale.is_contiguous()
+                              or scale.shape != (q.shape[0] * width,))
+        if q.dtype != want or q.device.type != "cpu" or q.dim() != 3 or q.shape[2] != width \
+                or q.shape[0] != -(-out // width) or not q.is_contiguous() or bad_scale:
+            raise ValueError(f"{name}: {'int8' if int8 else 'bf16'} blocks are a contiguous "
+                             f"{str(want).removeprefix('torch.')} [ceil({out} / {width}), in, {width}]"
+                             f"{' with padded fp32 scales' if int8 else ''}, got {q.dtype} {tuple(q.shape)}"
+                             f"{f' and {scale.dtype} {tuple(scale.shape)}' if int8 else ''}")
+        return q.data_ptr(), None if scale is None else scale.data_ptr(), _W_I8 if int8 else _W_BF16, \
+            (q.shape[1], out)
     _fp32(w)
     if w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"{name}: the weight must be a contiguous [in, out], got {tuple(w.shape)}")
-    return w.data_ptr(), None, tuple(w.shape)
+    return w.data_ptr(), None, _W_F32, tuple(w.shape)
 
 
 def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w (+ bias)`` for fp32 ``x`` [rows, in] and ``w`` [in, out] (BLAS's layout: the weight
-    transposed), or int8 :class:`Int8Blocks`: the fused decode layers' GEMV as its own call, each
-    thread a band of output columns, every 4 rows of ``w`` read once for all rows of ``x``
-    (memory-bound at a few rows, so the kernel measurement offers it for 1-8 rows:
-    :data:`kvbatch.engine.models.linear.NATIVE`, and the int8 route ``gemv``)."""
-    _fp32(x, *(() if bias is None else (bias,)))
-    w_ptr, scale_ptr, (w_in, w_out) = _weight_ptrs(w, "gemv")
+    """``x @ w (+ bias)`` for fp32 ``x`` [rows, in] and ``w`` [in, out] (BLAS's fp32 layout: the
+    weight transposed) or int8 :class:`Int8Blocks`, or bf16 ``x`` and :class:`Bf16Blocks`: the fused
+    decode layers' GEMV as its own call, each thread a band of output columns, every part of
+    ``w`` read once for all rows of ``x`` (memory-bound at a few rows, so the kernel measurement
+    offers it for 1-8 rows: :data:`kvbatch.engine.models.linear.NATIVE`, and the int8 route
+    ``gemv``). bf16 is summed in fp32 and rounded once, as torch's bf16 matmul rounds."""
+    w_ptr, scale_ptr, kind, (w_in, w_out) = _weight_ptrs(w, "gemv")
+    bf16 = kind == _W_BF16
+    if _bf16(x, *(() if bias is None else (bias,))) != bf16:
+        raise ValueError(f"gemv: x and bias take the weight's dtype ({'bf16' if bf16 else 'fp32'}), got {x.dtype}"
+                         f"{'' if bias is None else f' and {bias.dtype}'}")
     bad_bias = bias is not None and (bias.shape != (w_out,) or not bias.is_contiguous())
     if x.dim() != 2 or x.shape[1] != w_in or bad_bias:
         raise ValueError(f"gemv: x [rows, in] @ w [in, out] + bias [out], got {tuple(x.shape)}, "
                          f"{(w_in, w_out)}, {None if bias is None else tuple(bias.shape)}")
-    x = x.contiguous()
+    x = x.float().contiguous()  # bf16 activations widened (exact); a contiguous fp32 x stays as it is
+    bias = None if bias is None else bias.float()
     y = x.new_empty((x.shape[0], w_out))
     if x.shape[0]:
-        _check(_lib().kvb_gemv(x.data_ptr(), x.shape[0], w_ptr, scale_ptr, w_in, w_out,
+        _check(_lib().kvb_gemv(x.data_ptr(), x.shape[0], w_ptr, scale_ptr, kind, w_in, w_out,
                                None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads()),
                "gemv")
-    return y
+    return y.to(torch.bfloat16) if bf16 else y
 
 
 def attention_parts(context_lens: torch.Tensor, num_kv_heads: int, block_size: int, threads: int) -> int:
@@ -305,7 +352,7 @@ def attention_parts(context_lens: torch.Tensor, num_kv_heads: int, block_size: i
 # ---------------------------------------------------------------- the fused decode layers
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("kind", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -318,14 +365,16 @@ class _Step(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("rows", "dim", "hq", "hkv", "d", "inter", "max_pos", "num_slots",
                                                   "num_blocks", "block_size", "table_stride")] + \
                [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + \
-               [(name, ctypes.c_void_p) for name in ("positions", "slots", "cos_sin", "block_tables", "context_lens")]
+               [(name, ctypes.c_void_p) for name in ("positions", "slots", "cos_sin", "block_tables", "context_lens")] + \
+               [("bf16", ctypes.c_int32)]
 
 
 @dataclass(frozen=True)
 class DenseLayer:
     """One dense Llama layer as :func:`decode_layers` takes it: norms [dim], projections in the
-    ``[in, out]`` layout (the BLAS layout the engine keeps; fp32, or int8 with per-column scales),
-    and the layer's cache [2, blocks, block_size, Hkv, D]."""
+    ``[in, out]`` layout (the BLAS layout the engine keeps; fp32, or :class:`Int8Blocks`; for a
+    bf16 model :class:`Bf16Blocks`), and the layer's cache [2, blocks, block_size, Hkv, D]. All
+    fp32 (int8 projections allowed), or all bf16."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -340,10 +389,12 @@ class DenseLayer:
 @dataclass(frozen=True)
 class FusedLayers:
     """The C structs of a model's layers over one KV cache, made once (the runner keeps its cache
-    for its life); ``tensors`` holds what the pointers point into."""
+    for its life); ``tensors`` holds what the pointers point into (a bf16 model's norms and bias
+    as fp32 copies: the C code reads them as fp32)."""
 
     structs: ctypes.Array
     tensors: tuple[DenseLayer, ...]
+    bf16: bool
     dim: int
     inter: int
     num_q_heads: int
@@ -356,34 +407,45 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
     if not layers:
         raise ValueError("fuse_layers needs at least one layer")
     first = layers[0]
-    dim, inter = first.input_norm.shape[0], _weight_ptrs(first.down, "layer 0: down")[2][0]
+    dim, inter = first.input_norm.shape[0], _weight_ptrs(first.down, "layer 0: down")[3][0]
     hkv, d = first.kv_layer.shape[-2:]
-    hq = _weight_ptrs(first.o, "layer 0: o")[2][0] // d  # query heads: the o projection's inputs, D each
+    hq = _weight_ptrs(first.o, "layer 0: o")[3][0] // d  # query heads: the o projection's inputs, D each
     qkv_out = (hq + 2 * hkv) * d
+    bf16 = first.kv_layer.dtype == torch.bfloat16
     structs = (_Layer * len(layers))()
+    held = []
     for i, lw in enumerate(layers):
         tensors = [lw.input_norm, lw.post_norm, lw.kv_layer]
         if lw.qkv_bias is not None:  # the struct keeps raw pointers: no temporary copies here
             tensors.append(lw.qkv_bias)
-        _fp32(*tensors)
+        if _bf16(*tensors) != bf16:
+            raise ValueError(f"layer {i}: norms, bias and cache share layer 0's dtype, {first.kv_layer.dtype}")
         if not all(t.is_contiguous() for t in tensors):
             raise ValueError(f"layer {i}: fuse_layers takes contiguous tensors")
         projs = {name: _weight_ptrs(getattr(lw, name), f"layer {i}: {name}")
                  for name in ("qkv", "o", "gate_up", "down")}
-        shapes = {"o": (projs["o"][2], (hq * d, dim)), "qkv": (projs["qkv"][2], (dim, qkv_out)),
-                  "gate_up": (projs["gate_up"][2], (dim, 2 * inter)), "down": (projs["down"][2], (inter, dim)),
+        if bf16 and any(kind != _W_BF16 for _, _, kind, _ in projs.values()):
+            raise ValueError(f"layer {i}: a bf16 model's fused layers take bf16 projections")
+        if not bf16 and any(kind == _W_BF16 for _, _, kind, _ in projs.values()):
+            raise ValueError(f"layer {i}: fp32 layers take fp32 or int8 projections, not bf16")
+        shapes = {"o": (projs["o"][3], (hq * d, dim)), "qkv": (projs["qkv"][3], (dim, qkv_out)),
+                  "gate_up": (projs["gate_up"][3], (dim, 2 * inter)), "down": (projs["down"][3], (inter, dim)),
                   "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape)}
         for name, (got, want) in shapes.items():
             if tuple(got) != tuple(want):
                 raise ValueError(f"layer {i}: {name} is {tuple(got)}, expected {tuple(want)}")
         if lw.qkv_bias is not None and lw.qkv_bias.shape != (qkv_out,):
             raise ValueError(f"layer {i}: qkv bias {tuple(lw.qkv_bias.shape)} does not match {qkv_out} outputs")
+        if bf16:  # the C code reads norms and bias as fp32: widened copies (exact), kept alive in `held`
+            lw = replace(lw, input_norm=lw.input_norm.float(), post_norm=lw.post_norm.float(),
+                         qkv_bias=None if lw.qkv_bias is None else lw.qkv_bias.float())
+        held.append(lw)
         k_plane = lw.kv_layer.data_ptr()
         structs[i] = _Layer(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(),
-                            *(_Proj(*projs[name][:2]) for name in ("qkv", "o", "gate_up", "down")),
+                            *(_Proj(*projs[name][:3]) for name in ("qkv", "o", "gate_up", "down")),
                             None if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), k_plane,
                             k_plane + lw.kv_layer.stride(0) * lw.kv_layer.element_size())
-    return FusedLayers(structs, tuple(layers), dim, inter, hq, hkv, d)
+    return FusedLayers(structs, tuple(held), bf16, dim, inter, hq, hkv, d)
 
 
 def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual: torch.Tensor | None,
@@ -392,15 +454,20 @@ def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``num_layers`` layers of a decode step of ``h`` [rows, dim] (one token per
     sequence; ``residual`` None at the first layer) in one call: returns ``(h, residual)`` after
-    them, as the layer loop of ``LlamaModel.forward`` leaves them. Writes each token's K/V."""
-    _fp32(h, cos_sin)
+    them, as the layer loop of ``LlamaModel.forward`` leaves them. Writes each token's K/V. ``h``
+    and ``residual`` in the layers' dtype (a bf16 model's are widened for the call and narrowed
+    after it: exact, the C code keeps them bf16 values); ``cos_sin`` fp32."""
+    _fp32(cos_sin)
+    if _bf16(h, *(() if residual is None else (residual,))) != fused.bf16:
+        raise ValueError(f"decode_layers: h and residual take the layers' dtype "
+                         f"({'bf16' if fused.bf16 else 'fp32'}), got {h.dtype}")
     rows, dim = h.shape
     if dim != fused.dim or not 0 < num_layers <= len(fused.tensors):
         raise ValueError(f"decode_layers: rows of {fused.dim} through 1-{len(fused.tensors)} layers, "
                          f"got {tuple(h.shape)} through {num_layers}")
     hq, hkv, d = fused.num_q_heads, fused.num_kv_heads, fused.head_dim
-    h = h.clone() if not h.is_contiguous() else h
-    resid = torch.empty_like(h) if residual is None else residual.contiguous()
+    h = h.float() if fused.bf16 else h.clone() if not h.is_contiguous() else h
+    resid = torch.empty_like(h) if residual is None else residual.float().contiguous()
     positions, slots = _ints(positions, torch.int64), _ints(slot_mapping, torch.int64)
     tables, lens = _ints(block_tables, torch.int32), _ints(context_lens, torch.int32)
     if positions.numel() != rows or slots.numel() != rows or lens.numel() != rows or tables.shape[0] != rows:
@@ -409,10 +476,10 @@ def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual
     kv_layer = fused.tensors[0].kv_layer
     step = _Step(rows, dim, hq, hkv, d, fused.inter, cos_sin.shape[0], kv_layer[0].numel() // (hkv * d),
                  kv_layer.shape[1], kv_layer.shape[2], tables.shape[1], eps, scale, positions.data_ptr(),
-                 slots.data_ptr(), cos_sin.data_ptr(), tables.data_ptr(), lens.data_ptr())
+                 slots.data_ptr(), cos_sin.data_ptr(), tables.data_ptr(), lens.data_ptr(), int(fused.bf16))
     qkv_out = (hq + 2 * hkv) * d
     work = torch.empty(rows * (dim + qkv_out + hq * d + 3 * fused.inter), dtype=torch.float32)
     rc = _lib().kvb_decode_layers(fused.structs, num_layers, ctypes.byref(step), h.data_ptr(), resid.data_ptr(),
                                   int(residual is not None), work.data_ptr(), torch.get_num_threads())
     _check(rc, "decode_layers")
-    return h, resid
+    return (h.to(torch.bfloat16), resid.to(torch.bfloat16)) if fused.bf16 else (h, resid)

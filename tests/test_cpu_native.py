@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -365,6 +366,19 @@ def test_fuse_layers_refuses_what_its_pointers_cannot_hold(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="qkv is"):
         dispatch.fuse_layers([dispatch.DenseLayer(lw.input_norm, lw.post_norm, plain(lw.o_proj), None,
                                                   plain(lw.o_proj), plain(lw.gate_up), plain(lw.down), cache[0])])
+    # one dtype per model: a bf16 cache under fp32 norms, bf16 layers over fp32 weights, and the reverse
+    fp32 = dispatch.DenseLayer(lw.input_norm, lw.post_norm, plain(lw.qkv), lw.qkv_bias, plain(lw.o_proj),
+                               plain(lw.gate_up), plain(lw.down), cache[0])
+    with pytest.raises(ValueError, match="all-fp32 or all-bf16"):
+        dispatch.fuse_layers([replace(fp32, kv_layer=cache[1].bfloat16())])
+    half = replace(fp32, input_norm=lw.input_norm.bfloat16(), post_norm=lw.post_norm.bfloat16(),
+                   qkv_bias=lw.qkv_bias.bfloat16(), kv_layer=cache[0].bfloat16())
+    with pytest.raises(ValueError, match="share layer 0's dtype"):
+        dispatch.fuse_layers([fp32, half])
+    with pytest.raises(ValueError, match="take bf16 projections"):
+        dispatch.fuse_layers([half])
+    with pytest.raises(ValueError, match="not bf16"):
+        dispatch.fuse_layers([replace(fp32, o=N.bf16_blocks(lw.o_proj.t().bfloat16()))])
 
 
 def test_fused_layers_refuse_bad_indices_before_writing(tmp_path, monkeypatch):
@@ -449,6 +463,43 @@ def test_the_int8_gemv_computes_the_dequantized_product(rows, in_f, out, bias, t
         _close(N.gemv(x, blocks, b), want, rel=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 8), in_f=st.integers(1, 70), out=st.integers(1, 100), bias=st.booleans(),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_the_bf16_gemv_sums_in_fp32_and_rounds_once(rows, in_f, out, bias, threads, seed):
+    # the bf16 blocks, any shape: the exact products summed in fp32 (another order than torch's),
+    # rounded once to bf16; and PyTorch over the same blocks (the path past 8 rows) likewise
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, in_f, generator=gen).bfloat16()
+    x = torch.randn(rows, in_f, generator=gen).bfloat16()
+    b = torch.randn(out, generator=gen).bfloat16() if bias else None
+    blocks = N.bf16_blocks(w)
+    assert blocks.q.shape == (-(-out // 16), in_f, 16) and blocks.q.dtype == torch.bfloat16
+    exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+    with _threads(threads):
+        y = N.gemv(x, blocks, b)
+    assert y.dtype == torch.bfloat16
+    # one rounding of a sum whose fp32 error is far below a bf16 step: at most one step away
+    # (relative to the largest output, where cancellation leaves a small one)
+    step = 2 ** -7 * float(exact.abs().max())
+    assert float((y.double() - exact).abs().max()) <= step + 1e-6
+    assert float((N.blocks_linear(x, blocks, b).double() - exact).abs().max()) <= step + 1e-6
+
+
+def test_bf16_blocks_are_checked():
+    w = torch.ones(20, 8, dtype=torch.bfloat16)
+    blocks = N.bf16_blocks(w)
+    assert blocks.out_features == 20 and not blocks.q[1, :, 4:].any()
+    with pytest.raises(ValueError, match="bf16 \\[out, in\\]"):
+        N.bf16_blocks(w.float())
+    with pytest.raises(ValueError, match="take the weight's dtype"):
+        N.gemv(torch.ones(1, 8), blocks)  # fp32 activations with bf16 weights: not a pairing the kernel has
+    with pytest.raises(ValueError, match="bf16 blocks are a contiguous"):
+        N.gemv(torch.ones(1, 8, dtype=torch.bfloat16), blocks._replace(q=blocks.q.float()))
+    with pytest.raises(ValueError, match="fp32 CPU tensors"):
+        N.gemv(torch.ones(1, 8, dtype=torch.bfloat16), w.t().contiguous())  # bf16 goes as blocks
+
+
 def test_int8_blocks_are_checked():
     q, scale = torch.ones(20, 8, dtype=torch.int8), torch.ones(20)
     blocks = N.int8_blocks(q, scale)
@@ -473,8 +524,17 @@ def test_the_native_format_runs_the_gemv_for_decode_rows_and_blas_otherwise(monk
     assert torch.equal(fmt(x8, w), N.gemv(x8, w)) and torch.equal(fmt(x9, w), x9 @ w)
     monkeypatch.setenv("KVBATCH_KERNELS", "reference")  # the PyTorch path everywhere: BLAS, bit for bit
     assert torch.equal(fmt(x8, w), x8 @ w)
-    with pytest.raises(ValueError, match="fp32 on the CPU"):
-        LinearFormat(NATIVE, torch.bfloat16)
+    # bf16: blocks of its own; the GEMV for decode rows, PyTorch over the blocks past them
+    monkeypatch.delenv("KVBATCH_KERNELS")
+    bf16 = LinearFormat(NATIVE, torch.bfloat16)
+    wb = bf16.prepare(torch.randn(96, 64, generator=gen).bfloat16())
+    assert isinstance(wb, N.Bf16Blocks) and wb.out_features == 96
+    x8, x9 = x8.bfloat16(), x9.bfloat16()
+    assert torch.equal(bf16(x8, wb), N.gemv(x8, wb)) and torch.equal(bf16(x9, wb), N.blocks_linear(x9, wb))
+    monkeypatch.setenv("KVBATCH_KERNELS", "reference")
+    assert torch.equal(bf16(x8, wb), N.blocks_linear(x8, wb))
+    with pytest.raises(ValueError, match="fp32 or bf16 on the CPU"):
+        LinearFormat(NATIVE, torch.float16)
 
 
 def test_the_native_gemv_is_a_kernel_choice_candidate_for_decode_rows(tmp_path):
@@ -490,6 +550,7 @@ def test_the_native_gemv_is_a_kernel_choice_candidate_for_decode_rows(tmp_path):
         pytest.skip("needs the oneDNN candidate too")
     assert choice.fmt.bucket_kinds == (NATIVE, NATIVE, "blas", "onednn")
     assert {r for k, r in calls if k == NATIVE} == {1, 8}  # never timed for 64 or 128 rows
+    assert NATIVE in kc.candidates_for(torch.bfloat16, "full")  # over its bf16 blocks
     assert choice.fmt.fused_rows(1) and choice.fmt.fused_rows(8) and choice.fmt.fused_rows(64)
     assert not choice.fmt.fused_rows(128)
     # a GEMV far ahead at 1-8 rows leaves the larger buckets to the others, each still measured
@@ -499,11 +560,12 @@ def test_the_native_gemv_is_a_kernel_choice_candidate_for_decode_rows(tmp_path):
                              timer=far).fmt.bucket_kinds == (NATIVE, NATIVE, "blas", "onednn")
 
 
-def test_a_bucket_the_native_gemv_won_takes_the_fused_path(tmp_path, monkeypatch):
+def _native_gemv_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Models built from now on measure the native GEMV fastest at 1-8 rows (a fake timer) under
+    ``KVBATCH_KERNELS=native``; returns the row counts of every fused decode call made after."""
     from kvbatch.engine.models import factory, kernel_choice as kc
     from kvbatch.engine.models.linear import NATIVE
 
-    build_tiny("llama", tmp_path / "dense")
     monkeypatch.setenv("KVBATCH_KERNELS", "native")
     monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
 
@@ -513,17 +575,60 @@ def test_a_bucket_the_native_gemv_won_takes_the_fused_path(tmp_path, monkeypatch
 
     monkeypatch.setattr(factory, "choose_kernels", functools.partial(kc.choose_kernels, timer=native_wins_small_batches,
                                                                      cache_dir=tmp_path / "cache"))
-    calls = []
+    calls: list[int] = []
     real = N.decode_layers
     monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    return calls
+
+
+def _reference_run(folder: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens and logits of 3 requests on the PyTorch path (BLAS, the reference kernels)."""
+    from kvbatch.engine.models import factory, kernel_choice as kc
+
+    monkeypatch.setenv("KVBATCH_KERNELS", "reference")
+    monkeypatch.setattr(factory, "choose_kernels", functools.partial(kc.choose_kernels, linear="blas"))
+    return _tokens_and_logits(LLM(str(folder), dtype=dtype, engine_config=EngineConfig(block_size=4, num_blocks=256)), 3)
+
+
+def test_a_bucket_the_native_gemv_won_takes_the_fused_path(tmp_path, monkeypatch):
+    from kvbatch.engine.models.linear import NATIVE
+
+    build_tiny("llama", tmp_path / "dense")
+    calls = _native_gemv_wins(tmp_path, monkeypatch)
     llm = LLM(str(tmp_path / "dense"), engine_config=EngineConfig(block_size=4, num_blocks=256))
     assert llm.model.linear.bucket_kinds[:2] == (NATIVE, NATIVE)
     tokens, logits = _tokens_and_logits(llm, 3)
     assert set(calls) == {3}  # every decode step of the 3 requests ran fused
-    monkeypatch.setenv("KVBATCH_KERNELS", "reference")
-    monkeypatch.setattr(factory, "choose_kernels", functools.partial(kc.choose_kernels, linear="blas"))
-    ref_tokens, ref_logits = _tokens_and_logits(LLM(str(tmp_path / "dense"),
-                                                    engine_config=EngineConfig(block_size=4, num_blocks=256)), 3)
+    ref_tokens, ref_logits = _reference_run(tmp_path / "dense", monkeypatch, "fp32")
     assert tokens == ref_tokens
     for a, b in zip(logits, ref_logits, strict=True):
         _close(a, b, rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv bias inside the fused layers
+def test_a_bf16_model_whose_native_gemv_won_runs_fused_with_the_per_op_roundings(tmp_path, monkeypatch, arch):
+    # bf16 weights in blocks, the bf16 cache, every value rounded where the per-op bf16 path rounds:
+    # the fused step gives that path's logits (the same GEMV, small ops and attention in C, in one
+    # call), and the reference's greedy tokens
+    from kvbatch.engine.models.linear import NATIVE
+
+    build_tiny(arch, tmp_path / arch)
+    calls = _native_gemv_wins(tmp_path, monkeypatch)
+
+    def run(fused: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+        monkeypatch.setenv("KVBATCH_FUSED_DECODE", fused)
+        llm = LLM(str(tmp_path / arch), dtype="bf16", engine_config=EngineConfig(block_size=4, num_blocks=256))
+        assert llm.model.linear.bucket_kinds[:2] == (NATIVE, NATIVE)
+        return _tokens_and_logits(llm, 3)
+
+    tokens, logits = run("1")
+    assert set(calls) == {3}  # every decode step of the 3 requests ran fused
+    calls.clear()
+    per_op_tokens, per_op_logits = run("0")
+    assert not calls and tokens == per_op_tokens
+    for a, b in zip(logits, per_op_logits, strict=True):
+        _close(a, b, rel=1e-6)
+    ref_tokens, ref_logits = _reference_run(tmp_path / arch, monkeypatch, "bf16")
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):  # bf16 rounding steps apart at most, as the small ops
+        _close(a, b, rel=0.05)

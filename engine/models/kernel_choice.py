@@ -171,10 +171,10 @@ def int8pack_available() -> bool:
 
 def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
     """The kernels (float) or routes (int8) worth measuring for ``dtype`` weights on this CPU; for
-    GGUF weights the native kernel (when it builds here) and the float kernels; for fp32 also the
-    native decode GEMV (when the native CPU kernels build), measured for 1-8 rows only, and MKL's
-    packed sgemm (where torch's library exports it); for int8 weights under fp32 activations the
-    native int8 GEMV likewise."""
+    GGUF weights the native kernel (when it builds here) and the float kernels; for fp32 and bf16
+    also the native decode GEMV (when the native CPU kernels build), measured for 1-8 rows only;
+    for fp32 MKL's packed sgemm (where torch's library exports it); for int8 weights under fp32
+    activations the native int8 GEMV likewise."""
     if weights == "int8":
         native = [GEMV] if dtype == torch.float32 and cpu_native.available() else []
         return ([INT8PACK] if int8pack_available() else []) + [DEQUANT] + native
@@ -182,9 +182,10 @@ def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
     floats = [ONEDNN, BLAS] if packable else [BLAS]
     if weights == "gguf" and gguf_kernels.available():
         return [GGUF_NATIVE, *floats]
+    native = [NATIVE] if dtype in (torch.float32, torch.bfloat16) and cpu_native.available() else []
     if dtype != torch.float32:
-        return floats
-    return [*floats, *([MKL] if mkl_packed.available() else []), *([NATIVE] if cpu_native.available() else [])]
+        return [*floats, *native]
+    return [*floats, *([MKL] if mkl_packed.available() else []), *native]
 
 
 def candidate_format(kind: str, dtype: torch.dtype) -> LinearFormat:
@@ -280,9 +281,11 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
 
 def _copy_prepared(w: object) -> object:
     """Another copy of a prepared weight, in the same layout (clone where it is a plain or an
-    opaque oneDNN tensor; an int8 weight clones its parts)."""
+    opaque oneDNN tensor; an int8 weight clones its parts, bf16 blocks their tensor)."""
     if isinstance(w, torch.Tensor):
         return w.clone()
+    if isinstance(w, cpu_native.Bf16Blocks):
+        return w._replace(q=w.q.clone())
     if isinstance(w, Int8Weight):
         blocks = None if w.blocks is None else w.blocks._replace(q=w.blocks.q.clone())
         return Int8Weight(None if w.q is None else w.q.clone(), w.scale.clone(), w.scale_bf16.clone(), blocks)

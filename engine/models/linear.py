@@ -24,7 +24,8 @@ chosen (a :class:`MixedWeight`: more memory, the fastest multiply at every row c
 holds weight-only int8 weights (:mod:`kvbatch.engine.models.quant`; its ``gemv`` route is the
 native int8 GEMV, which the fused decode step runs too); ``NATIVE`` is the fused
 decode layers' own GEMV (:func:`kvbatch.kernels.cpu_native.gemv`) over BLAS's fp32 layout, a
-candidate for 1-8 rows (a bucket it wins runs the fused decode step); ``GGUF`` multiplies by a GGUF
+candidate for 1-8 rows (a bucket it wins runs the fused decode step), in bf16 over bf16 blocks
+of its own (:class:`~kvbatch.kernels.cpu_native.Bf16Blocks`); ``GGUF`` multiplies by a GGUF
 file's own Q4_0/Q4_1/Q8_0 blocks in the buckets where that measured faster
 (:mod:`kvbatch.engine.models.gguf_kernels`), by the dequantized fp32 weight elsewhere. ``MKL`` is
 MKL's own packed-weight sgemm (:mod:`kvbatch.engine.models.mkl_packed`, fp32), a candidate at
@@ -57,15 +58,16 @@ INT8 = "int8"  # weight-only int8, per-output-channel scales; ``bucket_kinds`` n
 # GGUF: per bucket GGUF_NATIVE (the file's blocks, our C kernel) or a CPU kind over the fp32 weight
 GGUF = "gguf"
 GGUF_NATIVE = "gguf-native"
-# The native decode GEMV (kvbatch.kernels.cpu_native.gemv) over BLAS's fp32 [in, out] layout: what
-# the fused decode layers multiply with, so the kernel measurement times it against the others
-# for up to NATIVE_MAX_ROWS rows (a multiply of more rows runs BLAS on the same layout).
+# The native decode GEMV (kvbatch.kernels.cpu_native.gemv), in fp32 over BLAS's [in, out] layout, in
+# bf16 over blocks of its own (cpu_native.Bf16Blocks): what the fused decode layers multiply with,
+# so the kernel measurement times it against the others for up to NATIVE_MAX_ROWS rows (a multiply
+# of more rows runs BLAS on the same fp32 layout, PyTorch over the bf16 blocks).
 NATIVE = "native"
 NATIVE_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
 # MKL's packed sgemm over weights packed once at load (mkl_packed): fp32 only, opaque like oneDNN's.
 MKL = "mkl"
 CPU_KINDS = (ONEDNN, BLAS, NATIVE, MKL)
-_FP32_ONLY = (NATIVE, MKL)
+_FP32_ONLY = (MKL,)
 _PLAIN_KINDS = (BLAS, NATIVE)  # the kinds that multiply the plain fp32 [in, out] layout
 _BUCKETED = (MIXED, INT8, GGUF)
 # Row-count buckets the kernels are measured and chosen for: upper bounds (inclusive), the last
@@ -115,6 +117,9 @@ class LinearFormat:
         only_fp32 = next((k for k in _FP32_ONLY if k in (self.kind, *self.bucket_kinds)), None)
         if only_fp32 and (self.dtype != torch.float32 or self.device.type != "cpu"):
             raise ValueError(f"the {only_fp32} kernel multiplies fp32 on the CPU, not {self.dtype} on {self.device}")
+        if NATIVE in (self.kind, *self.bucket_kinds) and (self.dtype not in (torch.float32, torch.bfloat16)
+                                                           or self.device.type != "cpu"):
+            raise ValueError(f"the {NATIVE} kernel multiplies fp32 or bf16 on the CPU, not {self.dtype} on {self.device}")
         if self.kind == GGUF and (not set(self.bucket_kinds) <= {GGUF_NATIVE, *CPU_KINDS}
                                   or self.dtype != torch.float32):
             raise ValueError(f"gguf bucket kinds must be among {(GGUF_NATIVE, *CPU_KINDS)} over fp32, "
@@ -137,8 +142,9 @@ class LinearFormat:
         w = w.to(device=self.device, dtype=self.dtype).contiguous()
         if self.kind == MIXED:
             layouts: dict[str, Any] = {}
-            for k in dict.fromkeys(self.bucket_kinds):  # BLAS and NATIVE share one plain layout
-                shared = next((layouts[o] for o in _PLAIN_KINDS if k in _PLAIN_KINDS and o in layouts), None)
+            plain = self._plain_kinds()
+            for k in dict.fromkeys(self.bucket_kinds):  # fp32 BLAS and NATIVE share one plain layout
+                shared = next((layouts[o] for o in plain if k in plain and o in layouts), None)
                 layouts[k] = shared if shared is not None else _SINGLE[k, self.dtype].prepare(w)
             return MixedWeight(layouts)
         if self.kind == CUBLAS:
@@ -147,6 +153,8 @@ class LinearFormat:
             return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
         if self.kind == MKL:
             return mkl_packed.pack(w)
+        if self.kind == NATIVE and self.dtype == torch.bfloat16:
+            return cpu_native.bf16_blocks(w)
         return w.t().contiguous() if self.dtype == torch.float32 else w
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -177,8 +185,10 @@ class LinearFormat:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         if self.kind == MKL:
             return mkl_packed.linear(x, w, b)
-        if self.kind == NATIVE and x.shape[0] <= NATIVE_MAX_ROWS and dispatch.native(x):
+        if self.kind == NATIVE and x.shape[0] <= NATIVE_MAX_ROWS and dispatch.native(x, bf16=True):
             return cpu_native.gemv(x, w, b)  # (KVBATCH_KERNELS=reference: BLAS on the same layout, below)
+        if self.kind == NATIVE and isinstance(w, cpu_native.Bf16Blocks):
+            return cpu_native.blocks_linear(x, w, b)
         if self.kind == CUBLAS or self.dtype != torch.float32:
             return F.linear(x, w, b)
         return torch.addmm(b, x, w) if b is not None else x @ w
@@ -186,22 +196,28 @@ class LinearFormat:
     def fused_rows(self, rows: int) -> bool:
         """Whether a multiply of ``rows`` rows runs a kernel whose weight layout the fused native
         decode layers take (what :meth:`fused_weight` hands out): BLAS or the native GEMV over the
-        plain fp32 ``[in, out]`` layout, or the int8 ``gemv`` route over its blocks."""
+        plain fp32 ``[in, out]`` layout, the native GEMV over its bf16 blocks, or the int8 ``gemv``
+        route over its blocks."""
         if self.device.type != "cpu":
             return False
         if self.kind == INT8:
             return self.dtype == torch.float32 and rows <= GEMV_MAX_ROWS and self.kind_for(rows) == GEMV
-        return self.dtype == torch.float32 and self.kind in (*_PLAIN_KINDS, MIXED) \
-            and self.kind_for(rows) in _PLAIN_KINDS
+        return self.kind in (*_PLAIN_KINDS, MIXED) and self.kind_for(rows) in self._plain_kinds()
+
+    def _plain_kinds(self) -> tuple[str, ...]:
+        """The kinds whose layout the fused decode layers take in this dtype: fp32 BLAS and the
+        native GEMV share the plain ``[in, out]``; in bf16 only the native GEMV's blocks."""
+        return _PLAIN_KINDS if self.dtype == torch.float32 else (NATIVE,) if self.dtype == torch.bfloat16 else ()
 
     def fused_weight(self, w: Any) -> cpu_native.Weight:
         """The layout of a weight this format prepared that the fused decode layers multiply (see
-        :meth:`fused_rows`): the plain fp32 ``[in, out]`` tensor, or an int8 weight's blocks."""
+        :meth:`fused_rows`): the plain fp32 ``[in, out]`` tensor, the native GEMV's bf16 blocks, or
+        an int8 weight's blocks."""
         if self.kind == INT8 and w.blocks is not None:
             return w.blocks
         if self.kind == MIXED:
-            return next(w.layouts[k] for k in _PLAIN_KINDS if k in w.layouts)
-        if self.kind not in _PLAIN_KINDS or self.dtype != torch.float32:
+            return next(w.layouts[k] for k in self._plain_kinds() if k in w.layouts)
+        if self.kind not in self._plain_kinds():
             raise ValueError(f"a {self.kind} {self.dtype} format holds no layout the fused decode layers take")
         return w
 

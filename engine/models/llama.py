@@ -56,7 +56,7 @@ def _env_switch(name: str, default: str = "1") -> bool:
 
 
 def fused_decode_enabled() -> bool:
-    """Whether models built now run small fp32 CPU decode steps through the fused native layers
+    """Whether models built now run small fp32 and bf16 CPU decode steps through the fused native layers
     (``KVBATCH_FUSED_DECODE``, default on; ``0`` keeps the per-op path, for measurements)."""
     return _env_switch("KVBATCH_FUSED_DECODE")
 
@@ -280,14 +280,15 @@ class LlamaModel:
 
     def _fused_layers(self, kv_cache: torch.Tensor, rows: int) -> K.FusedLayers | None:
         """The model's layers over ``kv_cache`` laid out for :func:`K.decode_layers`, when a decode
-        step of ``rows`` sequences can take that path: fp32 on the CPU with the native kernels
-        built, at most FUSED_DECODE_MAX_ROWS rows, every layer dense without q/k norms, and the
+        step of ``rows`` sequences can take that path: fp32 or bf16 on the CPU with the native
+        kernels built, at most FUSED_DECODE_MAX_ROWS rows, every layer dense without q/k norms, and the
         projections held in a layout the fused layers take for this many rows: the kernel choice
         gave the bucket to the native GEMV (the fused layers' own, measured against BLAS and
         oneDNN), to BLAS (the same layout; the fused step still saves the small ops between the
-        GEMVs) or, for int8 weights, to the native int8 GEMV (its blocks). Where oneDNN's packed
+        GEMVs) or, for int8 weights, to the native int8 GEMV (its blocks); in bf16, to the native
+        GEMV (its bf16 blocks: bf16 BLAS keeps no layout the fused layers take). Where oneDNN's packed
         layout or another int8 route won, the per-op path keeps it. Made once per cache tensor."""
-        if not (self.fused_decode and 0 < rows <= FUSED_DECODE_MAX_ROWS and K.native(kv_cache)
+        if not (self.fused_decode and 0 < rows <= FUSED_DECODE_MAX_ROWS and K.native(kv_cache, bf16=True)
                 and self.linear.fused_rows(rows)):
             return None
         held = self._fused
