@@ -277,8 +277,15 @@ def bf16_blocks(w: torch.Tensor) -> Bf16Blocks:
 def blocks_linear(x: torch.Tensor, w: Bf16Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w (+ bias)`` by PyTorch over the blocks as they lie (a batched matmul, no copy of the
     weight): where the native GEMV does not run (past 8 rows, ``KVBATCH_KERNELS=reference``)."""
-    y = torch.matmul(x.unsqueeze(0), w.q).transpose(0, 1).reshape(x.shape[0], -1)[:, :w.out_features]
-    return y + bias if bias is not None else y
+    nb, rows = w.q.shape[0], x.shape[0]
+    xs = x.unsqueeze(0).expand(nb, rows, x.shape[1])
+    if bias is None:
+        y = torch.bmm(xs, w.q)
+    else:  # the bias added before the one rounding to bf16, as the native GEMV and F.linear add it
+        padded = torch.cat([bias, bias.new_zeros(nb * w.q.shape[2] - bias.shape[0])]) if bias.shape[0] % w.q.shape[2] \
+            else bias
+        y = torch.baddbmm(padded.view(nb, 1, -1), xs, w.q)
+    return y.transpose(0, 1).reshape(rows, -1)[:, :w.out_features]
 
 
 Weight = torch.Tensor | Int8Blocks | Bf16Blocks  # fp32 [in, out], or int8 or bf16 blocks
