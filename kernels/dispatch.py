@@ -36,7 +36,7 @@ slot_major = reference.slot_major  # a view of one layer's cache, for store_kv_l
 # Bitwise batch-invariant attention for CPU determinism; no Triton twin (on a GPU, invariance
 # would need a kernel with a fixed reduction order, which is future work).
 invariant_attention = reference.invariant_attention
-# A whole decode step's dense layers in one native call (fp32 CPU; callers check native() first).
+# A whole decode step's dense layers in one native call (fp32 or bf16 CPU; callers check native() first).
 DenseLayer, FusedLayers = cpu_native.DenseLayer, cpu_native.FusedLayers
 fuse_layers, decode_layers = cpu_native.fuse_layers, cpu_native.decode_layers
 
