@@ -1075,7 +1075,7 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
                          s->block_tables, s->table_stride, s->context_lens, s->scale, scores);
             if (rb) {  /* every task's output rounded before any thread reads it (the loop's barrier) */
 #pragma omp for schedule(static)
-                for (int64_t r = 0; r < rows; r++) round_cols(attn, 1, hq * d, r * hq * d, (r + 1) * hq * d);
+                for (int64_t r = 0; r < rows; r++) round_cols(attn + r * hq * d, 1, 0, 0, hq * d);
             }
             share(dim, t, n, &c0, &c1);
             gemv_proj(attn, rows, &L->o, hq * d, dim, h, c0, c1);
