@@ -201,8 +201,8 @@ void kvb_silu_and_mul(const float *x, float *out, int64_t rows, int64_t half, in
     }
 }
 
-/* silu_mul with the bf16 twin's roundings, over fp32 values that are bf16 already (the fused
- * bf16 layers): o = bf16(bf16(silu(g)) * u), kept as fp32. */
+/* silu_mul with a bf16 tensor's roundings, over fp32 values that are bf16 already (the fused bf16
+ * layers, kvb_silu_and_mul_bf16): o = bf16(bf16(silu(g)) * u), kept as fp32; o may be g. */
 static void silu_mul_rounded(const float *g, const float *u, float *o, int64_t n) {
     float ones[256];
     for (int i = 0; i < 256; i++) ones[i] = 1.0f;
@@ -306,13 +306,12 @@ void kvb_silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * 2 * half, *u = g + half;
         uint16_t *o = out + r * half;
-        float buf[256], ones[256];  /* a chunk of the gate in fp32, for silu_mul's vector loop (times 1: exact) */
-        for (int64_t i = 0; i < 256; i++) ones[i] = 1.0f;
+        float gate[256], up[256];  /* a chunk of each in fp32 (widening is exact) */
         for (int64_t c = 0; c < half; c += 256) {
             int64_t n = half - c < 256 ? half - c : 256;
-            for (int64_t i = 0; i < n; i++) buf[i] = bf16_f32(g[c + i]);
-            silu_mul(buf, ones, buf, n);  /* silu(gate) in fp32 */
-            for (int64_t i = 0; i < n; i++) o[c + i] = f32_bf16(bf16_f32(f32_bf16(buf[i])) * bf16_f32(u[c + i]));
+            for (int64_t i = 0; i < n; i++) gate[i] = bf16_f32(g[c + i]), up[i] = bf16_f32(u[c + i]);
+            silu_mul_rounded(gate, up, gate, n);
+            for (int64_t i = 0; i < n; i++) o[c + i] = f32_bf16(gate[i]);  /* exact: bf16 values */
         }
     }
 }

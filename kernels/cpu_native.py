@@ -27,7 +27,7 @@ from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 _ABI = 6
-# Rows the native GEMVs (fp32 and int8) and the fused decode layers are offered for: decode and
+# Rows the native GEMVs (fp32, bf16 and int8) and the fused decode layers are offered for: decode and
 # small batches, where a multiply is bound by streaming the weights; more rows are compute-bound.
 GEMV_MAX_ROWS = 8
 _ERRORS = {1: (IndexError, "an index (position, slot, block id or context length) is out of range"),
