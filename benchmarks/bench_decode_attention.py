@@ -15,7 +15,10 @@ own slice of one ``[L, 2, blocks, 16, 3, 64]`` cache as the engine lays it out.
   ``reference.SPARSE_DECODE_MIN_ROWS`` rows on: sampled_addmm, segmented softmax, embedding_bag
   over the cache, nothing copied);
 - *native*: ``kernels/cpu_native.paged_decode_attention``, the C kernel the engine runs for fp32
-  CPU tensors where it builds (``KVBATCH_KERNELS=auto``), also reading the cache in place.
+  CPU tensors where it builds (``KVBATCH_KERNELS=auto``), also reading the cache in place;
+- *native bf16*: the same kernel over the same cache, queries and context rounded to bf16 (a bf16
+  model's step): half the bytes; on a CPU with AVX512-BF16 its query-key products are
+  ``vdpbf16ps``. Its ratio is fp32 native over bf16 native, both measured in the same rounds.
 
 Context lengths: the prompt lengths of the engine benchmark's 64-request chat workload
 (``chat_workload(None, 64)`` through SmolLM2's chat template, 34-533 tokens; listed below so this
@@ -85,10 +88,20 @@ class Case:
         shape = (tables.numel(), BLOCK, KV_HEADS, HEAD_DIM)  # the model runner's workspace
         self.workspace = (torch.zeros(shape), torch.zeros(shape))
         self.kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 4 * 2  # K and V a layer reads, unpadded
+        self.kv16: torch.Tensor | None = None  # the bf16 copies, made on first use
+        self.q16: torch.Tensor | None = None
 
-    def step(self, sparse: bool | None) -> torch.Tensor:
+    def step(self, sparse: bool | str | None) -> torch.Tensor:
         """One decode step's attention, every layer; returns the last layer's output. ``sparse``:
-        the reference's in-place path (True) or padded path (False); None: the native kernel."""
+        the reference's in-place path (True) or padded path (False); None: the native kernel;
+        ``"bf16"``: the native kernel over bf16 copies of the cache and queries."""
+        if sparse == "bf16":
+            if self.kv16 is None:
+                self.kv16, self.q16 = self.kv.bfloat16(), self.q.bfloat16()
+            for li in range(LAYERS):
+                out = N.paged_decode_attention(self.q16, self.kv16[li, 0], self.kv16[li, 1], self.tables,
+                                               self.lens, HEAD_DIM ** -0.5)
+            return out
         if sparse is None:
             for li in range(LAYERS):
                 out = N.paged_decode_attention(self.q, self.kv[li, 0], self.kv[li, 1], self.tables, self.lens,
@@ -103,7 +116,7 @@ class Case:
 
 def interleaved(case: Case, rounds: int, native: bool) -> dict[str, list[float]]:
     """Per-round step times (ms) of each path (padded, in place, and native when it builds), alternating."""
-    paths = {"padded": False, "in place": True, **({"native": None} if native else {})}
+    paths = {"padded": False, "in place": True, **({"native": None, "native bf16": "bf16"} if native else {})}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for sparse in paths.values():  # warm: workspace pages, allocator, thread pool
         case.step(sparse)
@@ -124,7 +137,7 @@ def run_table(title: str, cases: list[tuple[str, list[int]]], rounds: int, threa
     native = N.available()
     print(f"\n{title}; {threads} thread(s); load average before {load()}")
     print(f"  {'case':<34} {'padded ms':>10} {'in place ms':>12} {'ratio':>7} {'native ms':>10} {'ratio':>7} "
-          f"{'max |diff|':>11} {'KV MB/layer':>12}")
+          f"{'max |diff|':>11} {'KV MB/layer':>12} {'bf16 ms':>8} {'ratio':>7}")
     rows = []
     for name, lens in cases:
         case = Case(lens)
@@ -134,10 +147,12 @@ def run_table(title: str, cases: list[tuple[str, list[int]]], rounds: int, threa
         med = {k: statistics.median(v) for k, v in times.items()}
         p, n = med["padded"], med["in place"]
         c = med.get("native", float("nan"))
+        c16 = med.get("native bf16", float("nan"))
         print(f"  {name:<34} {p:10.1f} {n:12.1f} {p / n:6.2f}x {c:10.1f} {n / c:6.2f}x {diff:11.1e} "
-              f"{case.kv_bytes / 1e6:12.1f}")
+              f"{case.kv_bytes / 1e6:12.1f} {c16:8.1f} {c / c16:6.2f}x")
         rows.append({"case": name, "threads": threads, "padded_ms": p, "in_place_ms": n, "native_ms": c,
-                     "ratio": p / n, "in_place_over_native": n / c, "max_abs_diff": diff})
+                     "native_bf16_ms": c16, "ratio": p / n, "in_place_over_native": n / c,
+                     "native_over_bf16": c / c16, "max_abs_diff": diff})
         del case
     print(f"  load average after {load()}"
           + ("" if native else f"; no native column: {N.unavailable_reason()}"))
@@ -159,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         args.threads, args.rounds, args.new_tokens = "1", 2, "128"
     cpu_model, flags = cpu_identity()
     print(f"decode attention, SmolLM2-135M shapes ({LAYERS} layers, {HEADS}/{KV_HEADS} heads, dim {HEAD_DIM}, "
-          f"block {BLOCK}), fp32; torch {torch.__version__}; CPU: {cpu_model}; "
+          f"block {BLOCK}), fp32 (bf16: the last column); torch {torch.__version__}; CPU: {cpu_model}; "
           f"SIMD flags: {' '.join(f for f in SIMD_FLAGS if f in flags)}; {os.cpu_count()} CPUs; "
           f"{args.rounds} rounds; padded path below {R.SPARSE_DECODE_MIN_ROWS} rows")
     news = [int(x) for x in args.new_tokens.split(",")]

@@ -458,6 +458,55 @@ static inline __attribute__((always_inline)) void qk_dots4(const float *q, int64
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* qk_dots4 over a bf16 cache on a CPU with AVX512-BF16, for up to 4 query heads (d a multiple of
+ * 32): each 32-value slice of the 4 keys is loaded once for all the heads and multiplied with
+ * vdpbf16ps, 32 products and their pairwise sums in one instruction, where the widening loop
+ * widens every slice again per head (two instructions per 16 values) and then multiplies 16 at a
+ * time. Numerics: the queries are bf16 values (qb, converted exactly), so each product is exact
+ * in fp32 as in the widening loop; the sums are fp32 in another order (pairs first), and bf16
+ * subnormals count as zero (the instruction's rule). */
+static inline __attribute__((always_inline)) void qk_dots4_dpbf16(const __m512bh *qb, int64_t group,
+                                                                  const uint16_t *k, int64_t index, int64_t stride,
+                                                                  int64_t d, float scale, float *out,
+                                                                  int64_t out_stride) {
+    __m512 a[4][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
+    const int64_t slices = d / 32;
+    for (int64_t e = 0; e < slices; e++) {
+        const uint16_t *k0 = k + index + 32 * e;
+        const __m512bh k0v = (__m512bh)_mm512_loadu_si512(k0), k1v = (__m512bh)_mm512_loadu_si512(k0 + stride),
+                       k2v = (__m512bh)_mm512_loadu_si512(k0 + 2 * stride),
+                       k3v = (__m512bh)_mm512_loadu_si512(k0 + 3 * stride);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            if (j < group) {
+                const __m512bh qv = qb[j * slices + e];
+                a[j][0] = _mm512_dpbf16_ps(a[j][0], qv, k0v);
+                a[j][1] = _mm512_dpbf16_ps(a[j][1], qv, k1v);
+                a[j][2] = _mm512_dpbf16_ps(a[j][2], qv, k2v);
+                a[j][3] = _mm512_dpbf16_ps(a[j][3], qv, k3v);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+        if (j < group)
+            _mm_storeu_ps(out + j * out_stride, _mm_mul_ps(sum4(a[j][0], a[j][1], a[j][2], a[j][3]), _mm_set1_ps(scale)));
+}
+
+/* The group's queries [group, d] (bf16 values held as fp32) as bf16 pairs for qk_dots4_dpbf16:
+ * element i of slice e is q[32 e + i], as the keys' slice is laid out. */
+static void queries_bf16(const float *q, int64_t group, int64_t d, __m512bh *qb) {
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t e = 0; e < d; e += 32)
+            qb[(j * d + e) / 32] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + j * d + e + 16), _mm512_loadu_ps(q + j * d + e));
+}
+#endif
+
 /* One cache position's d values as fp32: the fp32 cache itself, or a bf16 cache's values widened
  * into tmp (bf16 is the top half of an fp32: widening is exact). */
 static inline const float *cache_pos(const void *base, int64_t index, int64_t d, int bf16, float *tmp) {
@@ -530,11 +579,25 @@ static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t
         return;
     }
     /* scores[j, p] = scale * q_j . k_p */
+#if defined(__AVX512BF16__)
+    __m512bh qb[4 * MAX_HEAD_DIM / 32];
+    const int dp = bf16 && d % 32 == 0 && group <= 4;
+    if (dp) queries_bf16(qg, group, d, qb);
+#endif
     for (int64_t p0 = p_begin; p0 < p_end; p0 += block_size) {
         const int64_t kb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d;
         const int64_t m = p_end - p0 < block_size ? p_end - p0 : block_size;
         float *sp = scores + (p0 - p_begin);
         int64_t i = 0;
+#if defined(__AVX512BF16__)
+        for (; dp && i + 4 <= m; i += 4) {
+            const int64_t at = kb + i * pos_stride;
+            if (d == 64)
+                qk_dots4_dpbf16(qb, group, k_cache, at, pos_stride, 64, scale, sp + i, len);
+            else
+                qk_dots4_dpbf16(qb, group, k_cache, at, pos_stride, d, scale, sp + i, len);
+        }
+#endif
 #ifdef VEC
         /* each case inlined with its constants: head size 64 (most models) unrolled */
         for (; d % VEC == 0 && i + 4 <= m; i += 4) {
