@@ -9,6 +9,7 @@ hiding the compiler, which works everywhere.
 from __future__ import annotations
 
 import functools
+import os
 import tomllib
 import warnings
 from pathlib import Path
@@ -30,6 +31,7 @@ from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import native_build
+from kvbatch.kernels.machine import cpu_identity
 from tests.test_weights import _random_hf_tensors, _write_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,3 +217,13 @@ def test_the_c_source_ships_in_the_package() -> None:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert "gguf_kernels.c" in config["tool"]["setuptools"]["package-data"]["kvbatch.engine.models"]
     assert (REPO / "engine" / "models" / "gguf_kernels.c").is_file()
+
+
+@needs_kernel
+@pytest.mark.skipif(bool(os.environ.get("CC")), reason="a chosen compiler (the ISA-build runs) may target another CPU")
+def test_the_kernel_takes_the_widest_vector_path_this_cpu_has() -> None:
+    flags = set(cpu_identity()[1])
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    want = "avx512" if avx2 and "avx512f" in flags else "avx2" if avx2 else "c"
+    assert gguf_kernels.simd() == want
+    assert gguf_kernels.identity().endswith(f"-{want}")  # a measurement of another path is not reused

@@ -2,8 +2,8 @@
 
 ATen's weight-only int4/int8 CPU kernels are not vectorized for an AVX2-only CPU (measured on an
 AMD EPYC: ``_weight_int4pack_mm_for_cpu`` 12x slower than fp32 BLAS at one row), so the GGUF
-blocks are multiplied by a small C kernel of our own (AVX2/FMA where the compiler targets them,
-plain C otherwise). It is built with the machine's C compiler at first use and kept for the
+blocks are multiplied by a small C kernel of our own (AVX-512 or AVX2/FMA where the compiler
+targets them, plain C otherwise: :func:`simd` says which). It is built with the machine's C compiler at first use and kept for the
 next process (:mod:`kvbatch.kernels.native_build`), and loaded with ctypes (no torch headers).
 No compiler, or a failed build: the route is unavailable (:func:`unavailable_reason` says why)
 and ``weights="gguf"`` falls back to the dequantized fp32 weights.
@@ -102,16 +102,20 @@ def unavailable_reason() -> str:
     return native_build.reason(_library())
 
 
-def simd() -> bool:
-    """Whether the loaded kernel is the AVX2/FMA one (else plain C)."""
+_SIMD = {0: "c", 1: "avx2", 2: "avx512"}
+
+
+def simd() -> str:
+    """The loaded kernel's vector path: ``avx512``, ``avx2`` (with FMA and F16C) or ``c`` (plain C;
+    also when there is no kernel)."""
     lib = _library()
-    return not isinstance(lib, str) and bool(lib.kvb_simd())
+    return "c" if isinstance(lib, str) else _SIMD[lib.kvb_simd()]
 
 
 def identity() -> str:
     """Names the kernel a measurement timed (for kernel_choice's cache key)."""
     cc = compiler()
-    return f"{build_key(cc)}-{'avx2' if simd() else 'c'}" if cc and available() else "unavailable"
+    return f"{build_key(cc)}-{simd()}" if cc and available() else "unavailable"
 
 
 # ---------------------------------------------------------------- the multiply
