@@ -610,7 +610,8 @@ def print_report(report: dict[str, Any]) -> None:
             floor = (f"{r['share_of_ceiling']:.0%} (floor {r['floor_ms']:.1f} ms/token = {r['weight_bytes'] / 1e6:.0f} MB"
                      f" / {env['stream_bandwidth_gbs']:.1f} GB/s; {r['linear']})")
         print(f"{r['engine']:<13} {r['dtype']:<9} {r['mode']:<12} {r['output_tokens_per_s']:>12.1f} "
-              f"{r['ratio_vs_transformers']:>15.2f}x {target:>12}  {result:<6} {cpu:>5.0%}  {floor}")
+              f"{r['ratio_vs_transformers']:>15.2f}x {target:>12}  {result:<6} "
+              f"{'' if math.isnan(cpu) else format(cpu, '.0%'):>5}  {floor}")  # blank: not measured (llama.cpp)
     print(f"\ntargets (issue 18): kvbatch over transformers fp32 in the same mode, both batched modes fp32 >= "
           f"{TARGETS['fp32', 'batched']:g}x and bf16 >= {TARGETS['bf16', 'batched']:g}x; batch-1 fp32 >= "
           f"{TARGETS['fp32', 'batch-1']:g}x and >= {FLOOR_TARGET:.0%} of the bandwidth floor; batch-1 "
