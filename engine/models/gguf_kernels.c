@@ -79,10 +79,20 @@ static inline const uint8_t *block_head(int qtype, const uint8_t *blk, float *d,
 }
 
 #if KVB_AVX512
-/* The 32 quants of a block as two vectors of 16 floats (weights 0-15, 16-31): half the
- * conversions and multiply-adds of the AVX2 decode, which bound the kernel from a few rows on
- * (SmolLM2's Q4_1 projections at 8 rows: 12.4-12.9 ms against the AVX2 build's 22.0, at one row
- * 3.9 against 4.9; EPYC family 26, 2 threads, bench_gguf_kernel.py). */
+/* A block's 32 quants as two vectors of 16 floats: half the conversions and multiply-adds of the
+ * AVX2 decode, which bound the kernel from a few rows on (SmolLM2's Q4_1 projections at 8 rows:
+ * 12.4-12.9 ms against the AVX2 build's 22.0, at one row 3.9 against 4.9; EPYC family 26,
+ * 2 threads, bench_gguf_kernel.py). */
+typedef __m512 gvec_t;
+#define GW 16
+#define gv_zero _mm512_setzero_ps
+#define gv_set1 _mm512_set1_ps
+#define gv_load _mm512_loadu_ps
+#define gv_mul _mm512_mul_ps
+#define gv_fmadd _mm512_fmadd_ps
+#define gv_hsum _mm512_reduce_add_ps
+
+/* The 32 quants of a block as two vectors of 16 floats (weights 0-15, 16-31). */
 static inline void decode_quants(int qtype, const uint8_t *qs, __m512 q[2]) {
     if (qtype == KVB_Q8_0) {
         q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
@@ -93,29 +103,6 @@ static inline void decode_quants(int qtype, const uint8_t *qs, __m512 q[2]) {
         q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
     }
 }
-
-/* R (1..ROW_GROUP, a constant at each call site so the loops unroll) rows of x against weight
- * row `w`; xsum[r * nb + b] = sum of x row r over block b (unused for Q8_0). */
-static inline void row_group(int qtype, int R, const uint8_t *w, int64_t nb, int bsize, const float *x,
-                             int64_t k, const float *xsum, float *out) {
-    __m512 acc[ROW_GROUP];
-    float macc[ROW_GROUP];
-    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = 0.0f; }
-    for (int64_t b = 0; b < nb; b++) {
-        float d, m;
-        const uint8_t *qs = block_head(qtype, w + b * bsize, &d, &m);
-        __m512 q[2];
-        decode_quants(qtype, qs, q);
-        const __m512 dv = _mm512_set1_ps(d);
-        for (int r = 0; r < R; r++) {
-            const float *xb = x + r * k + b * QK;
-            const __m512 s = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(xb)));
-            acc[r] = _mm512_fmadd_ps(dv, s, acc[r]);
-            if (qtype != KVB_Q8_0) macc[r] = fmaf(m, xsum[r * nb + b], macc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + macc[r];
-}
 #elif KVB_AVX2
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -123,6 +110,15 @@ static inline float hsum256(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+typedef __m256 gvec_t;
+#define GW 8
+#define gv_zero _mm256_setzero_ps
+#define gv_set1 _mm256_set1_ps
+#define gv_load _mm256_loadu_ps
+#define gv_mul _mm256_mul_ps
+#define gv_fmadd _mm256_fmadd_ps
+#define gv_hsum hsum256
 
 /* The 32 quants of a block as four vectors of 8 floats (weights 0-7, 8-15, 16-23, 24-31). */
 static inline void decode_quants(int qtype, const uint8_t *qs, __m256 q[4]) {
@@ -142,31 +138,32 @@ static inline void decode_quants(int qtype, const uint8_t *qs, __m256 q[4]) {
         q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
     }
 }
+#endif
 
+#if KVB_AVX2  /* and AVX-512: the vector type and width above */
+#define GV (QK / GW)  /* vectors per block */
 /* R (1..ROW_GROUP, a constant at each call site so the loops unroll) rows of x against weight
  * row `w`; xsum[r * nb + b] = sum of x row r over block b (unused for Q8_0). */
 static inline void row_group(int qtype, int R, const uint8_t *w, int64_t nb, int bsize, const float *x,
                              int64_t k, const float *xsum, float *out) {
-    __m256 acc[ROW_GROUP];
+    gvec_t acc[ROW_GROUP];
     float macc[ROW_GROUP];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }
+    for (int r = 0; r < R; r++) { acc[r] = gv_zero(); macc[r] = 0.0f; }
     for (int64_t b = 0; b < nb; b++) {
         float d, m;
         const uint8_t *qs = block_head(qtype, w + b * bsize, &d, &m);
-        __m256 q[4];
+        gvec_t q[GV];
         decode_quants(qtype, qs, q);
-        const __m256 dv = _mm256_set1_ps(d);
+        const gvec_t dv = gv_set1(d);
         for (int r = 0; r < R; r++) {
             const float *xb = x + r * k + b * QK;
-            __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
-            s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), s);
-            s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), s);
-            s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), s);
-            acc[r] = _mm256_fmadd_ps(dv, s, acc[r]);
-            if (qtype != KVB_Q8_0) macc[r] += m * xsum[r * nb + b];
+            gvec_t s = gv_mul(q[0], gv_load(xb));
+            for (int v = 1; v < GV; v++) s = gv_fmadd(q[v], gv_load(xb + v * GW), s);
+            acc[r] = gv_fmadd(dv, s, acc[r]);
+            if (qtype != KVB_Q8_0) macc[r] = fmaf(m, xsum[r * nb + b], macc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]) + macc[r];
+    for (int r = 0; r < R; r++) out[r] = gv_hsum(acc[r]) + macc[r];
 }
 #else
 static inline void row_group(int qtype, int R, const uint8_t *w, int64_t nb, int bsize, const float *x,
