@@ -194,7 +194,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """:func:`kvbatch.kernels.reference.paged_decode_attention`, reading K and V where they lie:
     ``q`` [B, Hq, D] (rows may be strided), caches [num_blocks, block_size, Hkv, D], all fp32, or
-    all bf16 (computed in fp32, K and V widened as they are read; the result rounded to bf16)."""
+    all bf16 (computed in fp32, K and V widened as they are read, or on a CPU with AVX512-BF16 the
+    query-key products by ``vdpbf16ps``, exact products summed in fp32; the result rounded to bf16)."""
     bf16 = q.dtype == torch.bfloat16
     if bf16:
         if k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16 or q.device.type != "cpu":
@@ -324,7 +325,8 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.
     decode layers' GEMV as its own call, each thread a band of output columns, every part of
     ``w`` read once for all rows of ``x`` (memory-bound at a few rows, so the kernel measurement
     offers it for 1-8 rows: :data:`kvbatch.engine.models.linear.NATIVE`, and the int8 route
-    ``gemv``). bf16 is summed in fp32 and rounded once, as torch's bf16 matmul rounds."""
+    ``gemv``). bf16 is summed in fp32 and rounded once, as torch's bf16 matmul rounds (on a CPU
+    with AVX512-BF16 and an even ``in``, the exact products come from ``vdpbf16ps``)."""
     w_ptr, scale_ptr, kind, (w_in, w_out) = _weight_ptrs(w, "gemv")
     bf16 = kind == _W_BF16
     if _bf16(x, *(() if bias is None else (bias,))) != bf16:
