@@ -981,50 +981,47 @@ static void gemv_cols_blocks(const float *x, int64_t rows, const void *w, int bf
             const int64_t n = rows - r0 < W_ROWS ? rows - r0 : W_ROWS;
             const float *xr = x + r0 * in;
 #ifdef VEC
+/* One pass of n rows over the block through PASS(rows, split), rows and split constants so the
+ * pass inlines with them: the split that keeps rows x split accumulators within the registers.
+ * One table per ISA, shared by every kind of block pass. */
 #if VEC == 16  /* rows x split accumulators of one vector each: 4-8 chains */
-#define W_BLOCK_ROWS(B)                                            \
-    switch (n) {                                                   \
-        case 1: w_block(wb, B, in, xr, in, sb, 1, 4, tmp); break;  \
-        case 2: w_block(wb, B, in, xr, in, sb, 2, 4, tmp); break;  \
-        case 3: w_block(wb, B, in, xr, in, sb, 3, 2, tmp); break;  \
-        case 4: w_block(wb, B, in, xr, in, sb, 4, 2, tmp); break;  \
-        case 5: w_block(wb, B, in, xr, in, sb, 5, 1, tmp); break;  \
-        case 6: w_block(wb, B, in, xr, in, sb, 6, 1, tmp); break;  \
-        case 7: w_block(wb, B, in, xr, in, sb, 7, 1, tmp); break;  \
-        default: w_block(wb, B, in, xr, in, sb, 8, 1, tmp); break; \
+#define W_PASS(PASS)                          \
+    switch (n) {                              \
+        case 1: PASS(1, 4); break;            \
+        case 2: PASS(2, 4); break;            \
+        case 3: PASS(3, 2); break;            \
+        case 4: PASS(4, 2); break;            \
+        case 5: PASS(5, 1); break;            \
+        case 6: PASS(6, 1); break;            \
+        case 7: PASS(7, 1); break;            \
+        default: PASS(8, 1); break;           \
     }
 #else  /* two vectors a block row: rows x split x 2 registers, at most 8 */
-#define W_BLOCK_ROWS(B)                                            \
-    switch (n) {                                                   \
-        case 1: w_block(wb, B, in, xr, in, sb, 1, 4, tmp); break;  \
-        case 2: w_block(wb, B, in, xr, in, sb, 2, 2, tmp); break;  \
-        case 3: w_block(wb, B, in, xr, in, sb, 3, 1, tmp); break;  \
-        default: w_block(wb, B, in, xr, in, sb, 4, 1, tmp); break; \
+#define W_PASS(PASS)                          \
+    switch (n) {                              \
+        case 1: PASS(1, 4); break;            \
+        case 2: PASS(2, 2); break;            \
+        case 3: PASS(3, 1); break;            \
+        default: PASS(4, 1); break;           \
     }
 #endif
+#define W_WIDEN_BF16(R, S) w_block(wb, 1, in, xr, in, sb, R, S, tmp)
+#define W_WIDEN_I8(R, S) w_block(wb, 0, in, xr, in, sb, R, S, tmp)
 #if W_DPBF16
-#define W_BLOCK_ROWS_DP(P)                                                 \
-    switch (n) {                                                           \
-        case 1: w_block_dpbf16(wb, in, P, 1, 4, tmp); break;  \
-        case 2: w_block_dpbf16(wb, in, P, 2, 4, tmp); break;  \
-        case 3: w_block_dpbf16(wb, in, P, 3, 2, tmp); break;  \
-        case 4: w_block_dpbf16(wb, in, P, 4, 2, tmp); break;  \
-        case 5: w_block_dpbf16(wb, in, P, 5, 1, tmp); break;  \
-        case 6: w_block_dpbf16(wb, in, P, 6, 1, tmp); break;  \
-        case 7: w_block_dpbf16(wb, in, P, 7, 1, tmp); break;  \
-        default: w_block_dpbf16(wb, in, P, 8, 1, tmp); break; \
-    }
+#define W_DP_BF16(R, S) w_block_dpbf16(wb, in, xp + r0 * (in / 2), R, S, tmp)
             if (xp != NULL) {
-                W_BLOCK_ROWS_DP(xp + r0 * (in / 2))
+                W_PASS(W_DP_BF16)
             } else
-#undef W_BLOCK_ROWS_DP
+#undef W_DP_BF16
 #endif
             if (bf16) {
-                W_BLOCK_ROWS(1)
+                W_PASS(W_WIDEN_BF16)
             } else {
-                W_BLOCK_ROWS(0)
+                W_PASS(W_WIDEN_I8)
             }
-#undef W_BLOCK_ROWS
+#undef W_WIDEN_BF16
+#undef W_WIDEN_I8
+#undef W_PASS
 #else
             for (int64_t r = 0; r < n; r++)
                 for (int64_t c = 0; c < W_BLOCK; c++) {
