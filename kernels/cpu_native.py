@@ -27,8 +27,10 @@ from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 _ABI = 6
-# Rows the native GEMVs (fp32, bf16 and int8) and the fused decode layers are offered for: decode and
-# small batches, where a multiply is bound by streaming the weights; more rows are compute-bound.
+# Rows the native fp32 and bf16 GEMVs and the fused decode layers are offered for: decode and small
+# batches, where a multiply is bound by streaming the weights; more rows are compute-bound, and there
+# oneDNN's GEMMs win. (The int8 blocks are offered at every row count: widened in registers, they
+# multiply as fast as oneDNN's fp32 GEMM, where the other int8 routes copy or emulate.)
 GEMV_MAX_ROWS = 8
 _ERRORS = {1: (IndexError, "an index (position, slot, block id or context length) is out of range"),
            2: (ValueError, "a shape the kernel does not take"),
@@ -324,8 +326,9 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.
     weight transposed) or int8 :class:`Int8Blocks`, or bf16 ``x`` and :class:`Bf16Blocks`: the fused
     decode layers' GEMV as its own call, each thread a band of output columns, every part of
     ``w`` read once for all rows of ``x`` (memory-bound at a few rows, so the kernel measurement
-    offers it for 1-8 rows: :data:`kvbatch.engine.models.linear.NATIVE`, and the int8 route
-    ``gemv``). bf16 is summed in fp32 and rounded once, as torch's bf16 matmul rounds (on a CPU
+    offers the float weights for 1-8 rows: :data:`kvbatch.engine.models.linear.NATIVE`; int8
+    blocks, the int8 route ``gemv``, for any row count: a blocked GEMM past 8 rows, each block
+    re-read from cache for every 8 rows). bf16 is summed in fp32 and rounded once, as torch's bf16 matmul rounds (on a CPU
     with AVX512-BF16 and an even ``in``, the exact products come from ``vdpbf16ps``)."""
     w_ptr, scale_ptr, kind, (w_in, w_out) = _weight_ptrs(w, "gemv")
     bf16 = kind == _W_BF16

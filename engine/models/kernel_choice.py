@@ -66,7 +66,6 @@ from kvbatch.kernels.machine import cpu_identity, default_cache_dir  # also this
 from kvbatch.engine.models.quant import (
     DEQUANT,
     GEMV,
-    GEMV_MAX_ROWS,
     INT8_ROUTES,
     INT8PACK,
     Int8Weight,
@@ -81,7 +80,9 @@ WEIGHT_CHOICES = ("full", "int8", "gguf")
 # 128 rows: compute-bound already there, and 256 would double the costliest calls of the measurement.
 BUCKET_ROWS = (1, 8, 64, 128)
 # 2: timings without the first call's warm-up (version 1 could report a warm-up as the speed).
-CACHE_VERSION = 2
+# 3: the int8 gemv route measured at every bucket (version 2 timed it for 1-8 rows only, so its
+#    files hold dequant or int8pack for batched rows, where gemv now wins).
+CACHE_VERSION = 3
 _STREAM_BYTES = 48 << 20  # measured weights: past a 32 MB L3, as the model's are
 _SWITCH_GAIN = 0.10
 # Timed calls per candidate and bucket: at least _MIN_ROUNDS (one sample can be a spike on a shared
@@ -174,7 +175,7 @@ def candidates_for(dtype: torch.dtype, weights: str) -> list[str]:
     GGUF weights the native kernel (when it builds here) and the float kernels; for fp32 and bf16
     also the native decode GEMV (when the native CPU kernels build), measured for 1-8 rows only;
     for fp32 MKL's packed sgemm (where torch's library exports it); for int8 weights under fp32
-    activations the native int8 GEMV likewise."""
+    activations the native int8 kernel, measured at every row count."""
     if weights == "int8":
         native = [GEMV] if dtype == torch.float32 and cpu_native.available() else []
         return ([INT8PACK] if int8pack_available() else []) + [DEQUANT] + native
@@ -241,8 +242,8 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
     for b, rows in enumerate(BUCKET_ROWS):
         # Lost the previous bucket by far: more rows will not save it. (Not from bucket 1 on:
         # one row takes other kernels, matrix-vector ones, than two or more.)
-        eligible = [k for k in candidates  # the GEMVs: decode rows only
-                    if not ((k == NATIVE and rows > NATIVE_MAX_ROWS) or (k == GEMV and rows > GEMV_MAX_ROWS))]
+        # the float native GEMV: decode rows only (the int8 one runs any row count)
+        eligible = [k for k in candidates if not (k == NATIVE and rows > NATIVE_MAX_ROWS)]
         live = [k for k in eligible if not (b > 1 and _hopeless(timings, k, b - 1, eligible))]
         runs = {}
         for kind in live:

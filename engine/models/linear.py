@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from kvbatch.engine.models import mkl_packed
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
-from kvbatch.engine.models.quant import GEMV, GEMV_MAX_ROWS, int8_linear, quantize_int8
+from kvbatch.engine.models.quant import GEMV, int8_linear, quantize_int8
 from kvbatch.kernels import cpu_native, dispatch
 
 ONEDNN = "onednn"
@@ -201,7 +201,7 @@ class LinearFormat:
         if self.device.type != "cpu":
             return False
         if self.kind == INT8:
-            return self.dtype == torch.float32 and rows <= GEMV_MAX_ROWS and self.kind_for(rows) == GEMV
+            return self.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS and self.kind_for(rows) == GEMV
         return self.kind in (*_PLAIN_KINDS, MIXED) and self.kind_for(rows) in self._plain_kinds()
 
     def _plain_kinds(self) -> tuple[str, ...]:
