@@ -45,7 +45,7 @@
  * between jumps, and the sums loaded and stored on every pass.) */
 #define W_BLOCK 16
 
-int kvb_native_abi_version(void) { return 6; }
+int kvb_native_abi_version(void) { return 7; }
 int kvb_block_cols(void) { return W_BLOCK; }
 
 static inline float kvb_expf(float x) {
@@ -1043,21 +1043,34 @@ static void gemv_cols_blocks(const float *x, int64_t rows, const void *w, int bf
 #endif
 }
 
+/* Another library's kernel for a weight of its own format (the GGUF blocks of
+ * kvbatch/engine/models/gguf_kernels.c, kvb_gguf_cols): y[r * out + c] = x[r, :] . column c of the
+ * [in, out] product, for c in [c0, c1) and every row r; called from inside the fused layers'
+ * threads, so it starts none of its own. */
+typedef void (*kvb_cols_fn)(const void *w, int32_t qtype, const float *x, int64_t rows, int64_t in, int64_t out,
+                            float *y, int64_t c0, int64_t c1);
+
 /* A projection's weight as the fused layers and kvb_gemv take it, by kind: fp32 [in, out]; int8
  * in blocks of W_BLOCK columns standing for w[i, c] * scale[c] (scale padded like the blocks);
- * bf16 in blocks of W_BLOCK columns. The activations are fp32 in every kind. */
+ * bf16 in blocks of W_BLOCK columns; another library's format and kernel (the fused layers only).
+ * The activations are fp32 in every kind. */
 #define KVB_W_F32 0
 #define KVB_W_I8 1
 #define KVB_W_BF16 2
+#define KVB_W_COLS 3
 typedef struct {
     const void *w;
     const float *scale;  /* KVB_W_I8 only */
     int32_t kind;
+    int32_t qtype;  /* KVB_W_COLS: the weight type, passed to cols */
+    kvb_cols_fn cols;  /* KVB_W_COLS only */
 } kvb_proj_t;
 
 static void gemv_proj(const float *x, int64_t rows, const kvb_proj_t *p, int64_t in, int64_t out, float *y,
                       int64_t c0, int64_t c1) {
-    if (p->kind == KVB_W_I8 || p->kind == KVB_W_BF16)
+    if (p->kind == KVB_W_COLS)
+        p->cols(p->w, p->qtype, x, rows, in, out, y, c0, c1);
+    else if (p->kind == KVB_W_I8 || p->kind == KVB_W_BF16)
         gemv_cols_blocks(x, rows, p->w, p->kind == KVB_W_BF16, p->scale, in, out, y, c0, c1);
     else
         gemv_cols(x, rows, (const float *)p->w, in, out, y, c0, c1);
@@ -1086,14 +1099,14 @@ static void share(int64_t out, int t, int n, int64_t *c0, int64_t *c1) {
  * 49,152 columns) is walked in pieces whose rows of y stay in L1/L2 across the input rows. */
 #define GEMV_CHUNK 2048
 
-/* y [rows, out] = x [rows, in] @ w [in, out] (+ bias [out], or NULL), w of any kvb_proj_t kind:
+/* y [rows, out] = x [rows, in] @ w [in, out] (+ bias [out], or NULL), w fp32, int8 or bf16 (not KVB_W_COLS):
  * the fused layers' GEMV as its own call, for the kernel measurement to time against BLAS and
  * oneDNN (or, int8 blocks with their scales, against the int8 routes), and for the projections
  * of a bucket it won outside the fused layers (the LM head). */
 int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, int kind, int64_t in, int64_t out,
              const float *bias, float *y, int nthreads) {
     if (rows <= 0 || in <= 0 || out <= 0 || kind < KVB_W_F32 || kind > KVB_W_BF16) return KVB_BAD_SHAPE;
-    const kvb_proj_t proj = {w, scale, kind};
+    const kvb_proj_t proj = {w, scale, kind, 0, NULL};
 #pragma omp parallel num_threads(nthreads) if (in * out >= PAR_WORK)
     {
         int t = 0, n = 1;

@@ -26,7 +26,7 @@ import torch
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 6
+_ABI = 7
 # Rows the native fp32 and bf16 GEMVs and the fused decode layers are offered for: decode and small
 # batches, where a multiply is bound by streaming the weights; more rows are compute-bound, and there
 # oneDNN's GEMMs win. (The int8 blocks are offered at every row count: widened in registers, they
@@ -291,15 +291,34 @@ def blocks_linear(x: torch.Tensor, w: Bf16Blocks, bias: torch.Tensor | None = No
     return y.transpose(0, 1).reshape(rows, -1)[:, :w.out_features]
 
 
-Weight = torch.Tensor | Int8Blocks | Bf16Blocks  # fp32 [in, out], or int8 or bf16 blocks
+class ColumnsWeight(NamedTuple):
+    """A weight in another native library's format, multiplied inside the fused decode layers by
+    that library's kernel (``kvb_cols_fn`` in cpu_native.c): each thread calls ``cols`` for its
+    range of output columns. ``data`` holds the bytes it reads (kept alive here), ``qtype`` the
+    format's type code; it stands for an ``[in_features, out_features]`` product, of up to
+    ``max_rows`` rows. The GGUF blocks: :func:`kvbatch.engine.models.gguf_kernels.fused_weight`."""
+
+    cols: int  # the C function's address
+    data: torch.Tensor
+    qtype: int
+    in_features: int
+    out_features: int
+    max_rows: int
+
+
+Weight = torch.Tensor | Int8Blocks | Bf16Blocks | ColumnsWeight  # fp32 [in, out], int8 or bf16 blocks, another kernel's
 # kvb_proj_t's kinds (cpu_native.c): how the C code reads a weight's bytes
-_W_F32, _W_I8, _W_BF16 = 0, 1, 2
+_W_F32, _W_I8, _W_BF16, _W_COLS = 0, 1, 2, 3
 
 
 def _weight_ptrs(w: Weight, name: str) -> tuple[int, int | None, int, tuple[int, int]]:
-    """(data pointer, scale pointer or None, kind, (in, out)) of a weight the native GEMV takes,
-    checked."""
+    """(data pointer, scale pointer or None, kind, (in, out)) of a weight the native GEMV or the
+    fused layers take, checked."""
     width = block_cols()
+    if isinstance(w, ColumnsWeight):
+        if not w.cols or not w.data.is_contiguous() or w.data.device.type != "cpu":
+            raise ValueError(f"{name}: a columns weight needs its kernel's address and contiguous CPU bytes")
+        return w.data.data_ptr(), None, _W_COLS, (w.in_features, w.out_features)
     if isinstance(w, (Int8Blocks, Bf16Blocks)):
         int8 = isinstance(w, Int8Blocks)
         q, out = w.q, w.out_features
@@ -331,6 +350,8 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.
     re-read from cache for every 8 rows). bf16 is summed in fp32 and rounded once, as torch's bf16 matmul rounds (on a CPU
     with AVX512-BF16 and an even ``in``, the exact products come from ``vdpbf16ps``)."""
     w_ptr, scale_ptr, kind, (w_in, w_out) = _weight_ptrs(w, "gemv")
+    if kind == _W_COLS:
+        raise ValueError("gemv: a columns weight is multiplied inside the fused decode layers only")
     bf16 = kind == _W_BF16
     if _bf16(x, *(() if bias is None else (bias,))) != bf16:
         raise ValueError(f"gemv: x and bias take the weight's dtype ({'bf16' if bf16 else 'fp32'}), got {x.dtype}"
@@ -364,7 +385,13 @@ def attention_parts(context_lens: torch.Tensor, num_kv_heads: int, block_size: i
 # ---------------------------------------------------------------- the fused decode layers
 
 class _Proj(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("kind", ctypes.c_int32)]
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("kind", ctypes.c_int32),
+                ("qtype", ctypes.c_int32), ("cols", ctypes.c_void_p)]
+
+
+def _proj(w: Weight, ptrs: tuple[int, int | None, int, tuple[int, int]]) -> _Proj:
+    qtype, cols = (w.qtype, w.cols) if isinstance(w, ColumnsWeight) else (0, None)
+    return _Proj(*ptrs[:3], qtype, cols)
 
 
 class _Layer(ctypes.Structure):
@@ -412,6 +439,7 @@ class FusedLayers:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    max_rows: int | None = None  # the fewest rows a columns-kernel projection takes (None: no such projection)
 
 
 def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
@@ -439,7 +467,7 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
         if bf16 and any(kind != _W_BF16 for _, _, kind, _ in projs.values()):
             raise ValueError(f"layer {i}: a bf16 model's fused layers take bf16 projections")
         if not bf16 and any(kind == _W_BF16 for _, _, kind, _ in projs.values()):
-            raise ValueError(f"layer {i}: fp32 layers take fp32 or int8 projections, not bf16")
+            raise ValueError(f"layer {i}: fp32 layers take fp32, int8 or columns-kernel projections, not bf16")
         shapes = {"o": (projs["o"][3], (hq * d, dim)), "qkv": (projs["qkv"][3], (dim, qkv_out)),
                   "gate_up": (projs["gate_up"][3], (dim, 2 * inter)), "down": (projs["down"][3], (inter, dim)),
                   "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape)}
@@ -454,10 +482,11 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
         held.append(lw)
         k_plane = lw.kv_layer.data_ptr()
         structs[i] = _Layer(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(),
-                            *(_Proj(*projs[name][:3]) for name in ("qkv", "o", "gate_up", "down")),
+                            *(_proj(getattr(lw, name), projs[name]) for name in ("qkv", "o", "gate_up", "down")),
                             None if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), k_plane,
                             k_plane + lw.kv_layer.stride(0) * lw.kv_layer.element_size())
-    return FusedLayers(structs, tuple(held), bf16, dim, inter, hq, hkv, d)
+    limits = [w.max_rows for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if isinstance(w, ColumnsWeight)]
+    return FusedLayers(structs, tuple(held), bf16, dim, inter, hq, hkv, d, min(limits) if limits else None)
 
 
 def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual: torch.Tensor | None,
@@ -474,6 +503,9 @@ def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual
         raise ValueError(f"decode_layers: h and residual take the layers' dtype "
                          f"({'bf16' if fused.bf16 else 'fp32'}), got {h.dtype}")
     rows, dim = h.shape
+    if fused.max_rows is not None and rows > fused.max_rows:
+        raise ValueError(f"decode_layers: these layers' columns-kernel projections take up to {fused.max_rows} rows, "
+                         f"got {rows}")
     if dim != fused.dim or not 0 < num_layers <= len(fused.tensors):
         raise ValueError(f"decode_layers: rows of {fused.dim} through 1-{len(fused.tensors)} layers, "
                          f"got {tuple(h.shape)} through {num_layers}")

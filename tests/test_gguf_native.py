@@ -30,7 +30,7 @@ from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.kernels import native_build
+from kvbatch.kernels import cpu_native, dispatch, native_build
 from kvbatch.kernels.machine import cpu_identity
 from tests.test_weights import _random_hf_tensors, _write_gguf
 
@@ -93,13 +93,36 @@ def test_block_index_finds_concatenated_parts_and_nothing_else() -> None:
     assert index.lookup(torch.randn(4, 64)) is None
 
 
-def _tiny_gguf(tmp_path: Path) -> Path:
+def _tiny_gguf(tmp_path: Path, f32: tuple[str, ...] = ()) -> Path:
+    """A tiny Llama GGUF: Q4_1 projections (one Q4_0), a Q8_0 tied head, the tensors named in
+    ``f32`` left in F32."""
     tensors = _random_hf_tensors(seed=5, arch="llama")
-    qtypes = {name: Q.Q4_1 for name in tensors if name.endswith("proj.weight")}
+    qtypes = {name: Q.Q4_1 for name in tensors if name.endswith("proj.weight") and name not in f32}
     qtypes["model.embed_tokens.weight"] = Q.Q8_0  # the tied LM head runs on Q8_0 blocks
     qtypes["model.layers.1.mlp.down_proj.weight"] = Q.Q4_0
     _write_gguf(tmp_path / "tiny.gguf", "llama", tensors, qtypes)
     return tmp_path / "tiny.gguf"
+
+
+_PROMPTS = [[1, 5, 9, 33, 4, 17, 60], [1, 2, 3], [1] + list(range(10, 40))]
+
+
+def _generate_with_logits(llm: LLM) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    """Greedy tokens for _PROMPTS and every step's logits per request."""
+    logits: dict[str, list[torch.Tensor]] = {}
+    execute = llm.runner.execute
+
+    def spy(step):
+        out, sampled = execute(step)
+        for row, s in enumerate(sampled):
+            logits.setdefault(s.seq.request_id, []).append(out[row].clone())
+        return out, sampled
+
+    llm.runner.execute = spy
+    reqs = [GenerationRequest(f"r{i}", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                              prompt_token_ids=p) for i, p in enumerate(_PROMPTS)]
+    results = llm.generate(reqs)
+    return [r.output_token_ids for r in results], {k: torch.stack(v) for k, v in logits.items()}
 
 
 def test_loader_keeps_blocks_that_dequantize_to_the_fp32_tensors(tmp_path: Path) -> None:
@@ -120,24 +143,10 @@ def test_engine_on_gguf_blocks_matches_the_dequantized_fp32_engine(tmp_path: Pat
     ckpt = load_checkpoint(str(_tiny_gguf(tmp_path)))
     monkeypatch.setattr(factory, "choose_kernels", functools.partial(choose_kernels, timer=_native_everywhere,
                                                                      cache_dir=tmp_path / "cache"))
-    prompts = [[1, 5, 9, 33, 4, 17, 60], [1, 2, 3], [1] + list(range(10, 40))]
     runs = {}
     for weights in ("full", "gguf"):
         llm = LLM(ckpt, engine_config=EngineConfig(kv_cache_bytes=8 << 20, weights=weights))
-        logits: dict[str, list[torch.Tensor]] = {}
-        execute = llm.runner.execute
-
-        def spy(step, execute=execute, logits=logits):
-            out, sampled = execute(step)
-            for row, s in enumerate(sampled):
-                logits.setdefault(s.seq.request_id, []).append(out[row].clone())
-            return out, sampled
-
-        llm.runner.execute = spy
-        reqs = [GenerationRequest(f"r{i}", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                                  prompt_token_ids=p) for i, p in enumerate(prompts)]
-        results = llm.generate(reqs)
-        runs[weights] = ([r.output_token_ids for r in results], {k: torch.stack(v) for k, v in logits.items()}, llm)
+        runs[weights] = (*_generate_with_logits(llm), llm)
     fmt = runs["gguf"][2].model.kernel_choice.fmt
     assert fmt.kind == GGUF and set(fmt.bucket_kinds) == {GGUF_NATIVE}
     model = runs["gguf"][2].model
@@ -148,6 +157,47 @@ def test_engine_on_gguf_blocks_matches_the_dequantized_fp32_engine(tmp_path: Pat
     for rid, full in runs["full"][1].items():  # summation order only: far under any quantization error
         assert float((runs["gguf"][1][rid] - full).abs().max()) < 1e-3 * float(full.abs().max()), rid
     assert runs["gguf"][2].kv_root_key != runs["full"][2].kv_root_key  # their KV blocks never mix
+
+
+@needs_kernel
+@pytest.mark.skipif(not cpu_native.available(), reason="no native CPU kernels")
+@pytest.mark.parametrize("f32_proj", [False, True])
+def test_gguf_decode_runs_the_fused_layers_over_the_blocks(tmp_path: Path, monkeypatch, f32_proj: bool) -> None:
+    # the native kernel won the decode buckets, so decode steps take the fused layers, each GGUF
+    # projection through the kernel's own entry for a thread's outputs (the same sums per output as
+    # the per-op call) and a projection the file held in F32 through its plain fp32 layout: the
+    # per-op path's tokens, its logits to fp32 noise (the norms and attention sum in C there)
+    held = ("model.layers.0.self_attn.o_proj.weight",) if f32_proj else ()
+    ckpt = load_checkpoint(str(_tiny_gguf(tmp_path, f32=held)))
+    monkeypatch.setattr(factory, "choose_kernels", functools.partial(choose_kernels, timer=_native_everywhere,
+                                                                     cache_dir=tmp_path / "cache"))
+    calls: list[int] = []
+    real = dispatch.decode_layers
+    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    runs = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("KVBATCH_FUSED_DECODE", fused)
+        llm = LLM(ckpt, engine_config=EngineConfig(kv_cache_bytes=8 << 20, weights="gguf"))
+        runs[fused] = _generate_with_logits(llm)
+        assert bool(calls) == (fused == "1") and set(calls) <= {1, 2, 3}
+    o_proj = llm.model.layers[0].o_proj
+    assert (o_proj.blocks is None) == f32_proj
+    assert isinstance(llm.model.linear.fused_weight(o_proj), torch.Tensor if f32_proj else cpu_native.ColumnsWeight)
+    assert runs["1"][0] == runs["0"][0]
+    for rid, per_op in runs["0"][1].items():  # the first (prefill) logits alike; decode drifts by 2e-5 at most
+        assert torch.equal(runs["1"][1][rid][0], per_op[0])
+        assert float((runs["1"][1][rid] - per_op).abs().max()) < 1e-4 * float(per_op.abs().max()), rid
+
+
+@needs_kernel
+def test_the_fused_entry_refuses_what_it_cannot_take() -> None:
+    w = gguf_kernels.random_blocks("Q4_1", 16, 64, torch.Generator().manual_seed(0))
+    cols = gguf_kernels.fused_weight(w)
+    assert cols is not None and cols.max_rows == 8 and (cols.in_features, cols.out_features) == (64, 16)
+    long_rows = gguf_kernels.random_blocks("Q8_0", 1, 32768 + 32, torch.Generator().manual_seed(0))
+    assert gguf_kernels.fused_weight(long_rows) is None  # past the entry's stack of block sums
+    with pytest.raises(ValueError, match="fused decode layers only"):
+        cpu_native.gemv(torch.ones(1, 64), cols)
 
 
 def test_no_compiler_means_fp32_weights_and_a_warning(tmp_path: Path, monkeypatch) -> None:

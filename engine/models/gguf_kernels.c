@@ -40,7 +40,7 @@ enum { KVB_Q4_0 = 2, KVB_Q4_1 = 3, KVB_Q8_0 = 8 };
 #define QK 32
 #define ROW_GROUP 4 /* x rows sharing one decode of a weight block */
 
-int kvb_abi_version(void) { return 1; }
+int kvb_abi_version(void) { return 2; }
 int kvb_simd(void) { return KVB_AVX512 ? 2 : KVB_AVX2; }  /* 2: AVX-512, 1: AVX2, 0: plain C */
 
 static inline float half_to_float(uint16_t h) {
@@ -205,6 +205,51 @@ static inline void output_row(int qtype, const uint8_t *w, int64_t nb, int bsize
     }
 }
 
+/* xsum[i] = the sum of x's i-th run of 32 values, for `count` runs (rows * k / 32). */
+static void block_sums(const float *x, int64_t count, float *xsum) {
+    for (int64_t i = 0; i < count; i++) {
+        const float *xb = x + i * QK;
+        float s = 0.0f;
+        for (int j = 0; j < QK; j++) s += xb[j];
+        xsum[i] = s;
+    }
+}
+
+/* Weight rows [o0, o1) against every x row: y[r * n + o]. */
+static void output_rows(int qtype, const uint8_t *w, int64_t o0, int64_t o1, int64_t nb, int bsize, const float *x,
+                        int64_t k, int64_t rows, const float *xsum, float *y, int64_t n) {
+    for (int64_t o = o0; o < o1; o++) {
+        const uint8_t *wo = w + o * nb * bsize;
+        switch (qtype) { /* a constant qtype in each inlined copy */
+        case KVB_Q4_0: output_row(KVB_Q4_0, wo, nb, bsize, x, k, rows, xsum, y + o, n); break;
+        case KVB_Q4_1: output_row(KVB_Q4_1, wo, nb, bsize, x, k, rows, xsum, y + o, n); break;
+        default: output_row(KVB_Q8_0, wo, nb, bsize, x, k, rows, xsum, y + o, n); break;
+        }
+    }
+}
+
+/* Rows of x kvb_gguf_cols takes per pass over the weight, and the longest row of x it takes: its
+ * block sums live on the stack (32 KB), so it allocates nothing inside the caller's threads. */
+#define COLS_ROWS 8
+#define COLS_MAX_K 32768
+int kvb_gguf_cols_max_rows(void) { return COLS_ROWS; }
+int kvb_gguf_cols_max_k(void) { return COLS_MAX_K; }
+
+/* The fused decode layers' entry (kvbatch/kernels/cpu_native.c calls it through a pointer, from
+ * inside its own threads, one range of outputs each): y[r * n + o] for weight rows o in [o0, o1)
+ * of the blocks `w` of an [n, k] weight and every row r of x [rows, k]; the same sums, in the same
+ * order, as kvb_gguf_matmul's. Arguments it cannot take (k past COLS_MAX_K or not a multiple of
+ * 32, rows past COLS_ROWS, an unknown qtype) are refused by the caller before the call
+ * (gguf_kernels.fused_weight and the fused layers' checks); here they leave y as it was. */
+void kvb_gguf_cols(const void *w, int32_t qtype, const float *x, int64_t rows, int64_t k, int64_t n, float *y,
+                   int64_t o0, int64_t o1) {
+    const int bsize = block_bytes(qtype);
+    if (bsize == 0 || k <= 0 || k % QK != 0 || k > COLS_MAX_K || rows <= 0 || rows > COLS_ROWS) return;
+    float xsum[COLS_ROWS * (COLS_MAX_K / QK)];
+    if (qtype != KVB_Q8_0) block_sums(x, rows * (k / QK), xsum);
+    output_rows(qtype, (const uint8_t *)w, o0, o1, k / QK, bsize, x, k, rows, qtype != KVB_Q8_0 ? xsum : NULL, y, n);
+}
+
 /* y [rows, n] = x [rows, k] times the blocks `w` of an [n, k] weight (k a multiple of 32, the
  * rows of x and y contiguous). Returns 0, or -1 for arguments it cannot take. */
 int kvb_gguf_matmul(int qtype, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows, float *y,
@@ -212,17 +257,12 @@ int kvb_gguf_matmul(int qtype, const uint8_t *w, int64_t n, int64_t k, const flo
     const int bsize = block_bytes(qtype);
     if (bsize == 0 || k <= 0 || k % QK != 0 || n < 0 || rows < 0) return -1;
     if (n == 0 || rows == 0) return 0;
-    const int64_t nb = k / QK, row_bytes = nb * bsize;
+    const int64_t nb = k / QK;
     float *xsum = NULL;
     if (qtype != KVB_Q8_0) { /* one pass over x, shared by every output */
         xsum = (float *)malloc((size_t)(rows * nb) * sizeof(float));
         if (xsum == NULL) return -1;
-        for (int64_t i = 0; i < rows * nb; i++) {
-            const float *xb = x + i * QK;
-            float s = 0.0f;
-            for (int j = 0; j < QK; j++) s += xb[j];
-            xsum[i] = s;
-        }
+        block_sums(x, rows * nb, xsum);
     }
     if (nthreads < 1) nthreads = 1;
     (void)nthreads;
@@ -230,14 +270,14 @@ int kvb_gguf_matmul(int qtype, const uint8_t *w, int64_t n, int64_t k, const flo
      * follows; chunks of 16 rows handed out in turn (dynamic, 16) left it a 5-7 KB run between
      * jumps: SmolLM2's Q4_1 projections at one row 7.8-11.5 ms against 3.9 (EPYC family 26,
      * 2 threads, bench_gguf_kernel.py); software prefetch ahead did not help either schedule. */
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * rows * k >= (1 << 16))
-    for (int64_t o = 0; o < n; o++) {
-        const uint8_t *wo = w + o * row_bytes;
-        switch (qtype) { /* a constant qtype in each inlined copy */
-        case KVB_Q4_0: output_row(KVB_Q4_0, wo, nb, bsize, x, k, rows, xsum, y + o, n); break;
-        case KVB_Q4_1: output_row(KVB_Q4_1, wo, nb, bsize, x, k, rows, xsum, y + o, n); break;
-        default: output_row(KVB_Q8_0, wo, nb, bsize, x, k, rows, xsum, y + o, n); break;
-        }
+#pragma omp parallel num_threads(nthreads) if (n * rows * k >= (1 << 16))
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        output_rows(qtype, w, n * t / nt, n * (t + 1) / nt, nb, bsize, x, k, rows, xsum, y, n);
     }
     free(xsum);
     return 0;

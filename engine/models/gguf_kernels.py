@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from kvbatch.engine.models.gguf_blocks import BLOCK, GGUFBlocks, block_bytes, qtype_id
-from kvbatch.kernels import native_build
+from kvbatch.kernels import cpu_native, native_build
 
 SOURCE = Path(__file__).with_name("gguf_kernels.c")
 
@@ -82,7 +82,7 @@ def build(cache_dir: Path | None = None) -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel, or the reason there is none (cached: one build per process)."""
-    lib = native_build.load(build, "kvb_abi_version", 1)
+    lib = native_build.load(build, "kvb_abi_version", 2)
     if isinstance(lib, str):
         return lib
     fn = lib.kvb_gguf_matmul
@@ -90,6 +90,8 @@ def _library() -> ctypes.CDLL | str:
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_int]
     lib.kvb_simd.restype = ctypes.c_int
+    lib.kvb_gguf_cols_max_rows.restype = ctypes.c_int
+    lib.kvb_gguf_cols_max_k.restype = ctypes.c_int
     return lib
 
 
@@ -135,6 +137,19 @@ def gguf_linear(x: torch.Tensor, w: QuantizedBlocks, b: torch.Tensor | None = No
     if rc != 0:
         raise ValueError(f"the GGUF kernel refused a {w.qtype} [{w.out_features}, {w.in_features}] weight")
     return y + b if b is not None else y
+
+
+def fused_weight(w: QuantizedBlocks) -> cpu_native.ColumnsWeight | None:
+    """The blocks as the fused decode layers take them (:class:`~kvbatch.kernels.cpu_native.ColumnsWeight`:
+    the kernel's ``kvb_gguf_cols``, which computes a thread's range of outputs with the same sums
+    as :func:`gguf_linear`), or None where that entry cannot run them: no kernel here, or rows
+    longer than it holds block sums for (32,768 inputs)."""
+    lib = _library()
+    if isinstance(lib, str) or w.in_features > lib.kvb_gguf_cols_max_k():
+        return None
+    cols = ctypes.cast(lib.kvb_gguf_cols, ctypes.c_void_p).value
+    return cpu_native.ColumnsWeight(cols, w.data, qtype_id(w.qtype), w.in_features, w.out_features,
+                                    lib.kvb_gguf_cols_max_rows())
 
 
 def to_torch(blocks: GGUFBlocks) -> QuantizedBlocks:

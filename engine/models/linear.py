@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from kvbatch.engine.models import mkl_packed
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
+from kvbatch.engine.models.gguf_kernels import fused_weight as gguf_fused_weight  # (a name of its own here)
 from kvbatch.engine.models.quant import GEMV, int8_linear, quantize_int8
 from kvbatch.kernels import cpu_native, dispatch
 
@@ -196,12 +197,13 @@ class LinearFormat:
     def fused_rows(self, rows: int) -> bool:
         """Whether a multiply of ``rows`` rows runs a kernel whose weight layout the fused native
         decode layers take (what :meth:`fused_weight` hands out): BLAS or the native GEMV over the
-        plain fp32 ``[in, out]`` layout, the native GEMV over its bf16 blocks, or the int8 ``gemv``
-        route over its blocks."""
+        plain fp32 ``[in, out]`` layout, the native GEMV over its bf16 blocks, the int8 ``gemv``
+        route over its blocks, or the native GGUF kernel over the file's blocks."""
         if self.device.type != "cpu":
             return False
-        if self.kind == INT8:
-            return self.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS and self.kind_for(rows) == GEMV
+        if self.kind in (INT8, GGUF):
+            native = GEMV if self.kind == INT8 else GGUF_NATIVE
+            return self.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS and self.kind_for(rows) == native
         return self.kind in (*_PLAIN_KINDS, MIXED) and self.kind_for(rows) in self._plain_kinds()
 
     def _plain_kinds(self) -> tuple[str, ...]:
@@ -209,12 +211,18 @@ class LinearFormat:
         native GEMV share the plain ``[in, out]``; in bf16 only the native GEMV's blocks."""
         return _PLAIN_KINDS if self.dtype == torch.float32 else (NATIVE,) if self.dtype == torch.bfloat16 else ()
 
-    def fused_weight(self, w: Any) -> cpu_native.Weight:
+    def fused_weight(self, w: Any) -> cpu_native.Weight | None:
         """The layout of a weight this format prepared that the fused decode layers multiply (see
-        :meth:`fused_rows`): the plain fp32 ``[in, out]`` tensor, the native GEMV's bf16 blocks, or
-        an int8 weight's blocks."""
+        :meth:`fused_rows`): the plain fp32 ``[in, out]`` tensor, the native GEMV's bf16 blocks, an
+        int8 weight's blocks, or a GGUF weight's blocks (for the GGUF kernel's own entry); for a
+        GGUF weight the file held in another type, its plain fp32 layout where it keeps one, else
+        None (that model's decode keeps the per-op path)."""
         if self.kind == INT8 and w.blocks is not None:
             return w.blocks
+        if self.kind == GGUF:
+            if w.blocks is not None:
+                return gguf_fused_weight(w.blocks)
+            return next((w.layouts[k] for k in _PLAIN_KINDS if k in w.layouts), None)
         if self.kind == MIXED:
             return next(w.layouts[k] for k in self._plain_kinds() if k in w.layouts)
         if self.kind not in self._plain_kinds():

@@ -286,8 +286,11 @@ class LlamaModel:
         gave the bucket to the native GEMV (the fused layers' own, measured against BLAS and
         oneDNN), to BLAS (the same layout; the fused step still saves the small ops between the
         GEMVs) or, for int8 weights, to the native int8 GEMV (its blocks); in bf16, to the native
-        GEMV (its bf16 blocks: bf16 BLAS keeps no layout the fused layers take). Where oneDNN's packed
-        layout or another int8 route won, the per-op path keeps it. Made once per cache tensor."""
+        GEMV (its bf16 blocks: bf16 BLAS keeps no layout the fused layers take); for GGUF weights, to
+        the native GGUF kernel (the file's blocks, through the kernel's own entry for a thread's
+        outputs). Where oneDNN's packed layout or another int8 route won, or a GGUF weight the file
+        held in another type has no plain fp32 layout, the per-op path keeps it. Made once per
+        cache tensor."""
         if not (self.fused_decode and 0 < rows <= FUSED_DECODE_MAX_ROWS and K.native(kv_cache, bf16=True)
                 and self.linear.fused_rows(rows)):
             return None
@@ -296,10 +299,11 @@ class LlamaModel:
             fused = None
             if all(not lw.is_moe and lw.q_norm is None for lw in self.layers):
                 plain = self.linear.fused_weight
-                fused = K.fuse_layers([
-                    K.DenseLayer(lw.input_norm, lw.post_norm, plain(lw.qkv), lw.qkv_bias, plain(lw.o_proj),
-                                 plain(lw.gate_up), plain(lw.down), kv_cache[li])
-                    for li, lw in enumerate(self.layers)])
+                projs = [[plain(w) for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)] for lw in self.layers]
+                if all(w is not None for ws in projs for w in ws):  # None: a weight with no such layout
+                    fused = K.fuse_layers([
+                        K.DenseLayer(lw.input_norm, lw.post_norm, qkv, lw.qkv_bias, o, gate_up, down, kv_cache[li])
+                        for li, (lw, (qkv, o, gate_up, down)) in enumerate(zip(self.layers, projs))])
             held = self._fused = (kv_cache, fused)
         return held[1]
 
