@@ -26,9 +26,12 @@ Also measured in the same run:
   their end-of-turn token (up to ``--eot-max-tokens``), so requests finish at different times and
   continuous batching must refill the batch; transformers stops each batch when its last
   sequence ends. Figure: each engine's own output tokens / wall seconds.
-* the machine's streaming-read bandwidth (a large tensor summed, best of 5) and the batch-1 floor
-  it sets: the weight bytes a decode step streams (dense projections and LM head, in their stored
-  dtype) / bandwidth; kvbatch's batch-1 rows show their share of that ceiling.
+* the machine's streaming-read bandwidth (a large tensor summed, best of 5, at the start; and
+  best of 3 again just before each batch-1 prompt) and the batch-1 floor it sets: the weight bytes
+  a decode step streams (dense projections and LM head, in their stored dtype) / bandwidth;
+  kvbatch's batch-1 rows show their share of that ceiling, each prompt's decode against the
+  bandwidth measured beside it (the median over prompts): on a shared VM the figure moved 34-82
+  GB/s within an hour, so a floor from the start of a 30-minute run could be another machine's.
 * ``--dtypes fp32+int8``: kvbatch with weight-only int8 projections (``EngineConfig.weights``);
   ``fp32+gguf``: the GGUF file's own Q4_1/Q8_0 blocks multiplied natively where that measured
   faster (its floor counts the quantized bytes when batch 1 runs on them).
@@ -262,6 +265,19 @@ def kernel_choice_at_load(ckpt: Checkpoint, variant: str, linear: str) -> dict[s
     return {"variant": variant, "source": choice.source, "wall_s": wall_s, "timed_calls": choice.timed_calls,
             "kinds": list(choice.fmt.bucket_kinds) or [choice.fmt.kind],
             "timings_ms": {k: [None if math.isinf(t) else t for t in v] for k, v in choice.timings_ms.items()}}
+
+
+def floor_share(rates: list[float], bandwidths_gbs: list[float], weight_bytes: int) -> dict[str, Any]:
+    """A batch-1 row's figures against the bandwidth floor: prompt k's decode rate (tok/s) over
+    the ceiling ``bandwidths_gbs[k]`` sets for ``weight_bytes`` a token; the median of those
+    shares, and the median bandwidth's floor and ceiling."""
+    if len(rates) != len(bandwidths_gbs) or not rates:
+        raise ValueError(f"one bandwidth per prompt: {len(rates)} rates, {len(bandwidths_gbs)} bandwidths")
+    shares = [rate * weight_bytes / (bw * 1e9) for rate, bw in zip(rates, bandwidths_gbs)]
+    ceiling = statistics.median(bandwidths_gbs) * 1e9 / weight_bytes
+    return {"weight_bytes": weight_bytes, "bandwidth_gbs": statistics.median(bandwidths_gbs),
+            "floor_ms": 1e3 / ceiling, "ceiling_tokens_per_s": ceiling, "shares_of_ceiling": shares,
+            "share_of_ceiling": statistics.median(shares)}
 
 
 def decode_weight_bytes(llm: LLM) -> int:
@@ -520,6 +536,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Batch-1 decode: prompt by prompt, each engine in turn.
     hf_b1 = Row("transformers", "fp32", "batch-1")
     kv_b1 = {d: Row("kvbatch", d, "batch-1") for d in args.dtypes}
+    b1_bandwidths = []  # GB/s just before each prompt's kvbatch runs: the floor beside them
     for k in range(args.b1_prompts):
         prompt = ids[k]
         with Stopwatch() as sw:
@@ -528,6 +545,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf_b1.extra.setdefault("runs", []).append({"prompt_tokens": len(prompt), "wall_s": sw.timed.wall_s,
                                                    "cpu_utilization": sw.timed.utilization(args.threads)})
         msg = [f"transformers {hf_b1.samples_tokens_per_s[-1]:.1f}"]
+        b1_bandwidths.append(stream_bandwidth_gbs(repeats=3))
         for dtype in args.dtypes:
             with Stopwatch() as sw:
                 (res,) = llms[dtype].generate(
@@ -537,16 +555,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 {"prompt_tokens": len(prompt), "wall_s": sw.timed.wall_s, "ttft_s": res.ttft_s,
                  "cpu_utilization": sw.timed.utilization(args.threads)})
             msg.append(f"kvbatch {dtype} {1.0 / res.tpot_s:.1f}")
-        log(f"batch-1 prompt {k + 1}/{args.b1_prompts} ({len(prompt)} tokens): decode tok/s " + ", ".join(msg))
+        log(f"batch-1 prompt {k + 1}/{args.b1_prompts} ({len(prompt)} tokens, bandwidth beside it "
+            f"{b1_bandwidths[-1]:.1f} GB/s): decode tok/s " + ", ".join(msg))
 
     cpp_b1 = llama_cpp_batch1(gguf_path, ids[:args.b1_prompts], args.max_tokens, args.threads)
     if cpp_b1 is not None:
         log(f"llama.cpp batch-1: {cpp_b1.extra.get('failed') or f'{cpp_b1.tokens_per_s:.1f} tok/s'}")
     for dtype, row in kv_b1.items():
-        weight_bytes = decode_weight_bytes(llms[dtype])
-        ceiling = bandwidth * 1e9 / weight_bytes
-        row.extra.update(weight_bytes=weight_bytes, floor_ms=1e3 / ceiling, ceiling_tokens_per_s=ceiling,
-                         share_of_ceiling=row.tokens_per_s / ceiling,
+        row.extra.update(floor_share(row.samples_tokens_per_s, b1_bandwidths, decode_weight_bytes(llms[dtype])),
                          linear=f"{llms[dtype].model.linear.kind} {llms[dtype].model.linear.bucket_kinds or ''}".strip())
     rows = [hf_row, *kv_rows.values(), hf_eot, *kv_eot.values(), hf_b1, *kv_b1.values(),
             *([cpp_b1] if cpp_b1 is not None else [])]
@@ -560,7 +576,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "transformers": __import__("transformers").__version__, "machine": platform.machine(),
             "cpus_usable": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "model_path": gguf_path, "cpu_model": cpu_model, "cpu_simd_flags": simd, "cpu_flags": flags,
-            "stream_bandwidth_gbs": bandwidth, "kernel_choice_at_load": choices,
+            "stream_bandwidth_gbs": bandwidth, "b1_bandwidths_gbs": b1_bandwidths, "kernel_choice_at_load": choices,
         },
         "workload": wl,
         "rows": [
@@ -580,7 +596,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"\nkvbatch vs transformers generate — {cfg['model']}, {env['threads']} threads, "
           f"torch {env['torch']}, transformers {env['transformers']}")
     print(f"CPU: {env['cpu_model']}; SIMD flags: {' '.join(env['cpu_simd_flags']) or 'none of ' + ', '.join(SIMD_FLAGS)}; "
-          f"streaming-read bandwidth {env['stream_bandwidth_gbs']:.1f} GB/s")
+          f"streaming-read bandwidth {env['stream_bandwidth_gbs']:.1f} GB/s at the start, "
+          f"{', '.join(f'{b:.1f}' for b in env.get('b1_bandwidths_gbs', []))} beside the batch-1 prompts")
     for c in env["kernel_choice_at_load"]:
         print(f"kernel choice at load ({c['variant']}, empty cache): {c['source']}, {c['wall_s'] * 1e3:.0f} ms, "
               f"{c['timed_calls']} timed calls -> per bucket (1, 2-8, 9-64, 65+ rows) {'/'.join(c['kinds'])}")
@@ -608,7 +625,7 @@ def print_report(report: dict[str, Any]) -> None:
         floor = f"no figure: {r['failed']}" if "failed" in r else ""
         if "share_of_ceiling" in r:
             floor = (f"{r['share_of_ceiling']:.0%} (floor {r['floor_ms']:.1f} ms/token = {r['weight_bytes'] / 1e6:.0f} MB"
-                     f" / {env['stream_bandwidth_gbs']:.1f} GB/s; {r['linear']})")
+                     f" / {r['bandwidth_gbs']:.1f} GB/s, the median beside the prompts; {r['linear']})")
         print(f"{r['engine']:<13} {r['dtype']:<9} {r['mode']:<12} {r['output_tokens_per_s']:>12.1f} "
               f"{r['ratio_vs_transformers']:>15.2f}x {target:>12}  {result:<6} "
               f"{'' if math.isnan(cpu) else format(cpu, '.0%'):>5}  {floor}")  # blank: not measured (llama.cpp)

@@ -4,7 +4,9 @@ llama.cpp peer is built with the CMake flags ``benchmarks/llama_cpp_build.py`` d
 
 from __future__ import annotations
 
-from benchmarks.bench_engine import Row, row_target
+import pytest
+
+from benchmarks.bench_engine import Row, floor_share, row_target
 
 BASE = {"batched": 40.0, "eot-honoured": 50.0, "batch-1": 20.0}  # transformers fp32, tok/s
 
@@ -50,3 +52,13 @@ def test_the_llama_cpp_build_names_the_base_simd_levels_and_leaves_the_rest_off(
     assert "-DGGML_AVX512=OFF" in cmake_args(epyc) and "-DGGML_AVX2=ON" in cmake_args(epyc)
     assert "-DGGML_AVX512=OFF" in cmake_args(["avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"])  # no AVX2
     assert [a for a in cmake_args([]) if a.endswith("=ON")] == []
+
+
+def test_each_batch_1_prompt_is_held_to_the_bandwidth_measured_beside_it():
+    # 100 MB a token: 40 GB/s sets 400 tok/s, 80 GB/s 800; prompt shares 0.75, 0.5, 0.8 -> median 0.75
+    got = floor_share([300.0, 400.0, 320.0], [40.0, 80.0, 40.0], 100_000_000)
+    assert got["shares_of_ceiling"] == pytest.approx([0.75, 0.5, 0.8])
+    assert got["share_of_ceiling"] == pytest.approx(0.75)
+    assert got["bandwidth_gbs"] == 40.0 and got["floor_ms"] == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="one bandwidth per prompt"):
+        floor_share([300.0], [40.0, 80.0], 100_000_000)
