@@ -347,8 +347,9 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.
     ``w`` read once for all rows of ``x`` (memory-bound at a few rows, so the kernel measurement
     offers the float weights for 1-8 rows: :data:`kvbatch.engine.models.linear.NATIVE`; int8
     blocks, the int8 route ``gemv``, for any row count: a blocked GEMM past 8 rows, each block
-    re-read from cache for every 8 rows). bf16 is summed in fp32 and rounded once, as torch's bf16 matmul rounds (on a CPU
-    with AVX512-BF16 and an even ``in``, the exact products come from ``vdpbf16ps``)."""
+    re-read from cache for every 8 rows). bf16 is summed in fp32 and rounded once, as torch's
+    bf16 matmul rounds (on a CPU with AVX512-BF16 and an even ``in``, the exact products come
+    from ``vdpbf16ps``). A :class:`ColumnsWeight` runs in the fused layers only."""
     w_ptr, scale_ptr, kind, (w_in, w_out) = _weight_ptrs(w, "gemv")
     if kind == _W_COLS:
         raise ValueError("gemv: a columns weight is multiplied inside the fused decode layers only")

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from kvbatch.engine.models import mkl_packed
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
-from kvbatch.engine.models.gguf_kernels import fused_weight as gguf_fused_weight  # (a name of its own here)
+from kvbatch.engine.models.gguf_kernels import fused_weight as gguf_fused_weight  # beside LinearFormat.fused_weight
 from kvbatch.engine.models.quant import GEMV, int8_linear, quantize_int8
 from kvbatch.kernels import cpu_native, dispatch
 
