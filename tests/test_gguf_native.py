@@ -32,6 +32,7 @@ from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import cpu_native, dispatch, native_build
 from kvbatch.kernels.machine import cpu_identity
+from tests.logit_capture import capture_logits
 from tests.test_weights import _random_hf_tensors, _write_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,19 +110,13 @@ _PROMPTS = [[1, 5, 9, 33, 4, 17, 60], [1, 2, 3], [1] + list(range(10, 40))]
 
 def _generate_with_logits(llm: LLM) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
     """Greedy tokens for _PROMPTS and every step's logits per request."""
-    logits: dict[str, list[torch.Tensor]] = {}
-    execute = llm.runner.execute
-
-    def spy(step):
-        out, sampled = execute(step)
-        for row, s in enumerate(sampled):
-            logits.setdefault(s.seq.request_id, []).append(out[row].clone())
-        return out, sampled
-
-    llm.runner.execute = spy
+    seen = capture_logits(llm)
     reqs = [GenerationRequest(f"r{i}", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                               prompt_token_ids=p) for i, p in enumerate(_PROMPTS)]
     results = llm.generate(reqs)
+    logits: dict[str, list[torch.Tensor]] = {}
+    for rid, row in seen:
+        logits.setdefault(rid, []).append(row)
     return [r.output_token_ids for r in results], {k: torch.stack(v) for k, v in logits.items()}
 
 
