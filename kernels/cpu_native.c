@@ -806,14 +806,14 @@ int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, i
 
 /* ------------------------------------------------------------------ the fused decode layers */
 
-/* y[r, c0:c1] = x[r, :] @ w[:, c0:c1] for w [in, out] (the BLAS layout the engine keeps: the
+/* y[r, c0:c1] = x[r, i0:i1] @ w[i0:i1, c0:c1] for w [in, out] (the BLAS layout the engine keeps: the
  * weight transposed), over rows r; each 4 rows of w are read from memory once for all x rows. */
-static void gemv_cols(const float *x, int64_t rows, const float *w, int64_t in, int64_t out, float *y, int64_t c0,
-                      int64_t c1) {
+static void gemv_cols(const float *x, int64_t rows, const float *w, int64_t in, int64_t out, float *y, int64_t i0,
+                      int64_t i1, int64_t c0, int64_t c1) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = c0; c < c1; c++) y[r * out + c] = 0.0f;
-    int64_t i = 0;
-    for (; i + 4 <= in; i += 4) {
+    int64_t i = i0;
+    for (; i + 4 <= i1; i += 4) {
         const float *w0 = w + i * out, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
         for (int64_t r = 0; r < rows; r++) {
             const float *xr = x + r * in;
@@ -823,13 +823,41 @@ static void gemv_cols(const float *x, int64_t rows, const float *w, int64_t in, 
             for (int64_t c = c0; c < c1; c++) yr[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
         }
     }
-    for (; i < in; i++) {
+    for (; i < i1; i++) {
         const float *w0 = w + i * out;
         for (int64_t r = 0; r < rows; r++) {
             const float x0 = x[r * in + i];
             float *yr = y + r * out;
 #pragma omp simd
             for (int64_t c = c0; c < c1; c++) yr[c] += x0 * w0[c];
+        }
+    }
+}
+
+/* y[r, :] = x[r, :] @ w for an fp32 w [in, out], from inside a parallel region of n threads (all of
+ * them call it): thread t multiplies its run of w's rows (inputs [in t / n, in (t + 1) / n)) into
+ * partial sums of every column (thread 0 into y itself, the others into partials, rows x out floats
+ * each), then, after a barrier, adds the others' partials into y for its columns [c0, c1) and, where
+ * also > 0, [also + c0, also + c1). So each thread streams one contiguous run of the weight: a band of
+ * columns per thread (the split the blocked kinds take) reads 1-3 KB of each weight row and jumps,
+ * and streamed SmolLM2's projections at 23-26 GB/s where this split and a plain read of the same
+ * bytes reached 30-31 (Xeon 167, 2 threads, a scratch harness). The sums over an input run are
+ * added to the others' at the end: the order differs from a one-thread product by that split. */
+static void gemv_rows_split(const float *x, int64_t rows, const float *w, int64_t in, int64_t out, float *y,
+                            float *partials, int t, int n, int64_t c0, int64_t c1, int64_t also) {
+    float *mine = t == 0 ? y : partials + (int64_t)(t - 1) * rows * out;
+    gemv_cols(x, rows, w, in, out, mine, in * t / n, in * (t + 1) / n, 0, out);
+#pragma omp barrier
+    for (int64_t part = 0; part < (also > 0 ? 2 : 1); part++) {
+        const int64_t lo = c0 + part * also, hi = c1 + part * also;
+        for (int o = 1; o < n; o++) {
+            const float *po = partials + (int64_t)(o - 1) * rows * out;
+            for (int64_t r = 0; r < rows; r++) {
+                float *yr = y + r * out;
+                const float *pr = po + r * out;
+#pragma omp simd
+                for (int64_t c = lo; c < hi; c++) yr[c] += pr[c];
+            }
         }
     }
 }
@@ -1073,7 +1101,21 @@ static void gemv_proj(const float *x, int64_t rows, const kvb_proj_t *p, int64_t
     else if (p->kind == KVB_W_I8 || p->kind == KVB_W_BF16)
         gemv_cols_blocks(x, rows, p->w, p->kind == KVB_W_BF16, p->scale, in, out, y, c0, c1);
     else
-        gemv_cols(x, rows, (const float *)p->w, in, out, y, c0, c1);
+        gemv_cols(x, rows, (const float *)p->w, in, out, y, 0, in, c0, c1);
+}
+
+/* This thread's part of y = x @ w inside a parallel region of n threads (every thread calls it): its
+ * columns [c0, c1) and, where also > 0, [also + c0, also + c1) of y are final on return. An fp32
+ * [in, out] weight is split by inputs (gemv_rows_split; partials: (n - 1) x rows x out floats), the
+ * blocked kinds and another library's kernel by columns (each block one contiguous run already). */
+static void proj_part(const float *x, int64_t rows, const kvb_proj_t *p, int64_t in, int64_t out, float *y,
+                      float *partials, int t, int n, int64_t c0, int64_t c1, int64_t also) {
+    if (p->kind == KVB_W_F32 && n > 1) {
+        gemv_rows_split(x, rows, (const float *)p->w, in, out, y, partials, t, n, c0, c1, also);
+        return;
+    }
+    gemv_proj(x, rows, p, in, out, y, c0, c1);
+    if (also > 0) gemv_proj(x, rows, p, in, out, y, also + c0, also + c1);
 }
 
 /* y[r, c0:c1] rounded to bf16 values (the fused bf16 layers: where the per-op path's bf16 output
@@ -1107,7 +1149,14 @@ int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, in
              const float *bias, float *y, int nthreads) {
     if (rows <= 0 || in <= 0 || out <= 0 || kind < KVB_W_F32 || kind > KVB_W_BF16) return KVB_BAD_SHAPE;
     const kvb_proj_t proj = {w, scale, kind, 0, NULL};
-#pragma omp parallel num_threads(nthreads) if (in * out >= PAR_WORK)
+    const int parallel = in * out >= PAR_WORK && nthreads > 1;
+    /* an fp32 weight is split by inputs, as in the fused layers: the other threads' partial sums */
+    float *partials = NULL;
+    if (parallel && kind == KVB_W_F32) {
+        partials = malloc((size_t)((nthreads - 1) * rows * out) * sizeof(float));
+        if (partials == NULL) return KVB_NO_MEMORY;
+    }
+#pragma omp parallel num_threads(nthreads) if (parallel)
     {
         int t = 0, n = 1;
 #ifdef _OPENMP
@@ -1116,14 +1165,17 @@ int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, in
 #endif
         int64_t c0, c1;
         share(out, t, n, &c0, &c1);
-        for (int64_t c = c0; c < c1; c += GEMV_CHUNK) {
-            const int64_t e = c + GEMV_CHUNK < c1 ? c + GEMV_CHUNK : c1;
-            gemv_proj(x, rows, &proj, in, out, y, c, e);
-            if (bias != NULL)
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t k = c; k < e; k++) y[r * out + k] += bias[k];
+        if (kind == KVB_W_F32) {
+            proj_part(x, rows, &proj, in, out, y, partials, t, n, c0, c1, 0);
+        } else {
+            for (int64_t c = c0; c < c1; c += GEMV_CHUNK)
+                gemv_proj(x, rows, &proj, in, out, y, c, c + GEMV_CHUNK < c1 ? c + GEMV_CHUNK : c1);
         }
+        if (bias != NULL)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t k = c0; k < c1; k++) y[r * out + k] += bias[k];
     }
+    free(partials);
     return KVB_OK;
 }
 
@@ -1195,8 +1247,16 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
     const int64_t group = hq / hkv, qkv_out = (hq + 2 * hkv) * d;
     float *x = work, *qkv = x + rows * dim, *attn = qkv + rows * qkv_out, *gu = attn + rows * hq * d,
           *act = gu + rows * 2 * inter;
+    /* the other threads' partial sums of an fp32 projection (proj_part), rows x the widest output each */
+    int64_t widest = qkv_out > 2 * inter ? qkv_out : 2 * inter;
+    widest = widest > dim ? widest : dim;
+    float *partials = nthreads > 1 ? malloc((size_t)((nthreads - 1) * rows * widest) * sizeof(float)) : NULL;
+    if (nthreads > 1 && partials == NULL) return KVB_NO_MEMORY;
     split_t sp;  /* the same context lengths in every layer: one plan for all */
-    if (plan_split(&sp, rows, s->context_lens, total, hkv, hq, d, s->block_size, nthreads)) return KVB_NO_MEMORY;
+    if (plan_split(&sp, rows, s->context_lens, total, hkv, hq, d, s->block_size, nthreads)) {
+        free(partials);
+        return KVB_NO_MEMORY;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -1217,7 +1277,7 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
 #pragma omp single
             add_norm_rows(resid, h, l == 0 && !has_resid, L->input_norm, x, rows, dim, s->eps, rb);
             share(qkv_out, t, n, &c0, &c1);
-            gemv_proj(x, rows, &L->qkv, dim, qkv_out, qkv, c0, c1);
+            proj_part(x, rows, &L->qkv, dim, qkv_out, qkv, partials, t, n, c0, c1, 0);
             if (L->qkv_bias != NULL)
                 for (int64_t r = 0; r < rows; r++)
                     for (int64_t c = c0; c < c1; c++) qkv[r * qkv_out + c] += L->qkv_bias[c];
@@ -1234,7 +1294,7 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
                 for (int64_t r = 0; r < rows; r++) round_cols(attn + r * hq * d, 1, 0, 0, hq * d);
             }
             share(dim, t, n, &c0, &c1);
-            gemv_proj(attn, rows, &L->o, hq * d, dim, h, c0, c1);
+            proj_part(attn, rows, &L->o, hq * d, dim, h, partials, t, n, c0, c1, 0);
             if (rb) round_cols(h, rows, dim, c0, c1);
 #pragma omp barrier
 #pragma omp single
@@ -1242,8 +1302,7 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
             /* gate columns [c0, c1) and the up columns inter + [c0, c1) on one thread, so it can
              * apply SiLU-and-multiply to its own columns without waiting for the others */
             share(inter, t, n, &c0, &c1);
-            gemv_proj(x, rows, &L->gate_up, dim, 2 * inter, gu, c0, c1);
-            gemv_proj(x, rows, &L->gate_up, dim, 2 * inter, gu, inter + c0, inter + c1);
+            proj_part(x, rows, &L->gate_up, dim, 2 * inter, gu, partials, t, n, c0, c1, inter);
             for (int64_t r = 0; r < rows; r++) {
                 float *g = gu + r * 2 * inter;
                 if (rb) {
@@ -1256,12 +1315,13 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
             }
 #pragma omp barrier
             share(dim, t, n, &c0, &c1);
-            gemv_proj(act, rows, &L->down, inter, dim, h, c0, c1);
+            proj_part(act, rows, &L->down, inter, dim, h, partials, t, n, c0, c1, 0);
             if (rb) round_cols(h, rows, dim, c0, c1);
 #pragma omp barrier
         }
         free(scores);
     }
     free_split(&sp);
+    free(partials);
     return failed ? KVB_NO_MEMORY : KVB_OK;
 }
