@@ -8,9 +8,18 @@ import torch
 from kvbatch.engine.runtime.llm import LLM
 
 
+def full_head(llm: LLM) -> LLM:
+    """``llm`` with its greedy LM-head screen off (engine/models/greedy_head.py): a screened row is
+    -inf wherever the screen ruled a token out, and parity tests compare whole rows."""
+    llm.runner.model.greedy_head = None
+    return llm
+
+
 def capture_logits(llm: LLM) -> list[tuple[str, torch.Tensor]]:
     """Wrap ``llm``'s runner so every sampled row's logits are appended, with its request id, to
-    the returned list as the engine runs (plain decoding: one row per sampled sequence)."""
+    the returned list as the engine runs (plain decoding: one row per sampled sequence), computed
+    by the full head (:func:`full_head`)."""
+    full_head(llm)
     seen: list[tuple[str, torch.Tensor]] = []
     execute = llm.runner.execute
 

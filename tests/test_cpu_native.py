@@ -27,6 +27,7 @@ from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import cpu_native as N
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
+from tests.logit_capture import full_head
 from tests.test_small_ops import _tokens_and_logits  # greedy tokens and every step's logits
 from tests.tiny_models import build_tiny, build_tiny_moe
 
@@ -326,7 +327,7 @@ def test_the_fused_path_splits_a_long_context_and_matches_the_torch_forward_pass
     results = {}
     with _threads(2):
         for kernels in ("reference", "native"):
-            llm = _llm(tmp_path / "dense", monkeypatch, kernels)
+            llm = full_head(_llm(tmp_path / "dense", monkeypatch, kernels))
             seen, execute = [], llm.runner.execute
             llm.runner.execute = lambda step, execute=execute, seen=seen: seen.append(execute(step)) or seen[-1]
             req = GenerationRequest("r", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),

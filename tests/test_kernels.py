@@ -41,6 +41,7 @@ from tests.triton_interpreter import (ATTN_TOL, DTYPES, INTERPRETED, KERNELS, RE
                                       rerun_in_fresh_interpreter, randn, use_triton)  # noqa: F401 (fixture)
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
+from tests.logit_capture import full_head
 
 needs_interpreter = interpreter_only("test_kernels_in_a_fresh_process")
 
@@ -425,7 +426,8 @@ def test_engine_logits_same_on_triton_kernels(tmp_path, monkeypatch):
     def logits_with(kernels: str) -> dict[str, list[torch.Tensor]]:
         monkeypatch.setenv("KVBATCH_KERNELS", kernels)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        llm = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=7))
+        llm = full_head(LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64,
+                                                                      max_num_batched_tokens=7)))
         seen: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
         execute = llm.runner.execute
 

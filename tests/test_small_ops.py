@@ -28,6 +28,7 @@ from kvbatch.engine.runtime.model_runner import WorkItem
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
+from tests.logit_capture import full_head
 from tests.tiny_models import VOCAB, build_tiny, build_tiny_moe
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -125,7 +126,8 @@ def _llm(folder: Path, lean: str, monkeypatch: pytest.MonkeyPatch, **config: obj
 
 def _tokens_and_logits(llm: LLM, n: int = 3) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of ``n`` requests decoded together (prefill chunks and decode rows in one
-    step, then batched decode), and every step's logits."""
+    step, then batched decode), and every step's logits (the full head's: :func:`full_head`)."""
+    full_head(llm)
     seen: list[torch.Tensor] = []
     execute = llm.runner.execute
 

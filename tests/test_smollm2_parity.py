@@ -52,6 +52,7 @@ import torch
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
+from tests.logit_capture import full_head
 from tests.prompt_sets import gsm8k, mt_bench  # real prompts kept in tests/data/
 
 pytestmark = pytest.mark.slow
@@ -99,7 +100,8 @@ def _captured_logits(llm: LLM) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Every sampled row's logits, per request id, in step order (a spy on the runner that is
     removed on exit, so the session's shared engine is left as it was)."""
     seen: dict[str, list[torch.Tensor]] = defaultdict(list)
-    execute = llm.runner.execute
+    execute, head = llm.runner.execute, llm.runner.model.greedy_head
+    full_head(llm)
 
     def spy(step):
         logits, sampled = execute(step)
@@ -112,6 +114,7 @@ def _captured_logits(llm: LLM) -> Iterator[dict[str, list[torch.Tensor]]]:
         yield seen
     finally:
         llm.runner.execute = execute
+        llm.runner.model.greedy_head = head
 
 
 class _Clock:

@@ -15,6 +15,7 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.greedy_head import SCREEN_MAX_ROWS, GreedyHead, make_greedy_head, screened_logits
 from kvbatch.engine.models.linear import NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
 from kvbatch.engine.models.moe import (
     ExpertCompute,
@@ -105,6 +106,9 @@ class ForwardBatch:
     decode_workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # reusable gather buffers
     block_tables: torch.Tensor | None = None  # [num_decode + S, max_blocks] int32
     seq_index: torch.Tensor | None = None  # [T] int64: row of block_tables each token belongs to
+    # Every logits row belongs to a greedy request that wants no logprobs: only the argmax of each
+    # row will be read, so an fp32 model may screen its head in bf16 (greedy_head.py).
+    greedy_only: bool = False
 
 
 class LlamaModel:
@@ -170,6 +174,11 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = take_t("model.embed_tokens.weight" if tied else "lm_head.weight")
+        # Greedy rows' head: a bf16 screen, exact fp32 logits for what it keeps (fp32 CPU models;
+        # a tied head's rows are the embedding table itself)
+        self.greedy_head: GreedyHead | None = None
+        if dtype == torch.float32 and device.type == "cpu" and not batch_invariant:
+            self.greedy_head = make_greedy_head(self.embed if tied else take("lm_head.weight"))
         self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
         self.scale = c.head_dim ** -0.5
         # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).
@@ -265,6 +274,8 @@ class LlamaModel:
         rows = batch.logits_rows
         # The last residual join, only for the rows whose logits are wanted: one fused add + norm.
         x, _ = norm(h.index_select(0, rows), self.norm, c.rms_norm_eps, residual.index_select(0, rows))
+        if batch.greedy_only and self.greedy_head is not None and 0 < x.shape[0] <= SCREEN_MAX_ROWS:
+            return screened_logits(self.greedy_head, x)  # the argmax's logits; -inf where it cannot be
         return self._linear(x, self.lm_head).float()
 
     def _lean_qkv(self, qkv: torch.Tensor, li: int, kv_cache: torch.Tensor, batch: ForwardBatch,

@@ -1,0 +1,105 @@
+"""The LM head of an fp32 model for rows decoded greedily: a bf16 screen, then exact fp32 logits
+for the few tokens it cannot rule out.
+
+A greedy step wants one thing from the head: the argmax of its fp32 logits. At batch 1 the head
+is a fifth of what a decode step streams on SmolLM2 (113 of 538 MB in fp32: 49,152 x 576), so
+it multiplies the rows by a bf16 copy of the head first (half the bytes, the native GEMV over bf16
+blocks), bounds each approximate logit's error, keeps every token whose upper bound reaches the
+best lower bound, and computes those tokens' logits from the fp32 rows (a handful of dot
+products). The argmax over them is the argmax of the fp32 logits: a token left out lies below
+another token by more than both errors together.
+
+The error bound, for a row x and a head row w (length D): the screen's product of x_i and w_i
+carries up to two bf16 roundings (the weight always; x where ``vdpbf16ps`` runs), each at most
+2^-8 of the value, and its sum and any fp32 sum of the same products each err by at most about D
+2^-24 of sum |x_i w_i|:
+
+    |fp32 logit - screened logit| <= (2^-7 + 2^-16 + 2 (D + 2) 2^-24) sum |x_i w_i|
+                                  <= that x min(||x||_2 ||w||_2, ||x||_inf ||w||_1)
+
+(Cauchy-Schwarz and Hölder), with both norms of every head row computed once at load. On SmolLM2
+over 1,024 real decode rows the bound was 8x the largest error seen, and left 1 candidate at the
+median and 13 at most (``tests/test_greedy_head.py`` pins the bound, and the argmax against
+float64).
+
+The logits this returns are -inf for every token the screen ruled out: only a greedy argmax may
+read them, so the model runner asks for them only when every logits row of a step belongs to a
+greedy request that wants no logprobs (``ForwardBatch.greedy_only``). ``KVBATCH_GREEDY_HEAD=0``
+turns the screen off (the full fp32 head for every row)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvbatch.kernels import cpu_native
+
+# Rows the screen takes: decode steps and small batches, where the head is bound by streaming its
+# weights; past them the head's GEMM is compute-bound, and it gains nothing from fewer bytes.
+SCREEN_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
+
+
+def screen_error(dim: int) -> float:
+    """The screen's relative error for rows of ``dim`` inputs: the bound's factor on sum |x_i w_i|
+    (each fp32 sum counted as dim + 2 roundings, for the products and the norms' own; 1% more for
+    the rounding of the bound itself)."""
+    return (2.0 ** -7 + 2.0 ** -16 + 2 * (dim + 2) * 2.0 ** -24) * 1.01
+
+
+def greedy_head_enabled() -> bool:
+    """``KVBATCH_GREEDY_HEAD`` (default on; ``0`` keeps the full fp32 head, for measurements)."""
+    value = os.environ.get("KVBATCH_GREEDY_HEAD", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"KVBATCH_GREEDY_HEAD must be 0 or 1, not {value!r}")
+    return value not in ("0", "false", "off")
+
+
+@dataclass(frozen=True)
+class GreedyHead:
+    """An fp32 head ``[vocab, dim]`` as the screen reads it."""
+
+    rows: torch.Tensor  # [V, D] fp32: the head itself (a tied model's embedding table, not a copy)
+    screen: cpu_native.Bf16Blocks  # the head rounded to bf16, in the native GEMV's blocks
+    l2: torch.Tensor  # [V] fp32: ||w_v||_2
+    l1: torch.Tensor  # [V] fp32: ||w_v||_1
+
+    @property
+    def screen_bytes(self) -> int:
+        """What one pass of the screen streams (the bf16 blocks)."""
+        return self.screen.q.numel() * self.screen.q.element_size()
+
+
+def make_greedy_head(head: torch.Tensor) -> GreedyHead | None:
+    """The screen for ``head`` [vocab, dim] fp32 on the CPU, or None where it cannot run (the native
+    kernels unavailable, another dtype or device) or is switched off."""
+    if (head.dtype != torch.float32 or head.device.type != "cpu" or head.dim() != 2
+            or not greedy_head_enabled() or not cpu_native.available()):
+        return None
+    head = head.contiguous()
+    return GreedyHead(head, cpu_native.bf16_blocks(head.to(torch.bfloat16)), head.norm(dim=1),
+                      head.abs().sum(dim=1))
+
+
+def screen(head: GreedyHead, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(approx, bound)``, both [rows, vocab]: the bf16 screen's logits for fp32 ``x`` [rows, dim]
+    and, per token, how far any fp32 computation of its logit can lie from them."""
+    if x.dim() != 2 or x.shape[1] != head.rows.shape[1] or x.dtype != torch.float32:
+        raise ValueError(f"the greedy head takes fp32 rows of {head.rows.shape[1]}, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    approx = cpu_native.gemv(x, head.screen, fp32_out=True)
+    bound = torch.minimum(x.norm(dim=1, keepdim=True) * head.l2, x.abs().amax(dim=1, keepdim=True) * head.l1)
+    return approx, bound.mul_(screen_error(x.shape[1]))
+
+
+def screened_logits(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
+    """Logits ``[rows, vocab]`` for fp32 ``x`` [rows, dim] whose argmax is that of ``x @ head.T``:
+    exact fp32 logits for every token the bf16 screen could not rule out, -inf for the rest."""
+    approx, bound = screen(head, x)
+    best_low = (approx - bound).amax(dim=1, keepdim=True)
+    row, token = torch.nonzero(approx.add_(bound) >= best_low, as_tuple=True)
+    out = torch.full_like(approx, float("-inf"))
+    # each candidate's fp32 logit: its head row times its x row
+    out[row, token] = (head.rows.index_select(0, token) * x.index_select(0, row)).sum(dim=1)
+    return out
