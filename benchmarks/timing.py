@@ -32,9 +32,10 @@ class Stopwatch:
 
 # (label, where the wrapped function lives, its name): parts inside the model's forward pass first.
 # The kernel calls go through ``kvbatch.kernels.dispatch`` (the model calls them as ``K.name``),
-# the projections through ``LinearFormat.__call__``.
+# the projections through ``LinearFormat.__call__``, a greedy step's head through ``greedy_head.screened_logits``.
 FORWARD_PARTS = (
     ("projections + LM head (matmuls)", "linear", "__call__"),
+    ("projections + LM head (matmuls)", "greedy_head", "screened_logits"),  # greedy rows' head
     ("attention (KV gather, softmax, plan)", "dispatch", "paged_decode_attention"),
     ("attention (KV gather, softmax, plan)", "dispatch", "prefill_attention"),
     ("attention (KV gather, softmax, plan)", "dispatch", "plan_decode"),
@@ -62,11 +63,12 @@ class StepProfile:
     tensors and the forward pass (the sampler, stop checks, block commits, results) another."""
 
     def __init__(self, llm: Any) -> None:
-        from kvbatch.engine.models import linear
+        from kvbatch.engine.models import greedy_head, linear
         from kvbatch.kernels import dispatch
 
         self.llm = llm
-        self._owners = {"linear": linear.LinearFormat, "dispatch": dispatch, "scheduler": llm.scheduler,
+        self._owners = {"linear": linear.LinearFormat, "greedy_head": greedy_head, "dispatch": dispatch,
+                        "scheduler": llm.scheduler,
                         "runner": llm.runner}
         self.seconds: dict[str, float] = {}
         self.steps = 0

@@ -15,8 +15,9 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
-from kvbatch.engine.models.greedy_head import SCREEN_MAX_ROWS, GreedyHead, make_greedy_head, screened_logits
-from kvbatch.engine.models.linear import NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
+from kvbatch.engine.models import greedy_head
+from kvbatch.engine.models.greedy_head import SCREEN_MAX_ROWS, GreedyHead, make_greedy_head
+from kvbatch.engine.models.linear import GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
 from kvbatch.engine.models.moe import (
     ExpertCompute,
     LocalExperts,
@@ -174,10 +175,11 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = take_t("model.embed_tokens.weight" if tied else "lm_head.weight")
-        # Greedy rows' head: a bf16 screen, exact fp32 logits for what it keeps (fp32 CPU models;
-        # a tied head's rows are the embedding table itself)
+        # Greedy rows' head: a bf16 screen, exact fp32 logits for what it keeps (fp32 CPU models whose
+        # head is held in fp32: int8 and GGUF heads stream fewer bytes than the screen would; a
+        # tied head's rows are the embedding table itself)
         self.greedy_head: GreedyHead | None = None
-        if dtype == torch.float32 and device.type == "cpu" and not batch_invariant:
+        if dtype == torch.float32 and device.type == "cpu" and not batch_invariant and self.linear.kind not in (INT8, GGUF):
             self.greedy_head = make_greedy_head(self.embed if tied else take("lm_head.weight"))
         self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
         self.scale = c.head_dim ** -0.5
@@ -275,7 +277,7 @@ class LlamaModel:
         # The last residual join, only for the rows whose logits are wanted: one fused add + norm.
         x, _ = norm(h.index_select(0, rows), self.norm, c.rms_norm_eps, residual.index_select(0, rows))
         if batch.greedy_only and self.greedy_head is not None and 0 < x.shape[0] <= SCREEN_MAX_ROWS:
-            return screened_logits(self.greedy_head, x)  # the argmax's logits; -inf where it cannot be
+            return greedy_head.screened_logits(self.greedy_head, x)  # the argmax's logits; -inf where it cannot be
         return self._linear(x, self.lm_head).float()
 
     def _lean_qkv(self, qkv: torch.Tensor, li: int, kv_cache: torch.Tensor, batch: ForwardBatch,
