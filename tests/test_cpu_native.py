@@ -437,15 +437,17 @@ def test_the_c_source_ships_in_the_package():
 # ------------------------------------------------------------------------- the native GEMV
 
 
+@pytest.mark.parametrize("threads", [1, 2])  # 2: each thread a run of the inputs, the partial sums added
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("shape", [(576, 960), (37, 1000), (1536, 576), (64, 5000)])
-def test_gemv_matches_blas(rows, shape):
-    # in sizes not a multiple of 4 and outputs wider than a column chunk (2048) included
+def test_gemv_matches_blas(rows, shape, threads):
+    # in sizes not a multiple of 4 (nor of the thread count) and wide outputs included
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, shape[0], generator=gen), torch.randn(*shape, generator=gen)
     b = torch.randn(shape[1], generator=gen)
-    _close(N.gemv(x, w), x @ w, rel=1e-5)
-    _close(N.gemv(x, w, b), torch.addmm(b, x, w), rel=1e-5)
+    with _threads(threads):
+        _close(N.gemv(x, w), x @ w, rel=1e-5)
+        _close(N.gemv(x, w, b), torch.addmm(b, x, w), rel=1e-5)
     with pytest.raises(ValueError, match="gemv"):
         N.gemv(x, w.t())  # a transposed view: not the [in, out] layout
 
