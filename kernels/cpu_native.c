@@ -1165,9 +1165,9 @@ int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, in
 #endif
         int64_t c0, c1;
         share(out, t, n, &c0, &c1);
-        if (kind == KVB_W_F32) {
+        if (kind == KVB_W_F32 && n > 1) {
             proj_part(x, rows, &proj, in, out, y, partials, t, n, c0, c1, 0);
-        } else {
+        } else {  /* a band of columns, in chunks whose rows of y stay in L1/L2 */
             for (int64_t c = c0; c < c1; c += GEMV_CHUNK)
                 gemv_proj(x, rows, &proj, in, out, y, c, c + GEMV_CHUNK < c1 ? c + GEMV_CHUNK : c1);
         }

@@ -344,7 +344,7 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, fp32_out:
     """``x @ w (+ bias)`` for fp32 ``x`` [rows, in] and ``w`` [in, out] (BLAS's fp32 layout: the
     weight transposed) or int8 :class:`Int8Blocks`, or bf16 ``x`` and :class:`Bf16Blocks`: the fused
     decode layers' GEMV as its own call, each thread a band of output columns (of an fp32 ``[in,
-    out]`` weight a run of its inputs, the partial sums added at the end), every part of
+    out]`` weight on 2+ threads a run of its inputs, the partial sums added at the end), every part of
     ``w`` read once for all rows of ``x`` (memory-bound at a few rows, so the kernel measurement
     offers the float weights for 1-8 rows: :data:`kvbatch.engine.models.linear.NATIVE`; int8
     blocks, the int8 route ``gemv``, for any row count: a blocked GEMM past 8 rows, each block
