@@ -25,7 +25,11 @@ float64).
 The logits this returns are -inf for every token the screen ruled out: only a greedy argmax may
 read them, so the model runner asks for them only when every logits row of a step belongs to a
 greedy request that wants no logprobs (``ForwardBatch.greedy_only``). ``KVBATCH_GREEDY_HEAD=0``
-turns the screen off (the full fp32 head for every row)."""
+turns the screen off (the full fp32 head for every row).
+
+Memory: the head's bf16 copy (half its fp32 bytes), and for an untied head a plain fp32 copy of its
+rows besides the layout the projections' kernel keeps (packed layouts cannot be read by row; a tied
+head's rows are the embedding table, already held)."""
 
 from __future__ import annotations
 
