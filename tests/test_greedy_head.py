@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbatch.engine.models import greedy_head as G
+from kvbatch.engine.models.llama import greedy_head_enabled
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
@@ -71,11 +72,12 @@ def test_the_screen_refuses_what_it_cannot_take(monkeypatch):
     assert G.make_greedy_head(head.bfloat16()) is None
     with pytest.raises(ValueError, match="fp32 rows of 16"):
         G.screened_logits(G.make_greedy_head(head), torch.randn(2, 8))
+    assert greedy_head_enabled()
     monkeypatch.setenv("KVBATCH_GREEDY_HEAD", "0")
-    assert G.make_greedy_head(head) is None
+    assert not greedy_head_enabled()
     monkeypatch.setenv("KVBATCH_GREEDY_HEAD", "maybe")
     with pytest.raises(ValueError, match="KVBATCH_GREEDY_HEAD must be 0 or 1"):
-        G.make_greedy_head(head)
+        greedy_head_enabled()
 
 
 # ------------------------------------------------------------------------- in the engine

@@ -25,7 +25,7 @@ float64).
 The logits this returns are -inf for every token the screen ruled out: only a greedy argmax may
 read them, so the model runner asks for them only when every logits row of a step belongs to a
 greedy request that wants no logprobs (``ForwardBatch.greedy_only``). ``KVBATCH_GREEDY_HEAD=0``
-turns the screen off (the full fp32 head for every row).
+turns the screen off (the full fp32 head for every row; read by the model, beside its other switches).
 
 Memory: the head's bf16 copy (half its fp32 bytes), and for an untied head a plain fp32 copy of its
 rows besides the layout the projections' kernel keeps (packed layouts cannot be read by row; a tied
@@ -33,7 +33,6 @@ head's rows are the embedding table, already held)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +51,6 @@ def screen_error(dim: int) -> float:
     return (2.0 ** -7 + 2.0 ** -16 + 2 * (dim + 2) * 2.0 ** -24) * 1.01
 
 
-def greedy_head_enabled() -> bool:
-    """``KVBATCH_GREEDY_HEAD`` (default on; ``0`` keeps the full fp32 head, for measurements)."""
-    value = os.environ.get("KVBATCH_GREEDY_HEAD", "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on", ""):
-        raise ValueError(f"KVBATCH_GREEDY_HEAD must be 0 or 1, not {value!r}")
-    return value not in ("0", "false", "off")
-
-
 @dataclass(frozen=True)
 class GreedyHead:
     """An fp32 head ``[vocab, dim]`` as the screen reads it."""
@@ -76,9 +67,8 @@ class GreedyHead:
 
 def make_greedy_head(head: torch.Tensor) -> GreedyHead | None:
     """The screen for ``head`` [vocab, dim] fp32 on the CPU, or None where it cannot run (the native
-    kernels unavailable, another dtype or device) or is switched off."""
-    if (head.dtype != torch.float32 or head.device.type != "cpu" or head.dim() != 2
-            or not greedy_head_enabled() or not cpu_native.available()):
+    kernels unavailable, another dtype or device)."""
+    if head.dtype != torch.float32 or head.device.type != "cpu" or head.dim() != 2 or not cpu_native.available():
         return None
     head = head.contiguous()
     return GreedyHead(head, cpu_native.bf16_blocks(head.to(torch.bfloat16)), head.norm(dim=1))

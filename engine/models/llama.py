@@ -63,6 +63,12 @@ def fused_decode_enabled() -> bool:
     return _env_switch("KVBATCH_FUSED_DECODE")
 
 
+def greedy_head_enabled() -> bool:
+    """Whether fp32 models built now screen a greedy step's LM head in bf16 (``KVBATCH_GREEDY_HEAD``,
+    default on; ``0`` keeps the full fp32 head, for measurements and whole-row logits)."""
+    return _env_switch("KVBATCH_GREEDY_HEAD")
+
+
 def lean_ops_enabled() -> bool:
     """Whether models built now take the lean small-op path (``KVBATCH_LEAN_OPS``, default on;
     ``0`` restores the per-tensor ops, for before/after measurements)."""
@@ -179,7 +185,8 @@ class LlamaModel:
         # head is held in fp32: int8 and GGUF heads stream fewer bytes than the screen would; a
         # tied head's rows are the embedding table itself)
         self.greedy_head: GreedyHead | None = None
-        if dtype == torch.float32 and device.type == "cpu" and not batch_invariant and self.linear.kind not in (INT8, GGUF):
+        if (dtype == torch.float32 and device.type == "cpu" and not batch_invariant
+                and self.linear.kind not in (INT8, GGUF) and greedy_head_enabled()):
             self.greedy_head = make_greedy_head(self.embed if tied else take("lm_head.weight"))
         self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
         self.scale = c.head_dim ** -0.5
