@@ -441,7 +441,8 @@ def test_the_c_source_ships_in_the_package():
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("shape", [(576, 960), (37, 1000), (1536, 576), (64, 5000)])
 def test_gemv_matches_blas(rows, shape, threads):
-    # in sizes not a multiple of 4 (nor of the thread count) and wide outputs included
+    # in sizes not a multiple of 4 (nor of the thread count) and outputs wider than a column chunk
+    # (2048, the one-thread path) included
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, shape[0], generator=gen), torch.randn(*shape, generator=gen)
     b = torch.randn(shape[1], generator=gen)
