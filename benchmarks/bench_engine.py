@@ -283,8 +283,8 @@ def floor_share(rates: list[float], bandwidths_gbs: list[float], weight_bytes: i
 def decode_weight_bytes(llm: LLM) -> int:
     """Bytes one greedy decode step streams from the weights: every dense projection and the LM
     head as the engine holds them (fp32, bf16 or int8 plus scales; GGUF blocks where one row runs
-    on them, the fp32 layout where it does not; an fp32 head that greedy rows screen in bf16, its
-    bf16 copy); the embedding is one row."""
+    on them, the fp32 layout where it does not; an fp32 head that greedy rows screen in int8, its
+    int8 copy and scales); the embedding is one row."""
     c = llm.model_config
     D = c.head_dim
     per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * D + c.num_heads * D * c.hidden_size
@@ -301,7 +301,7 @@ def decode_weight_bytes(llm: LLM) -> int:
         return sum(w.blocks.nbytes if w.blocks is not None else 4 * next(iter(w.layouts.values())).numel()
                    for w in weights)
     screen = getattr(llm.model, "greedy_head", None)
-    if screen is not None:  # the greedy rows' head streams its bf16 screen (and a few fp32 rows)
+    if screen is not None:  # the greedy rows' head streams its int8 screen (and a few fp32 rows)
         return (params - c.vocab_size * c.hidden_size) * llm.dtype.itemsize + screen.screen_bytes
     return params * llm.dtype.itemsize
 

@@ -340,7 +340,7 @@ def _weight_ptrs(w: Weight, name: str) -> tuple[int, int | None, int, tuple[int,
     return w.data_ptr(), None, _W_F32, tuple(w.shape)
 
 
-def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w (+ bias)`` for fp32 ``x`` [rows, in] and ``w`` [in, out] (BLAS's fp32 layout: the
     weight transposed) or int8 :class:`Int8Blocks`, or bf16 ``x`` and :class:`Bf16Blocks`: the fused
     decode layers' GEMV as its own call, each thread a band of output columns (of an fp32 ``[in,
@@ -350,17 +350,11 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, fp32_out:
     blocks, the int8 route ``gemv``, for any row count: a blocked GEMM past 8 rows, each block
     re-read from cache for every 8 rows). bf16 is summed in fp32 and rounded once, as torch's
     bf16 matmul rounds (on a CPU with AVX512-BF16 and an even ``in``, the exact products come
-    from ``vdpbf16ps``). A :class:`ColumnsWeight` runs in the fused layers only.
-
-    ``fp32_out``: fp32 ``x`` (and bias) over :class:`Bf16Blocks`, the sums returned in fp32 without
-    the final rounding (the greedy LM head's bf16 screen); where ``vdpbf16ps`` runs, ``x`` is
-    rounded to bf16 on the way in, so each product carries up to two bf16 roundings."""
+    from ``vdpbf16ps``). A :class:`ColumnsWeight` runs in the fused layers only."""
     w_ptr, scale_ptr, kind, (w_in, w_out) = _weight_ptrs(w, "gemv")
     if kind == _W_COLS:
         raise ValueError("gemv: a columns weight is multiplied inside the fused decode layers only")
-    if fp32_out and kind != _W_BF16:
-        raise ValueError("gemv: fp32_out is for fp32 activations over bf16 blocks")
-    bf16 = kind == _W_BF16 and not fp32_out
+    bf16 = kind == _W_BF16
     if _bf16(x, *(() if bias is None else (bias,))) != bf16:
         raise ValueError(f"gemv: x and bias take the weight's dtype ({'bf16' if bf16 else 'fp32'}), got {x.dtype}"
                          f"{'' if bias is None else f' and {bias.dtype}'}")

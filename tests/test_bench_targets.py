@@ -65,8 +65,8 @@ def test_each_batch_1_prompt_is_held_to_the_bandwidth_measured_beside_it():
 
 
 def test_the_floor_counts_the_bytes_a_greedy_step_streams(tmp_path, monkeypatch):
-    # an fp32 model screens its head in bf16 for greedy rows: its floor counts the bf16 copy; with
-    # the screen off, and for int8 weights (whose head is int8 already), the head as held
+    # an fp32 model screens its head in int8 for greedy rows: its floor counts the int8 copy and its
+    # scales; with the screen off, and for int8 weights (whose head is int8 already), the head as held
     from benchmarks.bench_engine import decode_weight_bytes
     from kvbatch.engine.runtime.engine_config import EngineConfig
     from kvbatch.engine.runtime.llm import LLM
@@ -83,7 +83,7 @@ def test_the_floor_counts_the_bytes_a_greedy_step_streams(tmp_path, monkeypatch)
     monkeypatch.setenv("KVBATCH_GREEDY_HEAD", "0")
     full = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64))
     blocks = -(-c.vocab_size // cpu_native.block_cols()) * cpu_native.block_cols()  # the screen's padded rows
-    assert decode_weight_bytes(full) - decode_weight_bytes(llm) == 4 * head - 2 * blocks * c.hidden_size
+    assert decode_weight_bytes(full) - decode_weight_bytes(llm) == 4 * head - blocks * (c.hidden_size + 4)
     monkeypatch.delenv("KVBATCH_GREEDY_HEAD")
     int8 = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64, weights="int8"))
     assert int8.model.greedy_head is None

@@ -1,4 +1,4 @@
-"""The greedy LM head (engine/models/greedy_head.py): the bf16 screen's error stays within its
+"""The greedy LM head (engine/models/greedy_head.py): the int8 screen's error stays within its
 bound, the token the fp32 head would pick is always kept, and an engine decoding greedily gives
 the same tokens with the screen as without it, while any step with another kind of row gets the
 full head."""
@@ -22,26 +22,31 @@ from tests.tiny_models import VOCAB, build_tiny
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels do not build here")
 
 
-def _head_and_rows(vocab: int, dim: int, rows: int, scale: float, ties: int, seed: int) -> tuple[torch.Tensor, ...]:
+def _head_and_rows(vocab: int, dim: int, rows: int, scale: float, ties: int, seed: int,
+                   zero_row: bool = False) -> tuple[torch.Tensor, ...]:
     """A random head [vocab, dim] whose first ``ties`` rows are near-copies of row 0 (logits a
-    rounding apart: the screen must keep them all and let fp32 decide), and ``rows`` inputs."""
+    rounding apart: the screen must keep them all and let fp32 decide), its last row zero where
+    ``zero_row`` (a scale of 0), and ``rows`` inputs."""
     g = torch.Generator().manual_seed(seed)
     head = torch.randn(vocab, dim, generator=g) * scale
     for k in range(1, min(ties, vocab)):
         head[k] = head[0] * (1 + 1e-3 * k * torch.randn(dim, generator=g))
+    if zero_row:
+        head[-1] = 0.0
     x = torch.randn(rows, dim, generator=g) * 3
     return head, x
 
 
 @settings(max_examples=60, deadline=None)
 @given(vocab=st.integers(1, 300), dim=st.integers(1, 96), rows=st.integers(1, G.SCREEN_MAX_ROWS),
-       scale=st.sampled_from([1e-3, 0.05, 1.0, 30.0]), ties=st.integers(0, 4), seed=st.integers(0, 2**16))
-def test_the_screen_stays_within_its_bound_and_keeps_the_fp32_argmax(vocab, dim, rows, scale, ties, seed):
-    head, x = _head_and_rows(vocab, dim, rows, scale, ties, seed)
+       scale=st.sampled_from([1e-3, 0.05, 1.0, 30.0]), ties=st.integers(0, 4), seed=st.integers(0, 2**16),
+       zero_row=st.booleans())
+def test_the_screen_stays_within_its_bound_and_keeps_the_fp32_argmax(vocab, dim, rows, scale, ties, seed, zero_row):
+    head, x = _head_and_rows(vocab, dim, rows, scale, ties, seed, zero_row)
     gh = G.make_greedy_head(head)
     approx, bound = G.screen(gh, x)
     exact = x.double() @ head.double().T
-    # the bound covers the screen's error against the exact logits (odd dims: the widening path)
+    # the bound covers the screen's error against the exact logits
     assert bool(((exact - approx.double()).abs() <= bound.double()).all())
     logits = G.screened_logits(gh, x)
     fp32 = x @ head.T
@@ -70,6 +75,10 @@ def test_the_screen_keeps_few_tokens_when_logits_are_spread():
 def test_the_screen_refuses_what_it_cannot_take(monkeypatch):
     head = torch.randn(50, 16)
     assert G.make_greedy_head(head.bfloat16()) is None
+    for bad in (float("nan"), float("inf")):  # no bound holds over a weight that is not finite
+        poisoned = head.clone()
+        poisoned[7, 3] = bad
+        assert G.make_greedy_head(poisoned) is None
     with pytest.raises(ValueError, match="fp32 rows of 16"):
         G.screened_logits(G.make_greedy_head(head), torch.randn(2, 8))
     assert greedy_head_enabled()

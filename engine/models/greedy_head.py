@@ -44,49 +44,52 @@ from kvbatch.kernels import cpu_native
 SCREEN_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
 
 
-def screen_error(dim: int) -> float:
-    """The screen's relative error for rows of ``dim`` inputs: the bound's factor on sum |x_i w_i|
-    (each fp32 sum counted as dim + 2 roundings, for the products and the norms' own; 1% more for
-    the rounding of the bound itself)."""
-    return (2.0 ** -7 + 2.0 ** -16 + 2 * (dim + 2) * 2.0 ** -24) * 1.01
-
-
 @dataclass(frozen=True)
 class GreedyHead:
     """An fp32 head ``[vocab, dim]`` as the screen reads it."""
 
     rows: torch.Tensor  # [V, D] fp32: the head itself (a tied model's embedding table, not a copy)
-    screen: cpu_native.Bf16Blocks  # the head rounded to bf16, in the native GEMV's blocks
-    l2: torch.Tensor  # [V] fp32: ||w_v||_2
+    screen: cpu_native.Int8Blocks  # each head row rounded to int8 with its own scale, in the native GEMV's blocks
+    error: torch.Tensor  # [V] fp32: the bound's factor on ||x||_2 (module docstring), per token
 
     @property
     def screen_bytes(self) -> int:
-        """What one pass of the screen streams (the bf16 blocks)."""
-        return self.screen.q.numel() * self.screen.q.element_size()
+        """What one pass of the screen streams (the int8 blocks and their scales)."""
+        return self.screen.q.numel() + self.screen.scale.numel() * self.screen.scale.element_size()
 
 
 def make_greedy_head(head: torch.Tensor) -> GreedyHead | None:
     """The screen for ``head`` [vocab, dim] fp32 on the CPU, or None where it cannot run (the native
-    kernels unavailable, another dtype or device)."""
+    kernels unavailable, another dtype or device, or a weight that is not finite: no bound holds)."""
     if head.dtype != torch.float32 or head.device.type != "cpu" or head.dim() != 2 or not cpu_native.available():
         return None
+    if not bool(torch.isfinite(head).all()):
+        return None
     head = head.contiguous()
-    return GreedyHead(head, cpu_native.bf16_blocks(head.to(torch.bfloat16)), head.norm(dim=1))
+    w = head.double()
+    scale = (w.abs().amax(dim=1) / 127).float().double()  # the fp32 scale the kernel applies, exactly
+    q = torch.where(scale[:, None] > 0, w / scale.clamp_min(torch.finfo(torch.float64).tiny)[:, None], 0.0)
+    q = q.round().clamp_(-127, 127)
+    rounded = q * scale[:, None]  # w' exactly (an int8 times an fp32 scale fits float64)
+    dim = head.shape[1]
+    error = (w - rounded).norm(dim=1) + (dim + 2) * 2.0 ** -24 * (w.norm(dim=1) + rounded.norm(dim=1))
+    screen = cpu_native.int8_blocks(q.to(torch.int8), scale.float())
+    return GreedyHead(head, screen, (error * 1.01).float())
 
 
 def screen(head: GreedyHead, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(approx, bound)``, both [rows, vocab]: the bf16 screen's logits for fp32 ``x`` [rows, dim]
+    """``(approx, bound)``, both [rows, vocab]: the int8 screen's logits for fp32 ``x`` [rows, dim]
     and, per token, how far any fp32 computation of its logit can lie from them."""
     if x.dim() != 2 or x.shape[1] != head.rows.shape[1] or x.dtype != torch.float32:
         raise ValueError(f"the greedy head takes fp32 rows of {head.rows.shape[1]}, got {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
-    approx = cpu_native.gemv(x, head.screen, fp32_out=True)
-    return approx, torch.mul(head.l2, x.norm(dim=1, keepdim=True).mul_(screen_error(x.shape[1])))
+    approx = cpu_native.gemv(x, head.screen)
+    return approx, torch.mul(head.error, x.norm(dim=1, keepdim=True))
 
 
 def screened_logits(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
     """Logits ``[rows, vocab]`` for fp32 ``x`` [rows, dim] whose argmax is that of ``x @ head.T``:
-    exact fp32 logits for every token the bf16 screen could not rule out, -inf for the rest."""
+    exact fp32 logits for every token the int8 screen could not rule out, -inf for the rest."""
     approx, bound = screen(head, x)
     best_low = torch.sub(approx, bound).amax(dim=1, keepdim=True)
     row, token = torch.nonzero(bound.add_(approx).ge_(best_low), as_tuple=True)

@@ -64,7 +64,7 @@ def fused_decode_enabled() -> bool:
 
 
 def greedy_head_enabled() -> bool:
-    """Whether fp32 models built now screen a greedy step's LM head in bf16 (``KVBATCH_GREEDY_HEAD``,
+    """Whether fp32 models built now screen a greedy step's LM head in int8 (``KVBATCH_GREEDY_HEAD``,
     default on; ``0`` keeps the full fp32 head, for measurements and whole-row logits)."""
     return _env_switch("KVBATCH_GREEDY_HEAD")
 
@@ -114,7 +114,7 @@ class ForwardBatch:
     block_tables: torch.Tensor | None = None  # [num_decode + S, max_blocks] int32
     seq_index: torch.Tensor | None = None  # [T] int64: row of block_tables each token belongs to
     # Every logits row belongs to a greedy request that wants no logprobs: only the argmax of each
-    # row will be read, so an fp32 model may screen its head in bf16 (greedy_head.py).
+    # row will be read, so an fp32 model may screen its head in int8 (greedy_head.py).
     greedy_only: bool = False
 
 
@@ -181,8 +181,8 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = take_t("model.embed_tokens.weight" if tied else "lm_head.weight")
-        # Greedy rows' head: a bf16 screen, exact fp32 logits for what it keeps (fp32 CPU models whose
-        # head is held in fp32: int8 and GGUF heads stream fewer bytes than the screen would; a
+        # Greedy rows' head: an int8 screen, exact fp32 logits for what it keeps (fp32 CPU models whose
+        # head is held in fp32: int8 and GGUF heads stream no more bytes than the screen would; a
         # tied head's rows are the embedding table itself)
         self.greedy_head: GreedyHead | None = None
         if (dtype == torch.float32 and device.type == "cpu" and not batch_invariant
