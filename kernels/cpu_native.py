@@ -26,7 +26,7 @@ import torch
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 7
+_ABI = 8
 # Rows the native fp32 and bf16 GEMVs and the fused decode layers are offered for: decode and small
 # batches, where a multiply is bound by streaming the weights; more rows are compute-bound, and there
 # oneDNN's GEMMs win. (The int8 blocks are offered at every row count: widened in registers, they
@@ -66,6 +66,8 @@ def _library() -> ctypes.CDLL | str:
     lib.kvb_block_cols.restype = _INT
     lib.kvb_block_cols.argtypes = []
     lib.kvb_gemv.argtypes = [_P, _I64, _P, _P, _INT, _I64, _I64, _P, _P, _INT]
+    lib.kvb_greedy_head.restype = _INT
+    lib.kvb_greedy_head.argtypes = [_P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _INT]
     return lib
 
 
@@ -370,6 +372,28 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.
                                None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads()),
                "gemv")
     return y.to(torch.bfloat16) if bf16 else y
+
+
+def greedy_head(x: torch.Tensor, screen: Int8Blocks, error: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """The greedy LM head's logits (``engine/models/greedy_head.py``) for fp32 ``x`` [rows, dim]: the
+    int8 ``screen`` of ``head`` [vocab, dim] fp32 multiplies x, and each token whose upper bound
+    (screen logit + ``error`` [vocab] x ||x||_2) reaches the row's best lower bound gets its fp32
+    logit ``head[v] . x``; every other token -inf. One native call (the GEMV, the bounds, the
+    selection and the kept tokens' dot products)."""
+    _fp32(x, error, head)
+    vocab, dim = head.shape
+    if (not isinstance(screen, Int8Blocks) or screen.out_features != vocab or screen.q.shape[1] != dim
+            or x.dim() != 2 or x.shape[1] != dim or error.shape != (vocab,)
+            or not (head.is_contiguous() and error.is_contiguous())):
+        raise ValueError(f"greedy_head: x [rows, {dim}], the head's int8 blocks, error [{vocab}] and a contiguous "
+                         f"head [{vocab}, {dim}], got x {tuple(x.shape)}, error {tuple(error.shape)}")
+    x = x.contiguous()
+    y = x.new_empty((x.shape[0], vocab))
+    if x.shape[0]:
+        _check(_lib().kvb_greedy_head(x.data_ptr(), x.shape[0], screen.q.data_ptr(), screen.scale.data_ptr(), dim,
+                                      vocab, error.data_ptr(), head.data_ptr(), y.data_ptr(),
+                                      torch.get_num_threads()), "greedy_head")
+    return y
 
 
 def attention_parts(context_lens: torch.Tensor, num_kv_heads: int, block_size: int, threads: int) -> int:

@@ -77,12 +77,17 @@ def make_greedy_head(head: torch.Tensor) -> GreedyHead | None:
     return GreedyHead(head, screen, (error * 1.01).float())
 
 
+def _rows(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the screen takes it (contiguous fp32 [rows, dim]), or a ValueError naming what it got."""
+    if x.dim() != 2 or x.shape[1] != head.rows.shape[1] or x.dtype != torch.float32:
+        raise ValueError(f"the greedy head takes fp32 rows of {head.rows.shape[1]}, got {x.dtype} {tuple(x.shape)}")
+    return x.contiguous()
+
+
 def screen(head: GreedyHead, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(approx, bound)``, both [rows, vocab]: the int8 screen's logits for fp32 ``x`` [rows, dim]
     and, per token, how far any fp32 computation of its logit can lie from them."""
-    if x.dim() != 2 or x.shape[1] != head.rows.shape[1] or x.dtype != torch.float32:
-        raise ValueError(f"the greedy head takes fp32 rows of {head.rows.shape[1]}, got {x.dtype} {tuple(x.shape)}")
-    x = x.contiguous()
+    x = _rows(head, x)
     approx = cpu_native.gemv(x, head.screen)
     return approx, torch.mul(head.error, x.norm(dim=1, keepdim=True))
 
@@ -90,10 +95,6 @@ def screen(head: GreedyHead, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def screened_logits(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
     """Logits ``[rows, vocab]`` for fp32 ``x`` [rows, dim] whose argmax is that of ``x @ head.T``:
     exact fp32 logits for every token the int8 screen could not rule out, -inf for the rest."""
-    approx, bound = screen(head, x)
-    best_low = torch.sub(approx, bound).amax(dim=1, keepdim=True)
-    row, token = torch.nonzero(bound.add_(approx).ge_(best_low), as_tuple=True)
-    # each kept token's fp32 logit: its head row times its x row, into the screen's own buffer
-    # (written again rather than a fresh one: fresh pages are several times slower to write)
-    exact = (head.rows.index_select(0, token) * x.index_select(0, row)).sum(dim=1)
-    return approx.fill_(float("-inf")).index_put_((row, token), exact)
+    x = _rows(head, x)
+    # one native call: as torch ops after the GEMV, the bound and the selection took 0.43 ms a step
+    return cpu_native.greedy_head(x, head.screen, head.error, head.rows)
