@@ -50,6 +50,7 @@ from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_b
 from kvbatch.engine.models.gguf_kernels import fused_weight as gguf_fused_weight  # beside LinearFormat.fused_weight
 from kvbatch.engine.models.quant import GEMV, int8_linear, quantize_int8
 from kvbatch.kernels import cpu_native, dispatch
+from kvbatch.kernels.huge_pages import HugePageArena
 
 ONEDNN = "onednn"
 BLAS = "blas"
@@ -258,6 +259,24 @@ class MixedWeight:
     """One projection held in each layout a :data:`MIXED` format's buckets use."""
 
     layouts: dict[str, Any]  # kind -> a tensor, or an opaque packed weight (mkl_packed.PackedWeight)
+
+
+def place_in_huge_pages(arena: HugePageArena, w: Any) -> Any:
+    """``w`` as :meth:`LinearFormat.prepare` made it, its CPU tensors (a plain layout, a
+    :class:`MixedWeight`'s plain layouts once each, bf16 blocks) copied into ``arena``
+    (kernels/huge_pages.py: the pages a decode step streams them from); packed weights (oneDNN's,
+    MKL's), int8 and GGUF weights, whose memory their own code allocates, as they are."""
+    if isinstance(w, torch.Tensor):  # oneDNN's packed weights are tensors of their own layout: kept
+        return arena.place(w) if w.device.type == "cpu" and w.layout == torch.strided else w
+    if isinstance(w, cpu_native.Bf16Blocks):
+        return w._replace(q=arena.place(w.q))
+    if isinstance(w, MixedWeight):
+        placed: dict[int, Any] = {}  # BLAS and the native GEMV share one plain tensor: one copy
+        for k, layout in w.layouts.items():
+            if id(layout) not in placed:
+                placed[id(layout)] = place_in_huge_pages(arena, layout)
+            w.layouts[k] = placed[id(layout)]
+    return w
 
 
 class _SingleFormats(dict):

@@ -9,7 +9,7 @@ batch-1 decode on a CPU. Every hot operation goes through :mod:`kvbatch.kernels.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,8 @@ from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
 from kvbatch.engine.models import greedy_head
 from kvbatch.engine.models.greedy_head import SCREEN_MAX_ROWS, GreedyHead, make_greedy_head
-from kvbatch.engine.models.linear import GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
+from kvbatch.engine.models.linear import (GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format,
+                                          place_in_huge_pages)
 from kvbatch.engine.models.moe import (
     ExpertCompute,
     LocalExperts,
@@ -28,6 +29,8 @@ from kvbatch.engine.models.moe import (
 )
 from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.kernels import dispatch as K
+from kvbatch.kernels import huge_pages
+from kvbatch.kernels.huge_pages import HugePageArena
 
 
 def refuse_batch_invariant_moe(config: ModelConfig) -> None:
@@ -67,6 +70,12 @@ def greedy_head_enabled() -> bool:
     """Whether fp32 models built now screen a greedy step's LM head in int8 (``KVBATCH_GREEDY_HEAD``,
     default on; ``0`` keeps the full fp32 head, for measurements and whole-row logits)."""
     return _env_switch("KVBATCH_GREEDY_HEAD")
+
+
+def huge_pages_enabled() -> bool:
+    """Whether CPU models built now copy their projections into transparent huge pages
+    (``KVBATCH_HUGE_PAGES``, default on; ``0`` keeps torch's 4 KiB pages, for measurements)."""
+    return _env_switch("KVBATCH_HUGE_PAGES")
 
 
 def lean_ops_enabled() -> bool:
@@ -144,9 +153,15 @@ class LlamaModel:
             return tensors[name].to(device=device, dtype=dtype).contiguous()
 
         self.linear: LinearFormat = choose_linear_format(dtype, device)
+        # The projections a decode step streams, in 2 MiB pages where Linux offers them
+        # (kernels/huge_pages.py; KVBATCH_HUGE_PAGES=0 leaves them where torch put them).
+        arena = (HugePageArena() if device.type == "cpu" and huge_pages_enabled()
+                 and huge_pages.unavailable_reason() is None else None)
+        self.arena = arena  # the runner's KV cache comes from it too
 
         def take_t(*names: str) -> torch.Tensor:
-            return self.linear.prepare(torch.cat([take(n) for n in names]))
+            w = self.linear.prepare(torch.cat([take(n) for n in names]))
+            return w if arena is None else place_in_huge_pages(arena, w)
 
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
@@ -188,6 +203,9 @@ class LlamaModel:
         if (dtype == torch.float32 and device.type == "cpu" and not batch_invariant
                 and self.linear.kind not in (INT8, GGUF) and greedy_head_enabled()):
             self.greedy_head = make_greedy_head(self.embed if tied else take("lm_head.weight"))
+            if self.greedy_head is not None and arena is not None:  # the screen is streamed every greedy step
+                screen = self.greedy_head.screen
+                self.greedy_head = replace(self.greedy_head, screen=screen._replace(q=arena.place(screen.q)))
         self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
         self.scale = c.head_dim ** -0.5
         # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).

@@ -83,8 +83,12 @@ class ModelRunner:
         # [layers, K/V, blocks, ...] as the model lays it out (Llama: [L, 2, blocks, block_size,
         # kv_heads, head_dim]; MLA: [L, 1, blocks, block_size, 1, latent + rope]): one block of
         # every layer is the unit the KV store saves and loads. Allocated (and touched) once, on
-        # the model's device.
-        self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype, device=self.device)
+        # the model's device; on the CPU in the model's huge-page arena where it keeps one (attention
+        # streams the cache as the projections stream the weights: kernels/huge_pages.py).
+        shape = model.kv_cache_shape(num_blocks, block_size)
+        arena = getattr(model, "arena", None)
+        self.kv_cache = (arena.zeros(shape, kv_dtype) if arena is not None and self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=kv_dtype, device=self.device))
         self.graphs = None  # a CudaGraphRunner once captured (LLM does it on CUDA, unless eager)
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

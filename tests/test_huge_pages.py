@@ -1,0 +1,89 @@
+"""Weights and the KV cache in transparent huge pages (kernels/huge_pages.py): the arena's copies
+are the tensors they were, aligned and apart; Linux backs them with 2 MiB pages where it offers
+them; a model built with the switch on holds its projections and KV cache there and decodes the
+same tokens as with it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels import huge_pages as HP
+from tests.tiny_models import VOCAB, build_tiny
+
+needs_thp = pytest.mark.skipif(HP.unavailable_reason() is not None, reason=str(HP.unavailable_reason()))
+
+
+@needs_thp
+def test_placed_tensors_are_copies_aligned_and_apart():
+    arena = HP.HugePageArena(chunk_bytes=4 << 20)
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(300, 7, generator=g), torch.randn(5, generator=g).bfloat16(),
+               torch.randint(-128, 127, (1000,), dtype=torch.int8, generator=g),
+               torch.randn(3 << 20, generator=g)]  # 12 MiB: larger than a chunk, a chunk of its own
+    placed = [arena.place(t) for t in sources]
+    spans = []
+    for src, out in zip(sources, placed):
+        assert out.dtype == src.dtype and out.shape == src.shape and torch.equal(out, src)
+        assert out.data_ptr() % 64 == 0 and out.data_ptr() != src.data_ptr()
+        spans.append((out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()))
+    spans.sort()
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # no two share a byte
+    assert placed[0].data_ptr() % HP.HUGE_PAGE == 0 and placed[3].data_ptr() % HP.HUGE_PAGE == 0
+    assert arena.bytes_placed == sum(t.numel() * t.element_size() for t in sources)
+    zeros = arena.zeros((4, 1000), torch.float32)
+    assert zeros.shape == (4, 1000) and not zeros.any()
+    with pytest.raises(ValueError, match="CPU tensors, got one on meta"):
+        arena.place(torch.empty(4, device="meta"))
+
+
+@needs_thp
+def test_linux_backs_the_arena_with_huge_pages():
+    arena = HP.HugePageArena()
+    big = arena.place(torch.ones(4 << 20))  # 16 MiB
+    assert HP.huge_page_bytes(big) >= HP.HUGE_PAGE
+    assert HP.huge_page_bytes(torch.ones(1 << 20)) == 0  # torch's own allocation asks for none
+
+
+def test_the_reason_names_a_thp_setting_of_never(tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(HP, "_THP", setting)
+    assert "transparent huge pages are off" in HP.unavailable_reason()
+    monkeypatch.setattr(HP, "_THP", tmp_path / "missing")
+    assert "cannot read" in HP.unavailable_reason()
+    setting.write_text("always [madvise] never\n")
+    monkeypatch.setattr(HP, "_THP", setting)
+    assert HP.unavailable_reason() is None
+
+
+def _tokens(folder, monkeypatch, switch: str) -> tuple[list[list[int]], LLM]:
+    monkeypatch.setenv("KVBATCH_HUGE_PAGES", switch)
+    llm = LLM(str(folder), engine_config=EngineConfig(block_size=4, num_blocks=64))
+    prompts = [torch.randint(3, VOCAB, (7 + 4 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(3)]
+    results = llm.generate([GenerationRequest(f"r{i}", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                              prompt_token_ids=p) for i, p in enumerate(prompts)])
+    return [r.output_token_ids for r in results], llm
+
+
+@needs_thp
+def test_a_model_holds_its_projections_and_kv_cache_in_huge_pages(tmp_path, monkeypatch):
+    build_tiny("llama", tmp_path)
+    plain, off = _tokens(tmp_path, monkeypatch, "0")
+    huge, on = _tokens(tmp_path, monkeypatch, "1")
+    assert huge == plain
+    assert off.runner.model.arena is None and on.runner.model.arena is not None
+    arena = on.runner.model.arena
+    # every projection of every layer was copied in: the tiny model's weights, then its KV cache
+    lw = on.runner.model.layers[0]
+    weights = [on.runner.model.linear.fused_weight(w) for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+    assert all(w is not None for w in weights)
+    start, end = arena._chunk.data_ptr(), arena._chunk.data_ptr() + arena._chunk.numel()
+    for t in [*(w if isinstance(w, torch.Tensor) else w.q for w in weights), on.runner.kv_cache]:
+        assert start <= t.data_ptr() < end
+    assert HP.huge_page_bytes(on.runner.kv_cache) >= HP.HUGE_PAGE
+    assert not (start <= off.runner.kv_cache.data_ptr() < end)
