@@ -312,3 +312,27 @@ def test_bf16_slower_than_fp32_on_this_cpu_comes_with_a_note(tmp_path):
     assert kc.choose_kernels(torch.bfloat16, SHAPES, linear="blas", cache_dir=tmp_path, timer=fast).note == ""
     # fp32 is not compared with anything
     assert kc.choose_kernels(torch.float32, SHAPES, linear="blas", cache_dir=tmp_path, timer=refusing_timer).note == ""
+
+
+@pytest.mark.skipif(__import__("kvbatch.kernels.huge_pages", fromlist=["x"]).unavailable_reason() is not None,
+                    reason="no transparent huge pages here")
+def test_the_candidates_are_timed_on_the_pages_the_model_streams():
+    # with huge pages wanted, each candidate's plain weights are placed as the model places them;
+    # the cache key tells the two apart, so a choice made on one kind of page is not reused for the other
+    from kvbatch.kernels.huge_pages import _THP, huge_page_bytes
+
+    madvise_only = "[madvise]" in _THP.read_text()  # torch's own memory gets no huge pages then
+    for huge in (False, True):
+        streamed: list[int] = []
+
+        def timer(kind, rows, run):
+            run()
+            if kind == BLAS:
+                ws = run.__defaults__[0]  # the timed call's weights (measure's closure)
+                streamed.append(huge_page_bytes(ws[0][0]))
+            return 1e-3
+
+        kc.measure([BLAS], torch.float32, [(1024, 1024)], 4, timer, huge_pages=huge)
+        assert streamed and (all(b > 0 for b in streamed) if huge else not (madvise_only and any(streamed)))
+    keys = [kc.cache_key(torch.float32, "full", SHAPES, 2, [BLAS], huge_pages=h) for h in (False, True)]
+    assert keys[0] != keys[1] and keys[1]["huge_pages"] is True

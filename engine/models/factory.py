@@ -18,7 +18,7 @@ from kvbatch.engine.models.gguf_blocks import GGUFBlocks, layer_qtype
 from kvbatch.engine.models.gguf_kernels import BlockIndex, use_gguf_blocks
 from kvbatch.engine.models.kernel_choice import choose_kernels, dense_shapes
 from kvbatch.engine.models.linear import GGUF, use_linear_format
-from kvbatch.engine.models.llama import LlamaModel
+from kvbatch.engine.models.llama import LlamaModel, huge_pages_wanted
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -37,9 +37,12 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
     where that measured faster, and warns when it falls back to fp32. The choice is kept as
     ``model.kernel_choice``."""
     blocks = dict(gguf_blocks or {}) if weights == "gguf" else {}
+    # the kernels are timed on the pages the model streams: the Llama family's projections in huge
+    # pages where they are wanted (DeepSeek's MLA weights stay in torch's)
+    huge_pages = config.model_type != "deepseek_v3" and huge_pages_wanted(device)
     choice = choose_kernels(dtype, dense_shapes(tensors), num_layers=config.num_layers, linear=linear,
                             weights=weights, batch_invariant=batch_invariant, device=device,
-                            gguf_qtype=layer_qtype(blocks))
+                            gguf_qtype=layer_qtype(blocks), huge_pages=huge_pages)
     if choice.note:
         warnings.warn(choice.note, RuntimeWarning, stacklevel=2)
     index = BlockIndex(tensors, blocks) if blocks and choice.fmt.kind == GGUF else None

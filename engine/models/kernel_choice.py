@@ -60,8 +60,10 @@ from kvbatch.engine.models.linear import (
     choose_linear_format,
     linear_override,
     onednn_available,
+    place_in_huge_pages,
 )
 from kvbatch.kernels import cpu_native
+from kvbatch.kernels.huge_pages import HugePageArena
 from kvbatch.kernels.machine import cpu_identity, default_cache_dir  # also this module's API
 from kvbatch.engine.models.quant import (
     DEQUANT,
@@ -139,15 +141,15 @@ def dense_shapes(tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, int]]:
 
 
 def cache_key(dtype: torch.dtype, weights: str, shapes: Sequence[tuple[int, int]], num_layers: int,
-              candidates: Sequence[str], gguf_qtype: str | None = None) -> dict[str, Any]:
+              candidates: Sequence[str], gguf_qtype: str | None = None, huge_pages: bool = False) -> dict[str, Any]:
     """Everything a measurement depends on; a change in any of it measures again (for GGUF
     weights also the block type and the native kernel's build; with the native GEMV a candidate,
-    its build)."""
+    its build; whether the weights lie in huge pages)."""
     model, flags = cpu_identity()
     key = {"version": CACHE_VERSION, "cpu": model, "flags": sorted(flags), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "weights": weights,
            "shapes": [list(s) for s in shapes], "num_layers": num_layers, "candidates": list(candidates),
-           "buckets": list(BUCKET_BOUNDS)}
+           "buckets": list(BUCKET_BOUNDS), "huge_pages": huge_pages}
     if weights == "gguf":
         key.update(gguf_qtype=gguf_qtype, gguf_kernel=gguf_kernels.identity())
     if NATIVE in candidates or GEMV in candidates:
@@ -208,7 +210,7 @@ def _weight_bytes(kind: str, shapes: Sequence[tuple[int, int]], dtype: torch.dty
 
 def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tuple[int, int]], num_layers: int,
             timer: Timer = one_call, calls: list[tuple[str, int]] | None = None,
-            gguf_qtype: str | None = None) -> dict[str, list[float]]:
+            gguf_qtype: str | None = None, huge_pages: bool = False) -> dict[str, list[float]]:
     """ms per bucket for each candidate, multiplying random weights of ``shapes``: up to
     ``_STREAM_BYTES`` of them (at most ``num_layers`` copies of one layer) for the memory-bound
     small buckets, one layer's worth from 9 rows up (compute-bound there, and the most expensive
@@ -216,8 +218,18 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
 
     The native GGUF candidate (random ``gguf_qtype`` blocks) streams more copies, as its layer is
     smaller, so its small-bucket times are scaled to the float candidates' copy count: every
-    timing is for the same number of layers."""
+    timing is for the same number of layers.
+
+    ``huge_pages``: each candidate's weights placed as the model will place them
+    (:func:`~kvbatch.engine.models.linear.place_in_huge_pages`), so that a kernel is timed on the
+    pages it will stream (a plain read of 4 KiB pages ran at 21 GB/s, of 2 MiB ones at 29, on a
+    Xeon 167)."""
     g = torch.Generator().manual_seed(0)
+    arena = HugePageArena() if huge_pages else None
+
+    def place(w: object) -> object:
+        return w if arena is None else place_in_huge_pages(arena, w)
+
     copies_of = {kind: max(1, min(num_layers, _STREAM_BYTES // max(_weight_bytes(kind, shapes, dtype, gguf_qtype), 1)))
                  for kind in candidates}
     copies = max(1, min(num_layers, _STREAM_BYTES // max(_weight_bytes(BLAS, shapes, dtype, None), 1)))
@@ -230,13 +242,14 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
     for kind in candidates:
         fmt = candidate_format(kind, dtype)
         if kind == GGUF_NATIVE:
-            first = [(GGUFWeight(gguf_kernels.random_blocks(gguf_qtype or "Q4_1", o, i, g)), i) for o, i in shapes]
+            first = [(place(GGUFWeight(gguf_kernels.random_blocks(gguf_qtype or "Q4_1", o, i, g))), i)
+                     for o, i in shapes]
         else:
-            first = [(fmt.prepare(w), w.shape[1]) for w in layer]
+            first = [(place(fmt.prepare(w)), w.shape[1]) for w in layer]
         if kind == MKL:  # MKL's packed buffers must not move: each copy is packed afresh, not cloned
             more = [(fmt.prepare(w), w.shape[1]) for _ in range(copies_of[kind] - 1) for w in layer]
         else:
-            more = [(_copy_prepared(w), in_f) for _ in range(copies_of[kind] - 1) for w, in_f in first]
+            more = [(place(_copy_prepared(w)), in_f) for _ in range(copies_of[kind] - 1) for w, in_f in first]
         prepared[kind] = first + more
     timings: dict[str, list[float]] = {kind: [] for kind in candidates}
     for b, rows in enumerate(BUCKET_ROWS):
@@ -355,20 +368,22 @@ def _write_cache(path: Path, data: Mapping[str, Any]) -> None:
 def choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], *, num_layers: int = 1,
                    linear: str = "auto", weights: str = "full", batch_invariant: bool = False,
                    device: torch.device | str = "cpu", cache_dir: Path | str | None = None,
-                   timer: Timer = one_call, gguf_qtype: str | None = None) -> KernelChoice:
+                   timer: Timer = one_call, gguf_qtype: str | None = None, huge_pages: bool = False) -> KernelChoice:
     """The projection format for a model whose layers multiply ``shapes``.
 
     ``linear``: ``auto`` (measure, or the ``KVBATCH_LINEAR`` override when set), or ``onednn`` /
     ``blas`` (forced). ``weights``: ``full``, ``int8`` or ``gguf`` (``gguf_qtype``: the GGUF type
     of the layers' blocks, None when the checkpoint has none). Batch-invariant mode and CUDA take
-    the static choice (one kernel whose padding rule is known; cuBLAS).
+    the static choice (one kernel whose padding rule is known; cuBLAS). ``huge_pages``: the model
+    will hold its weights in huge pages (:func:`~kvbatch.engine.models.llama.huge_pages_wanted`), so
+    the candidates are timed there too.
 
     ``gguf`` falls back to the dequantized fp32 weights, saying why in ``KernelChoice.note``, when
     the checkpoint holds no blocks of a native type or the native kernel cannot be built here.
     bf16 on the CPU gets a note too where it measures slower than fp32 (:func:`bf16_slowdown`);
     ``build_model`` warns with every note."""
     choice = _choose_kernels(dtype, shapes, num_layers, linear, weights, batch_invariant, device, cache_dir, timer,
-                             gguf_qtype)
+                             gguf_qtype, huge_pages)
     if dtype == torch.bfloat16 and choice.fmt.device.type == "cpu" and shapes:
         slower = bf16_slowdown(choice.fmt, shapes, timer)
         if slower > 1.0:
@@ -415,7 +430,7 @@ def bf16_slowdown(fmt: LinearFormat, shapes: Sequence[tuple[int, int]], timer: T
 
 def _choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], num_layers: int, linear: str,
                     weights: str, batch_invariant: bool, device: torch.device | str, cache_dir: Path | str | None,
-                    timer: Timer, gguf_qtype: str | None) -> KernelChoice:
+                    timer: Timer, gguf_qtype: str | None, huge_pages: bool = False) -> KernelChoice:
     """:func:`choose_kernels` before its bf16 check."""
     if linear not in LINEAR_CHOICES:
         raise ValueError(f"linear must be one of {', '.join(LINEAR_CHOICES)}, not {linear!r}")
@@ -465,7 +480,7 @@ def _choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], num_l
     candidates = candidates_for(dtype, weights)
     if len(candidates) == 1:
         return KernelChoice(format_from_kinds([candidates[0]] * len(BUCKET_ROWS), dtype, weights), "static", note=note)
-    key = cache_key(dtype, weights, shapes, num_layers, candidates, gguf_qtype)
+    key = cache_key(dtype, weights, shapes, num_layers, candidates, gguf_qtype, huge_pages)
     path = cache_file(key, Path(cache_dir) if cache_dir is not None else default_cache_dir())
     cached = _read_cache(path, key, candidates)
     if cached is not None:
@@ -473,7 +488,7 @@ def _choose_kernels(dtype: torch.dtype, shapes: Sequence[tuple[int, int]], num_l
                             cached.get("timings_ms", {}), str(path), note=note)
     t0 = time.perf_counter()
     calls: list[tuple[str, int]] = []
-    timings = measure(candidates, dtype, shapes, num_layers, timer, calls, gguf_qtype)
+    timings = measure(candidates, dtype, shapes, num_layers, timer, calls, gguf_qtype, huge_pages)
     kinds = pick(timings)
     measure_s = time.perf_counter() - t0
     _write_cache(path, {"key": key, "kinds": list(kinds), "timed_calls": len(calls), "measure_s": measure_s,

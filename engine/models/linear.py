@@ -39,7 +39,7 @@ import functools
 import os
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from kvbatch.engine.models import mkl_packed
 from kvbatch.engine.models.gguf_kernels import GGUFWeight, gguf_linear, lookup_blocks
 from kvbatch.engine.models.gguf_kernels import fused_weight as gguf_fused_weight  # beside LinearFormat.fused_weight
-from kvbatch.engine.models.quant import GEMV, int8_linear, quantize_int8
+from kvbatch.engine.models.quant import GEMV, Int8Weight, int8_linear, quantize_int8
 from kvbatch.kernels import cpu_native, dispatch
 from kvbatch.kernels.huge_pages import HugePageArena
 
@@ -262,20 +262,29 @@ class MixedWeight:
 
 
 def place_in_huge_pages(arena: HugePageArena, w: Any) -> Any:
-    """``w`` as :meth:`LinearFormat.prepare` made it, its CPU tensors (a plain layout, a
-    :class:`MixedWeight`'s plain layouts once each, bf16 blocks) copied into ``arena``
-    (kernels/huge_pages.py: the pages a decode step streams them from); packed weights (oneDNN's,
-    MKL's), int8 and GGUF weights, whose memory their own code allocates, as they are."""
+    """``w`` as :meth:`LinearFormat.prepare` made it, the CPU tensors a multiply streams copied into
+    ``arena`` (kernels/huge_pages.py): a plain layout, bf16 or int8 blocks, an int8 weight's values,
+    a GGUF weight's blocks, and a :class:`MixedWeight`'s or GGUF weight's float layouts, each shared
+    tensor once. Packed weights (oneDNN's, MKL's), whose memory their own code allocates, stay
+    where they are."""
     if isinstance(w, torch.Tensor):  # oneDNN's packed weights are tensors of their own layout: kept
         return arena.place(w) if w.device.type == "cpu" and w.layout == torch.strided else w
-    if isinstance(w, cpu_native.Bf16Blocks):
+    if isinstance(w, (cpu_native.Bf16Blocks, cpu_native.Int8Blocks)):
         return w._replace(q=arena.place(w.q))
-    if isinstance(w, MixedWeight):
+    if isinstance(w, Int8Weight):
+        return replace(w, q=None if w.q is None else arena.place(w.q),
+                       blocks=None if w.blocks is None else place_in_huge_pages(arena, w.blocks))
+    if isinstance(w, (MixedWeight, GGUFWeight)):
         placed: dict[int, Any] = {}  # BLAS and the native GEMV share one plain tensor: one copy
+        layouts = {}
         for k, layout in w.layouts.items():
             if id(layout) not in placed:
                 placed[id(layout)] = place_in_huge_pages(arena, layout)
-            w.layouts[k] = placed[id(layout)]
+            layouts[k] = placed[id(layout)]
+        if isinstance(w, MixedWeight):
+            return replace(w, layouts=layouts)
+        blocks = None if w.blocks is None else replace(w.blocks, data=arena.place(w.blocks.data))
+        return replace(w, blocks=blocks, layouts=layouts)
     return w
 
 

@@ -78,6 +78,13 @@ def huge_pages_enabled() -> bool:
     return _env_switch("KVBATCH_HUGE_PAGES")
 
 
+def huge_pages_wanted(device: torch.device | str) -> bool:
+    """Whether a model built now on ``device`` holds its projections and KV cache in huge pages: a
+    CPU model, the switch on, and Linux offering them (kernels/huge_pages.py)."""
+    return (torch.device(device).type == "cpu" and huge_pages_enabled()
+            and huge_pages.unavailable_reason() is None)
+
+
 def lean_ops_enabled() -> bool:
     """Whether models built now take the lean small-op path (``KVBATCH_LEAN_OPS``, default on;
     ``0`` restores the per-tensor ops, for before/after measurements)."""
@@ -155,8 +162,7 @@ class LlamaModel:
         self.linear: LinearFormat = choose_linear_format(dtype, device)
         # The projections a decode step streams, in 2 MiB pages where Linux offers them
         # (kernels/huge_pages.py; KVBATCH_HUGE_PAGES=0 leaves them where torch put them).
-        arena = (HugePageArena() if device.type == "cpu" and huge_pages_enabled()
-                 and huge_pages.unavailable_reason() is None else None)
+        arena = HugePageArena() if huge_pages_wanted(device) else None
         self.arena = arena  # the runner's KV cache comes from it too
 
         def take_t(*names: str) -> torch.Tensor:
