@@ -62,9 +62,10 @@ class HugePageArena:
         start = -whole.data_ptr() % HUGE_PAGE
         self._chunk, self._used = whole[start:start + size], 0
 
-    def _take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Arena bytes never handed out before, as a tensor (a fresh mapping's bytes read zero)."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Arena bytes never handed out before, as a tensor: untouched (a fresh mapping's bytes read
+        zero, and take memory only where written: MKL's packed buffers, whose size is an upper bound)."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
             self._new_chunk(nbytes)
         at = self._used
@@ -78,14 +79,14 @@ class HugePageArena:
             raise ValueError(f"huge pages hold CPU tensors, got one on {t.device}")
         if t.numel() == 0:
             return t.contiguous()
-        return self._take(tuple(t.shape), t.dtype).copy_(t)
+        return self.empty(tuple(t.shape), t.dtype).copy_(t)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero tensor in the arena, every page touched now (the KV cache: its faults at
         allocation, not in the steps that first write each block)."""
         if torch.Size(shape).numel() == 0:
             return torch.zeros(shape, dtype=dtype)
-        return self._take(tuple(shape), dtype).zero_()
+        return self.empty(tuple(shape), dtype).zero_()
 
 
 def huge_page_bytes(t: torch.Tensor) -> int:

@@ -89,6 +89,14 @@ def test_every_kind_of_prepared_weight_moves_its_streamed_tensors():
     assert inside(gguf.blocks.data) and torch.equal(gguf.blocks.data, blocks.data) and inside(gguf.layouts["blas"])
     packed = w.to_mkldnn()  # oneDNN's own layout: its memory is oneDNN's, kept where it is
     assert place_in_huge_pages(arena, packed) is packed
+    from kvbatch.engine.models import mkl_packed
+    from kvbatch.engine.models.linear import MKL, LinearFormat
+
+    if mkl_packed.available():  # MKL's buffers cannot move: packed in the arena from the start
+        mkl = LinearFormat(MKL, torch.float32).prepare(w, arena)
+        assert inside(mkl._buffer)
+        x = torch.randn(3, 64, generator=g)
+        torch.testing.assert_close(mkl_packed.linear(x, mkl), x @ w.T)
 
 
 def _tokens(folder, monkeypatch, switch: str) -> tuple[list[list[int]], LLM]:

@@ -227,9 +227,6 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
     g = torch.Generator().manual_seed(0)
     arena = HugePageArena() if huge_pages else None
 
-    def place(w: object) -> object:
-        return w if arena is None else place_in_huge_pages(arena, w)
-
     copies_of = {kind: max(1, min(num_layers, _STREAM_BYTES // max(_weight_bytes(kind, shapes, dtype, gguf_qtype), 1)))
                  for kind in candidates}
     copies = max(1, min(num_layers, _STREAM_BYTES // max(_weight_bytes(BLAS, shapes, dtype, None), 1)))
@@ -242,14 +239,14 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
     for kind in candidates:
         fmt = candidate_format(kind, dtype)
         if kind == GGUF_NATIVE:
-            first = [(place(GGUFWeight(gguf_kernels.random_blocks(gguf_qtype or "Q4_1", o, i, g))), i)
-                     for o, i in shapes]
+            first = [(GGUFWeight(gguf_kernels.random_blocks(gguf_qtype or "Q4_1", o, i, g)), i) for o, i in shapes]
+            first = [(w if arena is None else place_in_huge_pages(arena, w), i) for w, i in first]
         else:
-            first = [(place(fmt.prepare(w)), w.shape[1]) for w in layer]
+            first = [(fmt.prepare(w, arena), w.shape[1]) for w in layer]
         if kind == MKL:  # MKL's packed buffers must not move: each copy is packed afresh, not cloned
-            more = [(fmt.prepare(w), w.shape[1]) for _ in range(copies_of[kind] - 1) for w in layer]
+            more = [(fmt.prepare(w, arena), w.shape[1]) for _ in range(copies_of[kind] - 1) for w in layer]
         else:
-            more = [(place(_copy_prepared(w)), in_f) for _ in range(copies_of[kind] - 1) for w, in_f in first]
+            more = [(_copy_prepared(w, arena), in_f) for _ in range(copies_of[kind] - 1) for w, in_f in first]
         prepared[kind] = first + more
     timings: dict[str, list[float]] = {kind: [] for kind in candidates}
     for b, rows in enumerate(BUCKET_ROWS):
@@ -293,9 +290,12 @@ def measure(candidates: Sequence[str], dtype: torch.dtype, shapes: Sequence[tupl
     return timings
 
 
-def _copy_prepared(w: object) -> object:
+def _copy_prepared(w: object, arena: HugePageArena | None = None) -> object:
     """Another copy of a prepared weight, in the same layout (clone where it is a plain or an
-    opaque oneDNN tensor; an int8 weight clones its parts, bf16 blocks their tensor)."""
+    opaque oneDNN tensor; an int8 weight clones its parts, bf16 blocks their tensor), placed in
+    ``arena`` as the original was."""
+    if arena is not None:
+        return place_in_huge_pages(arena, _copy_prepared(w))
     if isinstance(w, torch.Tensor):
         return w.clone()
     if isinstance(w, cpu_native.Bf16Blocks):

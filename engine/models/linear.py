@@ -133,28 +133,36 @@ class LinearFormat:
             return self.kind
         return self.bucket_kinds[bucket_index(rows)]
 
-    def prepare(self, w: torch.Tensor) -> Any:
+    def prepare(self, w: torch.Tensor, arena: HugePageArena | None = None) -> Any:
         """``w`` [out, in] in ``self.dtype`` -> what ``__call__`` takes (on ``self.device``): a tensor,
         a :class:`MixedWeight`, an int8 weight (:class:`~kvbatch.engine.models.quant.Int8Weight`) or a
-        :class:`~kvbatch.engine.models.gguf_kernels.GGUFWeight`."""
+        :class:`~kvbatch.engine.models.gguf_kernels.GGUFWeight`. ``arena``: the huge pages its CPU
+        memory goes to (kernels/huge_pages.py; MKL's packed buffers are packed there, the rest
+        copied in by :func:`place_in_huge_pages`); None leaves it where torch and oneDNN put it."""
+        made = self._prepare(w, arena)
+        return made if arena is None else place_in_huge_pages(arena, made)
+
+    def _prepare(self, w: torch.Tensor, arena: HugePageArena | None) -> Any:
+        """:meth:`prepare` before its tensors are copied into ``arena`` (MKL packs into it directly:
+        its buffers cannot move)."""
         if self.kind == INT8:
             return quantize_int8(w.to(device=self.device), tuple(dict.fromkeys(self.bucket_kinds)))
         if self.kind == GGUF:
-            return self._prepare_gguf(w.to(device=self.device, dtype=self.dtype).contiguous())
+            return self._prepare_gguf(w.to(device=self.device, dtype=self.dtype).contiguous(), arena)
         w = w.to(device=self.device, dtype=self.dtype).contiguous()
         if self.kind == MIXED:
             layouts: dict[str, Any] = {}
             plain = self._plain_kinds()
             for k in dict.fromkeys(self.bucket_kinds):  # fp32 BLAS and NATIVE share one plain layout
                 shared = next((layouts[o] for o in plain if k in plain and o in layouts), None)
-                layouts[k] = shared if shared is not None else _SINGLE[k, self.dtype].prepare(w)
+                layouts[k] = shared if shared is not None else _SINGLE[k, self.dtype]._prepare(w, arena)
             return MixedWeight(layouts)
         if self.kind == CUBLAS:
             return w
         if self.kind == ONEDNN:
             return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS_HINT)
         if self.kind == MKL:
-            return mkl_packed.pack(w)
+            return mkl_packed.pack(w, arena)
         if self.kind == NATIVE and self.dtype == torch.bfloat16:
             return cpu_native.bf16_blocks(w)
         return w.t().contiguous() if self.dtype == torch.float32 else w
@@ -242,7 +250,7 @@ class LinearFormat:
             return max(rows, _INVARIANT_FROM[ONEDNN, self.dtype == torch.float32]) if rows else 0
         return blas_invariant_rows(rows, self.dtype)
 
-    def _prepare_gguf(self, w: torch.Tensor) -> GGUFWeight:
+    def _prepare_gguf(self, w: torch.Tensor, arena: HugePageArena | None) -> GGUFWeight:
         """The file's blocks for ``w`` (found by content, see gguf_kernels) plus a float layout for
         each CPU kind a bucket uses; a weight with no blocks (the file held it as F32/F16, or a
         type with no native kernel) gets a float layout for every bucket: the first CPU kind the
@@ -251,7 +259,7 @@ class LinearFormat:
         kinds = [k for k in dict.fromkeys(self.bucket_kinds) if k != GGUF_NATIVE]
         if blocks is None and not kinds:
             kinds = [BLAS]
-        return GGUFWeight(blocks, {k: _SINGLE[k, self.dtype].prepare(w) for k in kinds})
+        return GGUFWeight(blocks, {k: _SINGLE[k, self.dtype]._prepare(w, arena) for k in kinds})
 
 
 @dataclass(frozen=True)
@@ -265,8 +273,8 @@ def place_in_huge_pages(arena: HugePageArena, w: Any) -> Any:
     """``w`` as :meth:`LinearFormat.prepare` made it, the CPU tensors a multiply streams copied into
     ``arena`` (kernels/huge_pages.py): a plain layout, bf16 or int8 blocks, an int8 weight's values,
     a GGUF weight's blocks, and a :class:`MixedWeight`'s or GGUF weight's float layouts, each shared
-    tensor once. Packed weights (oneDNN's, MKL's), whose memory their own code allocates, stay
-    where they are."""
+    tensor once. Packed weights stay where they are: oneDNN's, whose memory its own code
+    allocates, and MKL's, which cannot move (``prepare`` packs them in the arena)."""
     if isinstance(w, torch.Tensor):  # oneDNN's packed weights are tensors of their own layout: kept
         return arena.place(w) if w.device.type == "cpu" and w.layout == torch.strided else w
     if isinstance(w, (cpu_native.Bf16Blocks, cpu_native.Int8Blocks)):

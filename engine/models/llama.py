@@ -17,8 +17,7 @@ from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
 from kvbatch.engine.models import greedy_head
 from kvbatch.engine.models.greedy_head import SCREEN_MAX_ROWS, GreedyHead, make_greedy_head
-from kvbatch.engine.models.linear import (GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format,
-                                          place_in_huge_pages)
+from kvbatch.engine.models.linear import GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
 from kvbatch.engine.models.moe import (
     ExpertCompute,
     LocalExperts,
@@ -166,8 +165,7 @@ class LlamaModel:
         self.arena = arena  # the runner's KV cache comes from it too
 
         def take_t(*names: str) -> torch.Tensor:
-            w = self.linear.prepare(torch.cat([take(n) for n in names]))
-            return w if arena is None else place_in_huge_pages(arena, w)
+            return self.linear.prepare(torch.cat([take(n) for n in names]), arena)
 
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []

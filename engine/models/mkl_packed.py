@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kvbatch.kernels.huge_pages import HugePageArena
+
 # cblas enums (mkl_cblas.h)
 _ROW_MAJOR = 101
 _NO_TRANS, _TRANS = 111, 112
@@ -83,8 +85,10 @@ class PackedWeight:
                         "source weight again")
 
 
-def pack(w: torch.Tensor) -> PackedWeight:
-    """``w`` [out, in] (fp32, CPU) -> its packed layout, as the B matrix of ``x @ w.T``."""
+def pack(w: torch.Tensor, arena: HugePageArena | None = None) -> PackedWeight:
+    """``w`` [out, in] (fp32, CPU) -> its packed layout, as the B matrix of ``x @ w.T``; in
+    ``arena``'s huge pages where one is given (kernels/huge_pages.py: SmolLM2's 30 layers packed
+    there multiplied 8 rows in 23.3 ms against 28.4, 64 rows in 49 against 53, Xeon 167)."""
     if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
         raise ValueError(f"MKL's packed sgemm takes a 2-D fp32 CPU weight, not {w.dtype} {tuple(w.shape)} on {w.device}")
     lib = _library()
@@ -96,7 +100,7 @@ def pack(w: torch.Tensor) -> PackedWeight:
     w = w.contiguous()
     size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, PACK_ROWS_HINT, out_f, in_f)
     # torch.empty leaves the pages untouched: MKL's size is an upper bound, what it writes is resident.
-    buf = torch.empty(size, dtype=torch.uint8)
+    buf = torch.empty(size, dtype=torch.uint8) if arena is None else arena.empty((size,), torch.uint8)
     # op(src) = w^T, [in, out]: the B of C = A @ B with A = x [rows, in]
     lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, PACK_ROWS_HINT, out_f, in_f, 1.0, w.data_ptr(), in_f,
                          buf.data_ptr())
