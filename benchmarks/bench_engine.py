@@ -72,11 +72,13 @@ from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.gguf_blocks import layer_qtype
 from kvbatch.engine.models.kernel_choice import LINEAR_CHOICES, choose_kernels, cpu_identity, dense_shapes
 from kvbatch.engine.models.linear import GGUF, GGUF_NATIVE
+from kvbatch.engine.models.llama import huge_pages_wanted
 from kvbatch.engine.models.weights import Checkpoint, load_checkpoint, resolve_model
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest, parse_dtype
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.tokenizer import ChatTokenizer
+from kvbatch.kernels import huge_pages
 
 # Issue 18's targets, per (kvbatch variant, mode): the ratio over transformers fp32 in the same mode
 # (both batched workloads, end-of-turn ignored and honoured, take the batched target); batch-1 fp32
@@ -260,7 +262,8 @@ def kernel_choice_at_load(ckpt: Checkpoint, variant: str, linear: str) -> dict[s
         choice = choose_kernels(parse_dtype(dtype), dense_shapes(ckpt.tensors),
                                 num_layers=ModelConfig.from_hf(ckpt.config).num_layers, linear=linear,
                                 weights=weights, cache_dir=cache_dir,
-                                gguf_qtype=layer_qtype(ckpt.gguf_blocks) if weights == "gguf" else None)
+                                gguf_qtype=layer_qtype(ckpt.gguf_blocks) if weights == "gguf" else None,
+                                huge_pages=huge_pages_wanted("cpu"))
         wall_s = time.perf_counter() - t0
     return {"variant": variant, "source": choice.source, "wall_s": wall_s, "timed_calls": choice.timed_calls,
             "kinds": list(choice.fmt.bucket_kinds) or [choice.fmt.kind],
@@ -581,6 +584,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpus_usable": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "model_path": gguf_path, "cpu_model": cpu_model, "cpu_simd_flags": simd, "cpu_flags": flags,
             "stream_bandwidth_gbs": bandwidth, "b1_bandwidths_gbs": b1_bandwidths, "kernel_choice_at_load": choices,
+            "huge_pages": huge_pages_status(),
         },
         "workload": wl,
         "rows": [
@@ -595,6 +599,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def huge_pages_status() -> str:
+    """Where the engine's CPU models hold their projections and KV cache (kernels/huge_pages.py)."""
+    if huge_pages_wanted("cpu"):
+        return "in transparent huge pages (2 MiB)"
+    reason = huge_pages.unavailable_reason()
+    return f"in 4 KiB pages ({reason or 'KVBATCH_HUGE_PAGES=0'})"
+
+
 def print_report(report: dict[str, Any]) -> None:
     cfg, wl, env = report["config"], report["workload"], report["environment"]
     print(f"\nkvbatch vs transformers generate — {cfg['model']}, {env['threads']} threads, "
@@ -602,6 +614,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"CPU: {env['cpu_model']}; SIMD flags: {' '.join(env['cpu_simd_flags']) or 'none of ' + ', '.join(SIMD_FLAGS)}; "
           f"streaming-read bandwidth {env['stream_bandwidth_gbs']:.1f} GB/s at the start, "
           f"{', '.join(f'{b:.1f}' for b in env.get('b1_bandwidths_gbs', []))} beside the batch-1 prompts")
+    if "huge_pages" in env:  # (reports written before it was recorded lack it)
+        print(f"kvbatch's projections and KV cache: {env['huge_pages']}")
     for c in env["kernel_choice_at_load"]:
         print(f"kernel choice at load ({c['variant']}, empty cache): {c['source']}, {c['wall_s'] * 1e3:.0f} ms, "
               f"{c['timed_calls']} timed calls -> per bucket (1, 2-8, 9-64, 65+ rows) {'/'.join(c['kinds'])}")

@@ -87,3 +87,17 @@ def test_the_floor_counts_the_bytes_a_greedy_step_streams(tmp_path, monkeypatch)
     monkeypatch.delenv("KVBATCH_GREEDY_HEAD")
     int8 = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64, weights="int8"))
     assert int8.model.greedy_head is None
+
+
+def test_the_report_says_where_the_weights_lie(monkeypatch):
+    # huge pages, or 4 KiB pages and why: a figure measured on one is not the other's
+    from benchmarks import bench_engine as B
+    from kvbatch.kernels import huge_pages
+
+    monkeypatch.setenv("KVBATCH_HUGE_PAGES", "0")
+    assert B.huge_pages_status() == f"in 4 KiB pages ({huge_pages.unavailable_reason() or 'KVBATCH_HUGE_PAGES=0'})"
+    monkeypatch.setenv("KVBATCH_HUGE_PAGES", "1")
+    reason = huge_pages.unavailable_reason()
+    assert B.huge_pages_status() == ("in transparent huge pages (2 MiB)" if reason is None else f"in 4 KiB pages ({reason})")
+    monkeypatch.setattr(huge_pages, "unavailable_reason", lambda: "transparent huge pages are off (test)")
+    assert B.huge_pages_status() == "in 4 KiB pages (transparent huge pages are off (test))"

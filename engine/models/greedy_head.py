@@ -86,7 +86,9 @@ def _rows(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
 
 def screen(head: GreedyHead, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(approx, bound)``, both [rows, vocab]: the int8 screen's logits for fp32 ``x`` [rows, dim]
-    and, per token, how far any fp32 computation of its logit can lie from them."""
+    and, per token, how far any fp32 computation of its logit can lie from them: what
+    :func:`screened_logits`' native call computes inside (its norm in double), in torch for the
+    tests that hold the bound against float64."""
     x = _rows(head, x)
     approx = cpu_native.gemv(x, head.screen)
     return approx, torch.mul(head.error, x.norm(dim=1, keepdim=True))
