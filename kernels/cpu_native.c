@@ -1128,6 +1128,16 @@ static void round_cols(float *y, int64_t rows, int64_t stride, int64_t c0, int64
     }
 }
 
+/* This thread's number and its team's size (0 and 1 outside a parallel region). */
+static inline void team(int *t, int *n) {
+    *t = 0;
+    *n = 1;
+#ifdef _OPENMP
+    *t = omp_get_thread_num();
+    *n = omp_get_num_threads();
+#endif
+}
+
 /* This thread's share [*c0, *c1) of `out` columns, in whole cache lines. */
 static void share(int64_t out, int t, int n, int64_t *c0, int64_t *c1) {
     const int64_t lines = (out + 15) / 16;
@@ -1140,6 +1150,13 @@ static void share(int64_t out, int t, int n, int64_t *c0, int64_t *c1) {
 /* Column chunks of a standalone GEMV: each thread's band of a wide output (the LM head's
  * 49,152 columns) is walked in pieces whose rows of y stay in L1/L2 across the input rows. */
 #define GEMV_CHUNK 2048
+
+/* y[:, c0:c1] = x @ the projection's columns c0..c1, GEMV_CHUNK columns at a time. */
+static void gemv_band(const float *x, int64_t rows, const kvb_proj_t *p, int64_t in, int64_t out, float *y,
+                      int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; c += GEMV_CHUNK)
+        gemv_proj(x, rows, p, in, out, y, c, c + GEMV_CHUNK < c1 ? c + GEMV_CHUNK : c1);
+}
 
 /* y [rows, out] = x [rows, in] @ w [in, out] (+ bias [out], or NULL), w fp32, int8 or bf16 (not KVB_W_COLS):
  * the fused layers' GEMV as its own call, for the kernel measurement to time against BLAS and
@@ -1158,18 +1175,14 @@ int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, in
     }
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
-        int t = 0, n = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        n = omp_get_num_threads();
-#endif
+        int t, n;
+        team(&t, &n);
         int64_t c0, c1;
         share(out, t, n, &c0, &c1);
         if (kind == KVB_W_F32 && n > 1) {
             proj_part(x, rows, &proj, in, out, y, partials, t, n, c0, c1, 0);
         } else {  /* a band of columns, in chunks whose rows of y stay in L1/L2 */
-            for (int64_t c = c0; c < c1; c += GEMV_CHUNK)
-                gemv_proj(x, rows, &proj, in, out, y, c, c + GEMV_CHUNK < c1 ? c + GEMV_CHUNK : c1);
+            gemv_band(x, rows, &proj, in, out, y, c0, c1);
         }
         if (bias != NULL)
             for (int64_t r = 0; r < rows; r++)
@@ -1204,15 +1217,11 @@ int kvb_greedy_head(const float *x, int64_t rows, const int8_t *q, const float *
     }
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        int t = 0, n = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        n = omp_get_num_threads();
-#endif
+        int t, n;
+        team(&t, &n);
         int64_t c0, c1;
         share(vocab, t, n, &c0, &c1);
-        for (int64_t c = c0; c < c1; c += GEMV_CHUNK)
-            gemv_proj(x, rows, &proj, dim, vocab, y, c, c + GEMV_CHUNK < c1 ? c + GEMV_CHUNK : c1);
+        gemv_band(x, rows, &proj, dim, vocab, y, c0, c1);
         for (int64_t r = 0; r < rows; r++) {
             const float *yr = y + r * vocab;
             double best = -INFINITY;
@@ -1328,11 +1337,8 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        int t = 0, n = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        n = omp_get_num_threads();
-#endif
+        int t, n;
+        team(&t, &n);
         float *scores = malloc((size_t)(group * (max_len > 0 ? max_len : 1)) * sizeof(float));
         if (scores == NULL) {
 #pragma omp atomic write
