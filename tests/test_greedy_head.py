@@ -81,6 +81,9 @@ def test_the_screen_refuses_what_it_cannot_take(monkeypatch):
         assert G.make_greedy_head(poisoned) is None
     with pytest.raises(ValueError, match="fp32 rows of 16"):
         G.screened_logits(G.make_greedy_head(head), torch.randn(2, 8))
+    gh = G.make_greedy_head(head)
+    with pytest.raises(ValueError, match=r"error \[50\].*got x \(2, 16\), error \(49,\)"):
+        cpu_native.greedy_head(torch.randn(2, 16), gh.screen, gh.error[:49], gh.rows)
     assert greedy_head_enabled()
     monkeypatch.setenv("KVBATCH_GREEDY_HEAD", "0")
     assert not greedy_head_enabled()

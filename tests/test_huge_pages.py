@@ -117,12 +117,13 @@ def test_a_model_holds_its_projections_and_kv_cache_in_huge_pages(tmp_path, monk
     assert huge == plain
     assert off.runner.model.arena is None and on.runner.model.arena is not None
     arena = on.runner.model.arena
-    # every projection of every layer was copied in: the tiny model's weights, then its KV cache
+    # the projections were copied in (layer 0's checked), the head's screen, then the KV cache
     lw = on.runner.model.layers[0]
     weights = [on.runner.model.linear.fused_weight(w) for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
     assert all(w is not None for w in weights)
     start, end = arena._chunk.data_ptr(), arena._chunk.data_ptr() + arena._chunk.numel()
-    for t in [*(w if isinstance(w, torch.Tensor) else w.q for w in weights), on.runner.kv_cache]:
+    screen = on.runner.model.greedy_head.screen.q  # the greedy head's int8 screen, streamed every greedy step
+    for t in [*(w if isinstance(w, torch.Tensor) else w.q for w in weights), screen, on.runner.kv_cache]:
         assert start <= t.data_ptr() < end
     assert HP.huge_page_bytes(on.runner.kv_cache) >= HP.HUGE_PAGE
     assert not (start <= off.runner.kv_cache.data_ptr() < end)

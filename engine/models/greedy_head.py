@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbatch.kernels import cpu_native
+from kvbatch.kernels.huge_pages import HugePageArena
 
 # Rows the screen takes: decode steps and small batches, where the head is bound by streaming its
 # weights; past them the head's GEMM is compute-bound, and it gains nothing from fewer bytes.
@@ -58,9 +59,11 @@ class GreedyHead:
         return self.screen.q.numel() + self.screen.scale.numel() * self.screen.scale.element_size()
 
 
-def make_greedy_head(head: torch.Tensor) -> GreedyHead | None:
+def make_greedy_head(head: torch.Tensor, arena: HugePageArena | None = None) -> GreedyHead | None:
     """The screen for ``head`` [vocab, dim] fp32 on the CPU, or None where it cannot run (the native
-    kernels unavailable, another dtype or device, or a weight that is not finite: no bound holds)."""
+    kernels unavailable, another dtype or device, or a weight that is not finite: no bound holds).
+    ``arena``: the huge pages the screen's blocks go to (streamed every greedy step, as the
+    projections are: kernels/huge_pages.py)."""
     if head.dtype != torch.float32 or head.device.type != "cpu" or head.dim() != 2 or not cpu_native.available():
         return None
     if not bool(torch.isfinite(head).all()):
@@ -74,6 +77,8 @@ def make_greedy_head(head: torch.Tensor) -> GreedyHead | None:
     dim = head.shape[1]
     error = (w - rounded).norm(dim=1) + (dim + 2) * 2.0 ** -24 * (w.norm(dim=1) + rounded.norm(dim=1))
     screen = cpu_native.int8_blocks(q.to(torch.int8), scale.float())
+    if arena is not None:
+        screen = screen._replace(q=arena.place(screen.q))
     return GreedyHead(head, screen, (error * 1.01).float())
 
 

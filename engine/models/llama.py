@@ -9,7 +9,7 @@ batch-1 decode on a CPU. Every hot operation goes through :mod:`kvbatch.kernels.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -206,10 +206,7 @@ class LlamaModel:
         self.greedy_head: GreedyHead | None = None
         if (dtype == torch.float32 and device.type == "cpu" and not batch_invariant
                 and self.linear.kind not in (INT8, GGUF) and greedy_head_enabled()):
-            self.greedy_head = make_greedy_head(self.embed if tied else take("lm_head.weight"))
-            if self.greedy_head is not None and arena is not None:  # the screen is streamed every greedy step
-                screen = self.greedy_head.screen
-                self.greedy_head = replace(self.greedy_head, screen=screen._replace(q=arena.place(screen.q)))
+            self.greedy_head = make_greedy_head(self.embed if tied else take("lm_head.weight"), arena)
         self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
         self.scale = c.head_dim ** -0.5
         # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).
