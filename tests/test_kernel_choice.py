@@ -108,8 +108,9 @@ def test_the_cache_is_reused_and_invalidated_when_the_key_changes(tmp_path, monk
 
 def test_the_measurement_settings_are_the_documented_ones():
     # docs/performance.md states these: rows per bucket, 2-5 rounds, a 1.5x lead, an 80 ms budget,
-    # at most 40 timed calls for fp32's two kernels.
-    assert kc.BUCKET_ROWS == (1, 8, 64, 128) and kc.CACHE_VERSION == 3
+    # at most 40 timed calls for fp32's two kernels, 10% to switch, the fused step's 25% at one row.
+    assert kc.BUCKET_ROWS == (1, 8, 64, 128) and kc.CACHE_VERSION == 4
+    assert (kc._SWITCH_GAIN, kc._FUSED_CREDIT) == (0.10, 0.25)
     assert (kc._MIN_ROUNDS, kc._ROUNDS, kc._CLEAR_LEAD, kc._BUCKET_BUDGET_S) == (2, 5, 1.5, 0.08)
     assert 2 * len(kc.BUCKET_ROWS) * kc._ROUNDS == 40
 
@@ -183,7 +184,7 @@ def test_a_real_measurement_reports_its_timed_calls(tmp_path, monkeypatch):
     candidates = kc.candidates_for(torch.float32, "full")
     assert 2 * kc._MIN_ROUNDS <= choice.timed_calls <= len(candidates) * len(kc.BUCKET_ROWS) * kc._ROUNDS
     stored = json.loads(next(tmp_path.glob("kernels-*.json")).read_text())
-    assert stored["timed_calls"] == choice.timed_calls and stored["key"]["version"] == kc.CACHE_VERSION == 3
+    assert stored["timed_calls"] == choice.timed_calls and stored["key"]["version"] == kc.CACHE_VERSION == 4
     assert all(len(v) == len(kc.BUCKET_ROWS) for v in choice.timings_ms.values())
 
 
@@ -336,3 +337,18 @@ def test_the_candidates_are_timed_on_the_pages_the_model_streams():
         assert streamed and (all(b > 0 for b in streamed) if huge else not (madvise_only and any(streamed)))
     keys = [kc.cache_key(torch.float32, "full", SHAPES, 2, [BLAS], huge_pages=h) for h in (False, True)]
     assert keys[0] != keys[1] and keys[1]["huge_pages"] is True
+
+
+def test_at_one_row_the_fused_steps_kernels_win_unless_another_is_clearly_faster():
+    # MKL 8% faster than BLAS per projection at one row: BLAS still runs the fused decode step
+    # (worth more than that: on a Xeon 167, 56.2 tok/s against MKL's 39.3 outside it); 40% faster:
+    # MKL. Past one row the plain rule (another kernel 10% faster switches).
+    from kvbatch.engine.models.linear import MKL, NATIVE
+
+    close = {BLAS: [1.00, 3.0, 1.7, 2.7], MKL: [0.92, 2.2, 1.4, 2.5]}
+    assert kc.pick(close, kc.fused_kinds(torch.float32, "full")) == (BLAS, MKL, MKL, BLAS)
+    assert kc.pick(close) == (MKL, MKL, MKL, MKL)  # without the credit, as before
+    clear = {BLAS: [1.00, 3.0, 1.7, 2.7], MKL: [0.60, 2.2, 1.4, 2.5]}
+    assert kc.pick(clear, kc.fused_kinds(torch.float32, "full")) == (MKL, MKL, MKL, MKL)
+    assert kc.fused_kinds(torch.bfloat16, "full") == (NATIVE,) and kc.fused_kinds(torch.float32, "int8") == (kc.GEMV,)
+    assert kc.fused_kinds(torch.float32, "gguf") == (kc.GGUF_NATIVE,)
