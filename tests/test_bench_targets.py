@@ -101,3 +101,17 @@ def test_the_report_says_where_the_weights_lie(monkeypatch):
     assert B.huge_pages_status() == ("in transparent huge pages (2 MiB)" if reason is None else f"in 4 KiB pages ({reason})")
     monkeypatch.setattr(huge_pages, "unavailable_reason", lambda: "transparent huge pages are off (test)")
     assert B.huge_pages_status() == "in 4 KiB pages (transparent huge pages are off (test))"
+
+
+def test_the_bandwidth_probe_reads_the_pages_the_engine_streams(monkeypatch):
+    from benchmarks import bench_engine as B
+    from kvbatch.kernels import huge_pages
+
+    monkeypatch.setenv("KVBATCH_HUGE_PAGES", "1")
+    probe = B.probe_buffer(8)
+    assert probe.numel() == 8 << 18 and bool((probe == 1).all())
+    if huge_pages.unavailable_reason() is None:
+        assert huge_pages.huge_page_bytes(probe) >= huge_pages.HUGE_PAGE
+    monkeypatch.setenv("KVBATCH_HUGE_PAGES", "0")
+    if "[madvise]" in huge_pages._THP.read_text():
+        assert huge_pages.huge_page_bytes(B.probe_buffer(8)) == 0
