@@ -80,6 +80,7 @@ from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 from kvbatch.kernels import huge_pages
 from kvbatch.kernels.huge_pages import HugePageArena
+from kvbatch.kernels.machine import ISA_CAPS, isa_cap_environment, isa_limits
 
 # Issue 18's targets, per (kvbatch variant, mode): the ratio over transformers fp32 in the same mode
 # (both batched workloads, end-of-turn ignored and honoured, take the batched target); batch-1 fp32
@@ -391,6 +392,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="transformers attention")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="torch threads (default: the cores this process may use)")
+    p.add_argument("--isa", choices=sorted(ISA_CAPS),
+                   help="hold torch, MKL, oneDNN and kvbatch's C kernels to an older CPU's instruction set (avx2: "
+                        "Haswell's and every AVX2 CPU's; avx512: Skylake-SP's, no bf16 or AMX), to run its code paths "
+                        "here: the memory, caches and clocks stay this CPU's. llama.cpp is left out (its build is this "
+                        "CPU's). The run restarts itself with the caps in its environment")
     p.add_argument("--json", type=Path, help="write every figure to this JSON file")
     p.add_argument("--step-profile", type=int, default=0, metavar="STEPS",
                    help="instead of the comparison: where a decode step's time goes, over STEPS steps at batch 1 "
@@ -451,6 +457,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     simd = [f for f in SIMD_FLAGS if f in flags]
     log(f"CPU {cpu_model} [{' '.join(simd)}]; torch {torch.__version__}, {args.threads} threads; "
         f"model {args.model}; kvbatch variants {args.dtypes}")
+    if isa_limits():
+        log(f"instruction set capped: {isa_cap_text()}")
     bandwidth = stream_bandwidth_gbs()
     log(f"streaming-read bandwidth {bandwidth:.1f} GB/s")
     prompts = chat_workload(args.datasets, args.requests)
@@ -575,7 +583,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"batch-1 prompt {k + 1}/{args.b1_prompts} ({len(prompt)} tokens, bandwidth beside it "
             f"{b1_bandwidths[-1]:.1f} GB/s): decode tok/s " + ", ".join(msg))
 
-    cpp_b1 = llama_cpp_batch1(gguf_path, ids[:args.b1_prompts], args.max_tokens, args.threads)
+    cpp_b1 = None if args.isa else llama_cpp_batch1(gguf_path, ids[:args.b1_prompts], args.max_tokens, args.threads)
+    if args.isa:
+        log(f"llama.cpp left out: its build uses this CPU's whole instruction set, not --isa {args.isa}")
     if cpp_b1 is not None:
         log(f"llama.cpp batch-1: {cpp_b1.extra.get('failed') or f'{cpp_b1.tokens_per_s:.1f} tok/s'}")
     for dtype, row in kv_b1.items():
@@ -594,7 +604,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpus_usable": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "model_path": gguf_path, "cpu_model": cpu_model, "cpu_simd_flags": simd, "cpu_flags": flags,
             "stream_bandwidth_gbs": bandwidth, "b1_bandwidths_gbs": b1_bandwidths, "kernel_choice_at_load": choices,
-            "huge_pages": huge_pages_status(),
+            "huge_pages": huge_pages_status(), "isa_limits": isa_limits(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         },
         "workload": wl,
         "rows": [
@@ -607,6 +618,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ],
         "parity_vs_transformers": parity,
     }
+
+
+def isa_cap_text(limits: dict[str, str] | None = None, torch_capability: str | None = None) -> str:
+    """The instruction-set caps of the run, and what they leave unchanged, in words."""
+    limits = isa_limits() if limits is None else limits
+    capability = torch_capability or torch.backends.cpu.get_cpu_capability()
+    return (f"{', '.join(f'{k}={v}' for k, v in limits.items())} (torch reports {capability}); the memory, caches "
+            f"and clocks are this CPU's, not an older one's")
 
 
 def huge_pages_status() -> str:
@@ -624,6 +643,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"CPU: {env['cpu_model']}; SIMD flags: {' '.join(env['cpu_simd_flags']) or 'none of ' + ', '.join(SIMD_FLAGS)}; "
           f"streaming-read bandwidth {env['stream_bandwidth_gbs']:.1f} GB/s at the start, "
           f"{', '.join(f'{b:.1f}' for b in env.get('b1_bandwidths_gbs', []))} beside the batch-1 prompts")
+    if env.get("isa_limits"):
+        print(f"instruction set capped: {isa_cap_text(env['isa_limits'], env['torch_cpu_capability'])}")
     if "huge_pages" in env:  # (reports written before it was recorded lack it)
         print(f"kvbatch's projections and KV cache: {env['huge_pages']}")
     for c in env["kernel_choice_at_load"]:
@@ -680,6 +701,8 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
     cpu_model, flags = cpu_identity()
     print(f"step profile — {args.model}, {args.threads} threads, torch {torch.__version__}; CPU: {cpu_model}; "
           f"SIMD flags: {' '.join(f for f in SIMD_FLAGS if f in flags)}")
+    if isa_limits():
+        print(f"instruction set capped: {isa_cap_text()}")
     ckpt = load_checkpoint(args.model)
     tokenizer = ChatTokenizer.from_checkpoint(ckpt)
     prompts = [tokenizer.encode_chat(p.messages) for p in chat_workload(args.datasets, args.max_num_seqs)]
@@ -701,6 +724,16 @@ def run_step_profile(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.isa:
+        try:
+            caps = isa_cap_environment(args.isa)
+        except ValueError as exc:
+            print(f"bench_engine.py: error: --isa {args.isa}: {exc}", file=sys.stderr)
+            return 2
+        if any(os.environ.get(k) != v for k, v in caps.items()):
+            # torch, MKL and oneDNN read their caps when they load, which this process has done
+            argv = sys.argv[1:] if argv is None else argv
+            os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], {**os.environ, **caps})
     if args.step_profile:
         report = run_step_profile(args)
         if args.json:

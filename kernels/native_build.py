@@ -3,8 +3,9 @@
 Two libraries are built this way: the CPU decode-step kernels (:mod:`kvbatch.kernels.cpu_native`)
 and the GGUF block multiply (:mod:`kvbatch.engine.models.gguf_kernels`). Each is compiled with
 ``$CC`` or ``gcc`` (``-O3 -march=native -fopenmp``: about a second), so it is vectorized for the
-CPU it runs on, and kept under ``KVBATCH_CACHE_DIR`` named by a hash of the source, the compiler
-and its version, the flags and the CPU's model and flags: a second process, or a second test
+CPU it runs on (``KVBATCH_NATIVE_MARCH`` names another ``-march``, an older CPU's, to build and run
+that one's code paths here), and kept under ``KVBATCH_CACHE_DIR`` named by a hash of the source,
+the compiler and its version, the flags and the CPU's model and flags: a second process, or a second test
 worker, only loads it. The build is atomic (a temporary file renamed), so processes building the
 same library at once each load a whole file. No compiler, or one that fails: :func:`build`
 raises ``RuntimeError`` with the reason, and the caller falls back to its PyTorch path.
@@ -25,6 +26,14 @@ from pathlib import Path
 from kvbatch.kernels.machine import cpu_identity, default_cache_dir
 
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+MARCH_ENV = "KVBATCH_NATIVE_MARCH"
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags of a build: :data:`CFLAGS` with ``-march`` from ``KVBATCH_NATIVE_MARCH``
+    where that is set (gcc rejects a name it does not know, and the build fails with its words)."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    return tuple(f"-march={march}" if march and f == "-march=native" else f for f in CFLAGS)
 
 
 def compiler() -> str | None:
@@ -43,7 +52,7 @@ def compiler_version(cc: str) -> str:
 def build_key(source: Path, cc: str) -> str:
     """What a built library depends on: the source, the compiler and its flags, the CPU."""
     model, flags = cpu_identity()
-    text = "\n".join([source.read_text(), cc, compiler_version(cc), " ".join(CFLAGS), model, " ".join(sorted(flags))])
+    text = "\n".join([source.read_text(), cc, compiler_version(cc), " ".join(cflags()), model, " ".join(sorted(flags))])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -65,7 +74,7 @@ def build(source: Path, folder: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *cflags(), "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{Path(cc).name} failed: {' '.join(done.stderr.split())[:300]}")
         os.replace(tmp, target)  # atomic: a concurrent process loads the old file or the new one

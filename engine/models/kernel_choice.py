@@ -64,7 +64,7 @@ from kvbatch.engine.models.linear import (
 )
 from kvbatch.kernels import cpu_native
 from kvbatch.kernels.huge_pages import HugePageArena
-from kvbatch.kernels.machine import cpu_identity, default_cache_dir  # also this module's API
+from kvbatch.kernels.machine import cpu_identity, default_cache_dir, isa_limits  # also this module's API
 from kvbatch.engine.models.quant import (
     DEQUANT,
     GEMV,
@@ -151,9 +151,11 @@ def cache_key(dtype: torch.dtype, weights: str, shapes: Sequence[tuple[int, int]
               candidates: Sequence[str], gguf_qtype: str | None = None, huge_pages: bool = False) -> dict[str, Any]:
     """Everything a measurement depends on; a change in any of it measures again (for GGUF
     weights also the block type and the native kernel's build; with the native GEMV a candidate,
-    its build; whether the weights lie in huge pages)."""
+    its build; whether the weights lie in huge pages; the instruction-set caps set in the
+    environment: MKL held to AVX2 is another candidate than MKL on AVX-512)."""
     model, flags = cpu_identity()
-    key = {"version": CACHE_VERSION, "cpu": model, "flags": sorted(flags), "torch": torch.__version__,
+    key = {"version": CACHE_VERSION, "cpu": model, "flags": sorted(flags), "isa_limits": isa_limits(),
+           "torch": torch.__version__,
            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "weights": weights,
            "shapes": [list(s) for s in shapes], "num_layers": num_layers, "candidates": list(candidates),
            "buckets": list(BUCKET_BOUNDS), "huge_pages": huge_pages}
