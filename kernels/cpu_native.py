@@ -26,7 +26,7 @@ import torch
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 8
+_ABI = 9
 # Rows the native fp32 and bf16 GEMVs and the fused decode layers are offered for: decode and small
 # batches, where a multiply is bound by streaming the weights; more rows are compute-bound, and there
 # oneDNN's GEMMs win. (The int8 blocks are offered at every row count: widened in registers, they
@@ -68,6 +68,10 @@ def _library() -> ctypes.CDLL | str:
     lib.kvb_gemv.argtypes = [_P, _I64, _P, _P, _INT, _I64, _I64, _P, _P, _INT]
     lib.kvb_greedy_head.restype = _INT
     lib.kvb_greedy_head.argtypes = [_P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _INT]
+    lib.kvb_screen_select.restype = _INT
+    lib.kvb_screen_select.argtypes = [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _INT]
+    lib.kvb_argmax_rows.restype = _INT
+    lib.kvb_argmax_rows.argtypes = [_P, _I64, _I64, _I64, _P, _INT]
     return lib
 
 
@@ -142,6 +146,19 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     fn(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
        x.numel() // max(dim, 1), dim, eps, torch.get_num_threads())
     return out, x
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` of an fp32 CPU ``x`` [rows, cols] (cols >= 1) whose rows are
+    contiguous: the same indices, NaN taken as the largest value as torch takes it."""
+    _fp32(x)
+    if x.dim() != 2 or x.shape[1] < 1 or x.stride(1) != 1:
+        raise ValueError(f"argmax_rows takes [rows, cols >= 1] with contiguous rows, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _check(_lib().kvb_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], max(x.stride(0), x.shape[1]),
+                                  out.data_ptr(), torch.get_num_threads()), "argmax_rows")
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -393,6 +410,32 @@ def greedy_head(x: torch.Tensor, screen: Int8Blocks, error: torch.Tensor, head: 
         _check(_lib().kvb_greedy_head(x.data_ptr(), x.shape[0], screen.q.data_ptr(), screen.scale.data_ptr(), dim,
                                       vocab, error.data_ptr(), head.data_ptr(), y.data_ptr(),
                                       torch.get_num_threads()), "greedy_head")
+    return y
+
+
+def screen_select(s: torch.Tensor, y: torch.Tensor, sw: torch.Tensor, xn: torch.Tensor, error: torch.Tensor,
+                  cr: torch.Tensor, wn: torch.Tensor, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """The batched greedy head's selection (``engine/models/greedy_head.py``), in place on ``y``
+    [rows, vocab] fp32 (the outlier columns' products on entry, the logits on return: fp32 ``head[v]
+    . x[r]`` for each kept token, -inf for the rest). ``s`` [rows, vocab] fp32: the int8 rows'
+    scaled products with the int8 head; ``xn``, ``cr`` [rows] float64: each row's norm and the
+    bound's factor on ||w'||; ``sw``, ``error``, ``wn`` [vocab] fp32: each token's int8 scale, bound
+    factor on ||x|| and int8 row norm; ``x`` [rows, dim] and ``head`` [vocab, dim] fp32."""
+    rows, vocab = y.shape
+    dim = head.shape[1]
+    _fp32(s, y, sw, error, wn, x, head)
+    ok = (s.shape == (rows, vocab) and head.shape == (vocab, dim) and x.shape == (rows, dim)
+          and all(t.dtype == torch.float64 and t.shape == (rows,) for t in (xn, cr))
+          and all(t.shape == (vocab,) for t in (sw, error, wn))
+          and all(t.is_contiguous() for t in (s, y, sw, xn, error, cr, wn, x, head)))
+    if not ok:
+        raise ValueError(f"screen_select: s and y [rows, vocab], x [rows, {dim}], float64 [rows] row terms, fp32 "
+                         f"[vocab] token terms, all contiguous; got s {tuple(s.shape)}, y {tuple(y.shape)}, x "
+                         f"{tuple(x.shape)}, head {tuple(head.shape)}")
+    if rows:
+        _check(_lib().kvb_screen_select(s.data_ptr(), y.data_ptr(), rows, vocab, sw.data_ptr(), xn.data_ptr(),
+                                        error.data_ptr(), cr.data_ptr(), wn.data_ptr(), x.data_ptr(),
+                                        head.data_ptr(), dim, torch.get_num_threads()), "screen_select")
     return y
 
 

@@ -133,6 +133,14 @@ def rms_norm(
     return _impl(x).rms_norm(x, weight, eps, residual)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` of logits ``x`` [rows, vocab]: natively on fp32 CPU rows (the
+    same indices, several times faster at a batched step's 64 rows), by torch elsewhere."""
+    if x.dim() == 2 and x.shape[0] and x.shape[1] and x.stride(1) == 1 and native(x):
+        return cpu_native.argmax_rows(x)
+    return torch.argmax(x, dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """See :func:`reference.silu_and_mul`."""
     if native(x, bf16=True):

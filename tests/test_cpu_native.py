@@ -57,6 +57,48 @@ def test_add_rms_norm_matches_the_reference_and_hands_x_over(rows, dim, with_res
     assert new_residual is x  # the sum went into x's memory
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 9), cols=st.integers(1, 300), seed=st.integers(0, 2**16), ties=st.booleans(),
+       specials=st.lists(st.sampled_from([float("nan"), float("inf"), float("-inf")]), max_size=4),
+       threads=st.sampled_from([1, 2]))
+def test_argmax_rows_gives_torchs_indices(rows, cols, seed, ties, specials, threads):
+    # ties (the first index wins), infinities and NaN (the first NaN wins, as torch answers), rows
+    # of one value, and a strided view of wider rows
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, cols + 3, generator=gen)
+    if ties:
+        wide = wide.round()  # few distinct values: many tied maxima
+    for k, v in enumerate(specials):
+        if rows:
+            wide[k % rows, (k * 37) % cols] = v
+    x = wide[:, :cols]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = N.argmax_rows(x)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.argmax(x, dim=-1))
+
+
+def test_argmax_rows_over_a_vocabulary_splits_across_threads_and_refuses_bad_shapes():
+    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(3))
+    x[5, 49151] = 1e9  # the last column
+    x[6] = float("-inf")  # every value -inf: index 0, as torch
+    assert torch.equal(N.argmax_rows(x), torch.argmax(x, dim=-1))
+    assert torch.equal(dispatch.argmax_rows(x), torch.argmax(x, dim=-1))
+    with pytest.raises(ValueError, match="argmax_rows takes"):
+        N.argmax_rows(torch.zeros(3, 0))
+    with pytest.raises(ValueError, match="argmax_rows takes"):
+        N.argmax_rows(torch.zeros(4, 3).t())
+    with pytest.raises(ValueError, match="fp32 CPU tensors"):
+        N.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+    # what the native call cannot take, dispatch leaves to torch
+    for t in (torch.zeros(4, 3).t(), torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(0, 5), torch.zeros(7)):
+        assert torch.equal(dispatch.argmax_rows(t), torch.argmax(t, dim=-1))
+
+
 def test_add_rms_norm_takes_a_strided_weight():
     x, weight = torch.randn(3, 64), torch.randn(128)[::2]  # every other value: not contiguous
     _close(N.add_rms_norm(x.clone(), weight, 1e-5)[0], R.rms_norm(x, weight, 1e-5)[0])

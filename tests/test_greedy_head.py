@@ -163,3 +163,119 @@ def test_greedy_speculative_decoding_gives_the_same_tokens_with_the_screen(tmp_p
     screened, steps, _ = _run(tmp_path, monkeypatch, "1", reqs, speculative=spec)
     assert screened == full
     assert any(rows > 2 and not finite for greedy, finite, rows in steps if greedy)  # verified rows screened
+
+
+# ------------------------------------------------------------------------- batched rows
+
+needs_int8_linear = pytest.mark.skipif(not G.int8_linear_available(), reason="no oneDNN int8 linear in this torch")
+
+
+def _batched_head(head: torch.Tensor, monkeypatch) -> G.GreedyHead:
+    """``head``'s screen with its batched part kept whatever the load-time measurement says (the
+    tests hold its numbers, not its speed on a tiny head)."""
+    monkeypatch.setattr(G, "batched_screen_wins", lambda h: (True, (1.0, 2.0)))
+    gh = G.make_greedy_head(head)
+    assert gh is not None and gh.batched is not None
+    return gh
+
+
+@needs_int8_linear
+@settings(max_examples=40, deadline=None)
+@given(vocab=st.integers(1, 300), dim=st.integers(1, 96), rows=st.integers(G.SCREEN_MAX_ROWS + 1, 40),
+       scale=st.sampled_from([1e-3, 0.05, 1.0, 30.0]), ties=st.integers(0, 4), seed=st.integers(0, 2**16),
+       outliers=st.integers(0, 3), zero_row=st.booleans())
+def test_the_batched_screen_stays_within_its_bound_and_keeps_the_fp32_argmax(vocab, dim, rows, scale, ties, seed,
+                                                                            outliers, zero_row):
+    with pytest.MonkeyPatch.context() as mp:
+        head, x = _head_and_rows(vocab, dim, rows, scale, ties, seed, zero_row)
+        for c in range(min(outliers, dim)):  # channels far larger than the rest, as in LLM hidden states
+            x[:, (c * 7) % dim] *= 60
+        gh = _batched_head(head, mp)
+        approx, bound = G.batched_screen(gh, x)
+        exact = x.double() @ head.double().T
+        assert bool(((exact - approx).abs() <= bound).all())
+        logits = G.screened_logits(gh, x)
+        fp32 = x @ head.T
+        kept = torch.isfinite(logits)
+        torch.testing.assert_close(logits[kept], fp32[kept], rtol=1e-5,
+                                   atol=1e-5 * float(x.abs().max() * head.abs().max()))
+        for r in range(rows):
+            assert kept[r, int(fp32[r].argmax())] and kept[r, int(exact[r].argmax())]
+
+
+@needs_int8_linear
+def test_the_batched_screen_keeps_few_tokens_and_its_outlier_columns_are_what_keeps_them_few(monkeypatch):
+    # two channels carry 60x the others' magnitude; token r's row leans towards row r (a near race)
+    head, x = _head_and_rows(4096, 64, 16, 0.05, 0, 3)
+    x[:, 5] *= 60
+    x[:, 40] *= 60
+    head[:16] = x / x.norm(dim=1, keepdim=True) * 0.2
+    gh = _batched_head(head, monkeypatch)
+    fp32 = x @ head.T
+    logits = G.screened_logits(gh, x)
+    assert torch.equal(logits.argmax(dim=1), fp32.argmax(dim=1))
+    kept = int(torch.isfinite(logits).sum())
+    monkeypatch.setattr(G, "OUTLIER_COLUMNS", 0)  # the outliers rounded with the rest
+    loose = G.screened_logits(gh, x)
+    assert torch.equal(loose.argmax(dim=1), fp32.argmax(dim=1))
+    assert kept <= 2 * 16 and 5 * kept < int(torch.isfinite(loose).sum())  # 23 against 457 when written
+
+
+@needs_int8_linear
+def test_a_non_finite_batched_row_gets_the_full_heads_logits(monkeypatch):
+    head, x = _head_and_rows(300, 32, 12, 1.0, 0, 9)
+    x[3, 4] = float("nan")
+    x[7, 0] = float("inf")
+    gh = _batched_head(head, monkeypatch)
+    logits = G.screened_logits(gh, x)
+    fp32 = x @ head.T
+    for r in (3, 7):
+        assert torch.equal(logits[r].isnan(), fp32[r].isnan())
+        assert int(logits[r].argmax()) == int(fp32[r].argmax())
+    fine = [r for r in range(12) if r not in (3, 7)]
+    assert torch.equal(logits[fine].argmax(dim=1), fp32[fine].argmax(dim=1))
+
+
+def test_batched_rows_get_the_full_head_where_the_screen_lost_its_measurement(monkeypatch):
+    monkeypatch.setattr(G, "batched_screen_wins", lambda h: (False, (3.0, 2.0)))
+    gh = G.make_greedy_head(torch.randn(50, 16))
+    assert gh.batched is None
+    assert G.takes(gh, G.SCREEN_MAX_ROWS) and not G.takes(gh, G.SCREEN_MAX_ROWS + 1)
+    assert not G.takes(gh, 0) and not G.takes(None, 1)
+    monkeypatch.setattr(G, "int8_linear_available", lambda: False)  # no ops: nothing measured
+    monkeypatch.setattr(G, "batched_screen_wins", lambda h: pytest.fail("measured without the ops"))
+    assert G.make_greedy_head(torch.randn(50, 16)).batched is None
+
+
+@needs_int8_linear
+def test_batched_greedy_decoding_gives_the_same_tokens_with_the_screen(tmp_path, monkeypatch):
+    build_tiny("llama3", tmp_path)
+    reqs = [_greedy(i, p) for i, p in enumerate(_prompts(12))]
+    full, _, _ = _run(tmp_path, monkeypatch, "0", reqs)
+    monkeypatch.setattr(G, "batched_screen_wins", lambda h: (True, (1.0, 2.0)))
+    screened, steps, llm = _run(tmp_path, monkeypatch, "1", reqs)
+    assert llm.runner.model.greedy_head.batched is not None
+    assert screened == full
+    # decode steps of 12 rows ran the batched screen: -inf where it ruled tokens out
+    assert any(greedy and not finite and rows > G.SCREEN_MAX_ROWS for greedy, finite, rows in steps)
+
+
+@needs_int8_linear
+def test_the_batched_bound_covers_an_activation_rounding_aligned_with_a_head_row(monkeypatch):
+    # Cauchy-Schwarz is tight here: 16 outlier columns (kept fp32), one column setting the int8 scale
+    # to 1, 31 columns of 3.4 (each rounded to 3: an error of 0.4), and a head row of ones on exactly
+    # those columns (int8-exact): the screened logit errs by ||x_r - x'|| ||w'|| = 0.4 x 31 = 12.4.
+    x = torch.zeros(9, 48)
+    x[:, :16] = 1000.0
+    x[:, 16] = 127.0
+    x[:, 17:] = 3.4
+    head = torch.randn(20, 48, generator=torch.Generator().manual_seed(1))
+    head[0] = 0.0
+    head[0, 17:] = 1.0
+    gh = _batched_head(head, monkeypatch)
+    approx, bound = G.batched_screen(gh, x)
+    exact = x.double() @ head.double().T
+    err = (exact - approx).abs()
+    assert float(err[:, 0].min()) == pytest.approx(12.4, rel=1e-5)
+    assert bool((err <= bound).all())
+    assert float((bound[:, 0] - err[:, 0]).max()) < 0.3  # and it is close: the rounding term carries it

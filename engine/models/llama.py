@@ -302,7 +302,7 @@ class LlamaModel:
         rows = batch.logits_rows
         # The last residual join, only for the rows whose logits are wanted: one fused add + norm.
         x, _ = norm(h.index_select(0, rows), self.norm, c.rms_norm_eps, residual.index_select(0, rows))
-        if batch.greedy_only and self.greedy_head is not None and 0 < x.shape[0] <= SCREEN_MAX_ROWS:
+        if batch.greedy_only and greedy_head.takes(self.greedy_head, x.shape[0]):
             return greedy_head.screened_logits(self.greedy_head, x)  # the argmax's logits; -inf where it cannot be
         return self._linear(x, self.lm_head).float()
 

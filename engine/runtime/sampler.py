@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels import dispatch as K
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -86,10 +87,10 @@ def sample_on_device(
         return out
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == n:
-        out = torch.argmax(logits, dim=-1)
+        out = K.argmax_rows(logits)
     elif greedy:
         idx = host_to_device(torch.tensor(greedy), logits.device)
-        out.index_copy_(0, idx, torch.argmax(logits.index_select(0, idx), dim=-1))
+        out.index_copy_(0, idx, K.argmax_rows(logits.index_select(0, idx)))
     for i, p in enumerate(params):
         if not p.greedy:
             out[i] = race(logits[i], p, generators[i])
