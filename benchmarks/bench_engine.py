@@ -68,6 +68,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks.workload
 
 from benchmarks.timing import Stopwatch, Timed, profile_decode_steps
 from benchmarks.workloads import WorkloadPrompt, chat_workload, default_datasets_dir
+from kvbatch.engine.models import greedy_head
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.gguf_blocks import layer_qtype
 from kvbatch.engine.models.kernel_choice import LINEAR_CHOICES, choose_kernels, cpu_identity, dense_shapes
@@ -517,7 +518,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with Stopwatch() as sw:
                 llms[dtype] = llm = make_llm(ckpt, dtype, args)
             log(f"kvbatch {dtype} engine built and warmed up in {sw.timed.wall_s:.1f}s; projections "
-                f"{llm.model.linear.kind} {llm.model.linear.bucket_kinds or ''} ({llm.model.kernel_choice.source})")
+                f"{llm.model.linear.kind} {llm.model.linear.bucket_kinds or ''} ({llm.model.kernel_choice.source}); "
+                f"greedy LM head for batched rows: {batched_head_status(llm)}")
             log(f"round {rnd + 1}: kvbatch {dtype} batched, {args.requests} requests at once")
             timed, results, stats = kvbatch_batched(llm, ids, args.max_tokens)
             outputs.setdefault(f"kvbatch-{dtype}", [r.output_token_ids for r in results])
@@ -626,6 +628,19 @@ def isa_cap_text(limits: dict[str, str] | None = None, torch_capability: str | N
     capability = torch_capability or torch.backends.cpu.get_cpu_capability()
     return (f"{', '.join(f'{k}={v}' for k, v in limits.items())} (torch reports {capability}); the memory, caches "
             f"and clocks are this CPU's, not an older one's")
+
+
+def batched_head_status(llm: LLM) -> str:
+    """Which LM head a batched greedy step runs, and the load-time timings that chose it
+    (engine/models/greedy_head.py)."""
+    head = getattr(llm.model, "greedy_head", None)
+    if head is None:
+        return "the full head (no greedy screen for this model)"
+    if head.batched is None:
+        return "the full head (the int8 screen lost its load-time measurement, or oneDNN's int8 linear is missing)"
+    screened, full = head.batched.timings_ms
+    return (f"the int8 screen ({screened:.1f} ms against the fp32 head's {full:.1f} at "
+            f"{greedy_head.MEASURE_ROWS} rows, measured at load)")
 
 
 def huge_pages_status() -> str:

@@ -5,6 +5,7 @@ llama.cpp peer is built with the CMake flags ``benchmarks/llama_cpp_build.py`` d
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks.bench_engine import Row, floor_share, row_target
 
@@ -115,3 +116,21 @@ def test_the_bandwidth_probe_reads_the_pages_the_engine_streams(monkeypatch):
     monkeypatch.setenv("KVBATCH_HUGE_PAGES", "0")
     if "[madvise]" in huge_pages._THP.read_text():
         assert huge_pages.huge_page_bytes(B.probe_buffer(8)) == 0
+
+
+def test_the_report_says_which_head_a_batched_greedy_step_runs():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from benchmarks import bench_engine as B
+    from kvbatch.engine.models import greedy_head as G
+
+    def llm(head):
+        return SimpleNamespace(model=SimpleNamespace(greedy_head=head))
+
+    assert B.batched_head_status(llm(None)) == "the full head (no greedy screen for this model)"
+    head = G.GreedyHead(torch.zeros(4, 2), None, torch.zeros(4))
+    assert B.batched_head_status(llm(head)).startswith("the full head (the int8 screen lost")
+    batched = G.BatchedScreen(*(torch.zeros(1),) * 5, timings_ms=(5.25, 15.5))
+    assert B.batched_head_status(llm(replace(head, batched=batched))) == (
+        "the int8 screen (5.2 ms against the fp32 head's 15.5 at 64 rows, measured at load)")

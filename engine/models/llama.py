@@ -16,7 +16,7 @@ import torch
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
 from kvbatch.engine.models import greedy_head
-from kvbatch.engine.models.greedy_head import SCREEN_MAX_ROWS, GreedyHead, make_greedy_head
+from kvbatch.engine.models.greedy_head import GreedyHead, make_greedy_head
 from kvbatch.engine.models.linear import GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
 from kvbatch.engine.models.moe import (
     ExpertCompute,
