@@ -1236,6 +1236,14 @@ int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, in
  * their own roundings cannot drop a token the bound keeps. (As torch ops after the GEMV, the bound
  * and the selection took 0.43 ms a step at one row: each op's first touch of code and data after the
  * weights' stream; here they run on the band each thread just wrote.) */
+/* A kept token's fp32 logit: its head row w . x, summed in fp32 (both greedy heads). */
+static inline float head_logit(const float *w, const float *x, int64_t dim) {
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < dim; i++) dot += w[i] * x[i];
+    return dot;
+}
+
 /* The greedy head's selection for a batch of rows screened by an integer GEMM (greedy_head.py,
  * "batched rows"): row r's approximate logit of token v is
  *     a = s[r, v] + sw[v] y[r, v]
@@ -1276,12 +1284,7 @@ int kvb_screen_select(const float *restrict s, float *restrict y, int64_t rows, 
             for (int64_t v = b; v < e; v++) hit |= yr[v] == 0.0f;
             if (!hit) continue;
             for (int64_t v = b; v < e; v++) {
-                if (yr[v] != 0.0f) continue;
-                const float *wv = head + v * dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < dim; i++) dot += wv[i] * xr[i];
-                yr[v] = dot;
+                if (yr[v] == 0.0f) yr[v] = head_logit(head + v * dim, xr, dim);
             }
         }
     }
@@ -1328,11 +1331,7 @@ int kvb_greedy_head(const float *x, int64_t rows, const int8_t *q, const float *
                 /* "not below": a NaN (from a NaN or infinite x) is kept and recomputed, as the full
                  * head would give it */
                 if (!((double)yr[v] + (double)error[v] * xn[r] < best)) {
-                    const float *wv = head + v * dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < dim; i++) dot += wv[i] * xr[i];
-                    yr[v] = dot;
+                    yr[v] = head_logit(head + v * dim, xr, dim);
                 } else {
                     yr[v] = -INFINITY;
                 }
