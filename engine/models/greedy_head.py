@@ -55,19 +55,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvbatch.kernels import cpu_native
 from kvbatch.kernels.huge_pages import HugePageArena
 
-# Rows the screen takes: decode steps and small batches, where the head is bound by streaming its
-# weights; past them the head's GEMM is compute-bound, and it gains nothing from fewer bytes.
+# Rows the native GEMV screen takes: decode steps and small batches, where the head is bound by
+# streaming its weights; past them the head's GEMM is compute-bound, fewer bytes gain nothing, and
+# the batched screen (integer products) serves them where it won its measurement.
 SCREEN_MAX_ROWS = cpu_native.GEMV_MAX_ROWS
-# fp32 columns of a batched step's activations (those with its largest magnitudes): 8, 16 and 24
-# kept 13, 8 and 6 tokens at the median, 95, 48 and 30 at the 90th percentile (SmolLM2, 1,536 rows
-# in steps of 64); each costs an fp32 multiply-add per row and token.
+# fp32 columns of a batched step's activations (those with its largest magnitudes): with one int8
+# scale for the step, 16 and 24 kept 16 and 9 tokens at the median, 111 and 54 at the 90th
+# percentile (SmolLM2, 1,536 rows in steps of 64); each costs an fp32
+# multiply-add per row and token.
 OUTLIER_COLUMNS = 16
 # The batch the load-time measurement times the batched screen against the fp32 head at.
 MEASURE_ROWS = 64
