@@ -27,6 +27,7 @@ Tolerances (max |triton - reference| <= atol + rtol * |reference|):
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -261,6 +262,57 @@ def test_prefill_plan_is_built_once_and_serves_every_layer():
         got = R.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25, plan)
         assert_close(got, naive_prefill(q, k_cache, v_cache, tables, cu, lens, 0.25), ATTN_TOL[torch.float32])
         assert torch.equal(got, R.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25))
+
+
+@st.composite
+def long_chunks(draw):
+    """(context_lens, new_lens) with chunks longer than SHORT_CHUNK: whole prompts (no cached
+    prefix) and chunks over a cached prefix, beside an occasional short or idle sequence."""
+    n = draw(st.integers(1, 3))
+    ctx = draw(st.lists(st.integers(R.SHORT_CHUNK + 1, 70), min_size=n, max_size=n))
+    new = [draw(st.sampled_from([c, draw(st.integers(R.SHORT_CHUNK + 1, c)), draw(st.integers(0, 3))])) for c in ctx]
+    if not any(new):
+        new[0] = ctx[0]
+    return ctx, new
+
+
+@ATTENTION_SETTINGS
+@given(chunks=long_chunks(), Hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
+       block_size=st.sampled_from([1, 4, 16]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_reference_prefill_long_chunks_match_the_definition(chunks, Hkv, group, block_size, dtype, seed):
+    """The long chunks' path (a lower-right causal bias, grouped query heads read through
+    ``enable_gqa``) against the token-by-token definition: whole prompts, chunks over a cached
+    prefix, one to three query heads per KV head, fp32 and 16-bit caches."""
+    gen = torch.Generator().manual_seed(seed)
+    context_lens, new_lens = chunks
+    D = 16
+    k_cache, v_cache, tables = make_cache(gen, context_lens, block_size, Hkv, D, dtype)
+    cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = randn(gen, int(cu[-1]), group * Hkv, D, dtype=dtype)
+    got = R.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.3)
+    want = naive_prefill(q.float(), k_cache.float(), v_cache.float(), tables, cu, lens, 0.3)
+    assert got.dtype == dtype
+    assert_close(got.float(), want, ATTN_TOL[dtype])
+
+
+def test_prefill_attention_benchmark_measures_like_against_like(capsys):
+    """benchmarks/bench_prefill_attention.py: its baseline (the masked path as it was) and the
+    reference give the same attention on the recorded workload's chunks, the recorded chunks are
+    the 275 (22,769 new tokens, 255 longer than SHORT_CHUNK) its docstring says, and its quick
+    run prints each case with a ratio."""
+    from benchmarks import bench_prefill_attention as B
+
+    assert (len(B.EOT_CHUNKS), sum(n for n, _ in B.EOT_CHUNKS)) == (275, 22769)
+    assert sum(n > R.SHORT_CHUNK for n, _ in B.EOT_CHUNKS) == 255
+    assert all(0 < n <= ctx for n, ctx in B.EOT_CHUNKS)
+    case = B.Case([c for c in B.EOT_CHUNKS if c[0] <= R.SHORT_CHUNK][:4] + list(B.EOT_CHUNKS[:30]))
+    assert case.plan.short and case.plan.long
+    assert_close(case.causal_bias(), case.masked(), ATTN_TOL[torch.float32])
+    assert B.main(["--quick", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for name in ("whole prompt, 300 tokens", "whole prompt, 1,000 tokens", "89 new tokens over 341 positions"):
+        assert re.search(re.escape(name) + r" .* \d+\.\d\dx ", out), out
 
 
 @pytest.mark.parametrize("context_lens", [[13] * 3, [(7 * i) % 40 + 1 for i in range(20)]],
