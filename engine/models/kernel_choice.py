@@ -23,7 +23,8 @@ The result is cached as JSON in ``$KVBATCH_CACHE_DIR`` (default ``~/.cache/kvbat
 per key: CPU model and flags, torch version, thread count, dtype, weight format and shapes; a
 changed key is a new file, so a new torch, CPU or model is measured afresh. A bucket keeps the
 bucket-1 winner's layout unless another kernel is more than ``_SWITCH_GAIN`` faster there: a
-second layout costs a second copy of the weights.
+second layout costs a second copy of the weights. Once a second layout is held, the decode
+buckets take it wherever it measured faster (``_HELD_BUCKETS``).
 """
 
 from __future__ import annotations
@@ -85,9 +86,20 @@ BUCKET_ROWS = (1, 8, 64, 128)
 # 3: the int8 gemv route measured at every bucket (version 2 timed it for 1-8 rows only, so its
 #    files hold dequant or int8pack for batched rows, where gemv now wins).
 # 4: the one-row bucket credits the kernels the fused decode layers run (_FUSED_CREDIT).
-CACHE_VERSION = 4
+# 5: a layout already held takes the decode buckets where it measured faster (_HELD_BUCKETS).
+CACHE_VERSION = 5
 _STREAM_BYTES = 48 << 20  # measured weights: past a 32 MB L3, as the model's are
 _SWITCH_GAIN = 0.10
+# The buckets (1, 2-8, 9-64 rows: decode) where a layout the choice already holds (it won another
+# bucket by _SWITCH_GAIN) takes over wherever it measured faster at all. Why: the measurement
+# multiplies one layer's weights from 9 rows up, which stay in the cache, where a decode step
+# streams every layer's from memory, and a kernel's lead there grows: on the Xeon 167 held to AVX2
+# (2026-12-05) MKL's packed weights measured 9% faster than BLAS at 64 rows (under the 10% switch
+# gain: BLAS kept), while the engine's 64-row step spent 95.6 ms in its projections with MKL and
+# 121.8 with BLAS, and streamed over 30 layers MKL took 1.17 ms a layer at 16 rows to BLAS's 1.95.
+# Not the prefill bucket (65+ rows, measured at 128): the two cross within it (MKL 7% faster at
+# 128 rows, BLAS 9% faster at 2,048 on the same Xeon), so a small lead at 128 rows says little.
+_HELD_BUCKETS = 3
 # At one row the kernels whose layout the fused decode layers take (fused_kinds) run inside one native
 # call per step, without the small ops between the projections that the per-projection timings
 # cannot see; they count as this much faster than they measured. On the Xeon 167 (2026-12-05) MKL's
@@ -337,7 +349,10 @@ def fused_kinds(dtype: torch.dtype, weights: str) -> tuple[str, ...]:
 def pick(timings: Mapping[str, Sequence[float]], fused: Sequence[str] = ()) -> tuple[str, ...]:
     """The kernel per bucket: the bucket-1 winner, unless another is more than ``_SWITCH_GAIN``
     faster in that bucket; in bucket 1 the ``fused`` kinds count as ``_FUSED_CREDIT`` faster than
-    they measured (they run in the fused decode step)."""
+    they measured (they run in the fused decode step). Then a decode bucket (up to 64 rows) takes
+    any kernel whose layout that first pass already holds where it measured faster at all: its
+    weights are paid for, so the switch gain (a guard on memory) has nothing left to guard, and the
+    measurement understates such a lead (see ``_HELD_BUCKETS``)."""
     def cost(k: str, b: int) -> float:
         return timings[k][b] * (1 - _FUSED_CREDIT) if b == 0 and k in fused else timings[k][b]
 
@@ -346,6 +361,9 @@ def pick(timings: Mapping[str, Sequence[float]], fused: Sequence[str] = ()) -> t
     for b in range(len(BUCKET_ROWS)):
         best = min(timings, key=lambda k: cost(k, b))
         kinds.append(best if cost(best, b) < cost(primary, b) * (1 - _SWITCH_GAIN) else primary)
+    held = set(kinds)
+    for b in range(_HELD_BUCKETS):
+        kinds[b] = min(held, key=lambda k: (cost(k, b), k != kinds[b]))
     return tuple(kinds)
 
 
