@@ -1,4 +1,4 @@
-"""CPU prefill attention: a long chunk's causal attention as a boolean mask against as a causal bias.
+"""CPU prefill attention of long chunks: query heads folded under one boolean mask, against by head.
 
     python benchmarks/bench_prefill_attention.py            # 2 threads, 3 rounds, every case
     python benchmarks/bench_prefill_attention.py --quick    # 2 rounds, the short cases
@@ -10,11 +10,10 @@ size 16), the paged cache's blocks placed at random, for each case's chunks:
   baseline): each chunk's query heads folded into rows per KV head (``[3, 3 * n_new, 64]``) and a
   boolean ``[3 * n_new, context]`` causal mask built for it, so torch's CPU flash kernel computes
   every block of the rectangle, the ones above the diagonal too;
-- *causal bias*: ``reference.prefill_attention`` now: ``[1, 9, n_new, 64]`` queries over the
-  gathered ``[1, 3, context, 64]`` keys and values (``enable_gqa``) with
-  ``causal_lower_right(n_new, context)``; a chunk without a cached prefix becomes torch's
-  ``is_causal`` (the flash kernel skips the blocks above the diagonal), one over a cached prefix a
-  mask of its own ``[n_new, context]`` only.
+- *by head*: ``reference.prefill_attention`` now: ``[1, 9, n_new, 64]`` queries over the gathered
+  ``[1, 3, context, 64]`` keys and values (``enable_gqa``); a chunk without a cached prefix runs
+  SDPA's ``is_causal`` (the flash kernel skips the blocks above the diagonal), one over a cached
+  prefix reads a ``[n_new, context]`` mask of its own rows, built with the plan.
 
 Cases: a prompt prefilled whole (no cached prefix) at 300, 1,000 and 2,000 tokens; one 89-token
 chunk over 341 positions (the typical chat prompt after its prefix-cache hit); and the
@@ -109,7 +108,7 @@ class Case:
         self.masks = [_grouped_mask(c.end - c.start, len(c.slots)) for c in self.plan.long]
         self.new_tokens = int(news.sum())
 
-    def causal_bias(self) -> torch.Tensor:
+    def by_head(self) -> torch.Tensor:
         return R.prefill_attention(self.q, self.k, self.v, self.tables, self.cu, self.lens, HEAD_DIM ** -0.5,
                                    self.plan)
 
@@ -124,8 +123,8 @@ def _grouped_mask(n_new: int, n_ctx: int) -> torch.Tensor:
 
 def masked_long_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: R.PrefillPlan,
                        masks: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """``reference.prefill_attention`` before the causal bias (commit 1a4a013): the long chunks'
-    query heads folded into rows per KV head, a boolean mask over the whole rectangle."""
+    """``reference.prefill_attention`` as it was (commit 1a4a013): the long chunks' query heads
+    folded into rows per KV head, a boolean mask over the whole rectangle."""
     _, Hq, D = q.shape
     Hkv = k_cache.shape[-2]
     group = Hq // Hkv
@@ -149,8 +148,8 @@ def load() -> str:
 
 def run_case(name: str, chunks: list[tuple[int, int]], rounds: int) -> dict:
     case = Case(chunks)
-    paths = {"masked": case.masked, "causal bias": case.causal_bias}
-    diff = (case.masked() - case.causal_bias()).abs().max().item()  # also the warm-up
+    paths = {"masked": case.masked, "by head": case.by_head}
+    diff = (case.masked() - case.by_head()).abs().max().item()  # also the warm-up
     times: dict[str, list[float]] = {name: [] for name in paths}
     for r in range(rounds):
         for path, run in (list(paths.items()) if r % 2 == 0 else list(paths.items())[::-1]):
@@ -160,7 +159,7 @@ def run_case(name: str, chunks: list[tuple[int, int]], rounds: int) -> dict:
     old, new = (statistics.median(times[p]) for p in paths)
     print(f"  {name:<44} {case.new_tokens:>7} {old:11.2f} {new:11.2f} {old / new:7.2f}x "
           f"{old * LAYERS / 1e3:9.2f} {new * LAYERS / 1e3:9.2f} {diff:10.1e}")
-    return {"case": name, "new_tokens": case.new_tokens, "masked_ms": old, "causal_bias_ms": new,
+    return {"case": name, "new_tokens": case.new_tokens, "masked_ms": old, "by_head_ms": new,
             "ratio": old / new, "max_abs_diff": diff}
 
 
@@ -190,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:
         cases += [("whole prompt, 2,000 tokens", [(2000, 2000)]),
                   (f"end-of-turn workload, {len(EOT_CHUNKS)} chunks", list(EOT_CHUNKS))]
-    print(f"  {'case':<44} {'tokens':>7} {'masked ms':>11} {'bias ms':>11} {'ratio':>8} "
-          f"{'masked s':>9} {'bias s':>9} {'max |diff|':>10}")
+    print(f"  {'case':<44} {'tokens':>7} {'masked ms':>11} {'by head ms':>11} {'ratio':>8} "
+          f"{'masked s':>9} {'by head s':>9} {'max |diff|':>10}")
     for name, chunks in cases:
         run_case(name, chunks, args.rounds)
     print(f"  (ms: one layer; s: x{LAYERS}, the layers of a forward pass); load average after {load()}")

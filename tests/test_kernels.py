@@ -280,9 +280,10 @@ def long_chunks(draw):
 @given(chunks=long_chunks(), Hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
        block_size=st.sampled_from([1, 4, 16]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_reference_prefill_long_chunks_match_the_definition(chunks, Hkv, group, block_size, dtype, seed):
-    """The long chunks' path (a lower-right causal bias, grouped query heads read through
-    ``enable_gqa``) against the token-by-token definition: whole prompts, chunks over a cached
-    prefix, one to three query heads per KV head, fp32 and 16-bit caches."""
+    """The long chunks' path (query heads as heads, each reading its KV head through
+    ``enable_gqa``; whole prompts under ``is_causal``, the rest under the plan's lower-right masks)
+    against the token-by-token definition: whole prompts, chunks over a cached prefix, one to three
+    query heads per KV head, fp32 and 16-bit caches."""
     gen = torch.Generator().manual_seed(seed)
     context_lens, new_lens = chunks
     D = 16
@@ -294,6 +295,16 @@ def test_reference_prefill_long_chunks_match_the_definition(chunks, Hkv, group, 
     want = naive_prefill(q.float(), k_cache.float(), v_cache.float(), tables, cu, lens, 0.3)
     assert got.dtype == dtype
     assert_close(got.float(), want, ATTN_TOL[dtype])
+
+
+def test_the_reference_kernels_load_neither_torchs_compiler_nor_triton():
+    """torch's ``causal_lower_right`` bias would have served the prefill's lower-right masks, but
+    importing it loads torch's compiler stack with Triton, before the Triton interpreter tests of
+    the same process set TRITON_INTERPRET (42 of them failed so): the reference builds its masks."""
+    code = ("import sys, kvbatch.kernels.reference, kvbatch.kernels.reference_mla; "
+            "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_prefill_attention_benchmark_measures_like_against_like(capsys):
@@ -308,7 +319,7 @@ def test_prefill_attention_benchmark_measures_like_against_like(capsys):
     assert all(0 < n <= ctx for n, ctx in B.EOT_CHUNKS)
     case = B.Case([c for c in B.EOT_CHUNKS if c[0] <= R.SHORT_CHUNK][:4] + list(B.EOT_CHUNKS[:30]))
     assert case.plan.short and case.plan.long
-    assert_close(case.causal_bias(), case.masked(), ATTN_TOL[torch.float32])
+    assert_close(case.by_head(), case.masked(), ATTN_TOL[torch.float32])
     assert B.main(["--quick", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     for name in ("whole prompt, 300 tokens", "whole prompt, 1,000 tokens", "89 new tokens over 341 positions"):
