@@ -378,8 +378,15 @@ def test_restart_mid_batch_then_the_batch_completes(server, tmp_path):
     assert json.loads((work / "done.json").read_text())["resumed_from"] >= 8  # not started over
 
     # Both runs are in the Dagster instance: the dead one marked failed, the resumed one succeeded.
+    # The batch reads completed once its output is written; the run's own end is recorded a moment
+    # later, when its step returns (a fresh-clone CI once saw it still STARTED): wait for it, bounded.
     instance = dg.DagsterInstance.from_ref(InstanceRef.from_dir(server.env["DAGSTER_HOME"]))
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={"kvbatch/batch_id": batch.id}))
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        runs = instance.get_runs(filters=dg.RunsFilter(tags={"kvbatch/batch_id": batch.id}))
+        if all(r.is_finished for r in runs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert sorted(r.status.value for r in runs) == ["FAILURE", "SUCCESS"]
     assert {r.job_name for r in runs} == {"kvbatch_batch_api"}
     ok = next(r for r in runs if r.status.value == "SUCCESS")
