@@ -1227,15 +1227,6 @@ int kvb_gemv(const float *x, int64_t rows, const void *w, const float *scale, in
     return KVB_OK;
 }
 
-/* The greedy LM head (engine/models/greedy_head.py) in one call: y [rows, vocab] = the screen's
- * logits x @ w' for an fp32 x [rows, dim] and the head's int8 blocks (q, scale), then, per row, every
- * token whose upper bound y_v + error_v ||x|| reaches the best lower bound max_v (y_v - error_v ||x||)
- * gets its fp32 logit head[v, :] . x (a dot product over the fp32 head rows [vocab, dim]), every other
- * token -inf. Each thread screens its own band of columns; the bands' lower bounds are combined after
- * a barrier (lo: nthreads x rows doubles of scratch). The bounds and comparisons run in double, so
- * their own roundings cannot drop a token the bound keeps. (As torch ops after the GEMV, the bound
- * and the selection took 0.43 ms a step at one row: each op's first touch of code and data after the
- * weights' stream; here they run on the band each thread just wrote.) */
 /* A kept token's fp32 logit: its head row w . x, summed in fp32 (both greedy heads). */
 static inline float head_logit(const float *w, const float *x, int64_t dim) {
     float dot = 0.0f;
@@ -1291,6 +1282,15 @@ int kvb_screen_select(const float *restrict s, float *restrict y, int64_t rows, 
     return KVB_OK;
 }
 
+/* The greedy LM head (engine/models/greedy_head.py) in one call: y [rows, vocab] = the screen's
+ * logits x @ w' for an fp32 x [rows, dim] and the head's int8 blocks (q, scale), then, per row, every
+ * token whose upper bound y_v + error_v ||x|| reaches the best lower bound max_v (y_v - error_v ||x||)
+ * gets its fp32 logit head[v, :] . x (a dot product over the fp32 head rows [vocab, dim]), every other
+ * token -inf. Each thread screens its own band of columns; the bands' lower bounds are combined after
+ * a barrier (lo: nthreads x rows doubles of scratch). The bounds and comparisons run in double, so
+ * their own roundings cannot drop a token the bound keeps. (As torch ops after the GEMV, the bound
+ * and the selection took 0.43 ms a step at one row: each op's first touch of code and data after the
+ * weights' stream; here they run on the band each thread just wrote.) */
 int kvb_greedy_head(const float *x, int64_t rows, const int8_t *q, const float *scale, int64_t dim, int64_t vocab,
                     const float *error, const float *head, float *y, int nthreads) {
     if (rows <= 0 || dim <= 0 || vocab <= 0) return KVB_BAD_SHAPE;
