@@ -47,6 +47,9 @@ FORWARD_PARTS = (
     ("rotary", "dispatch", "rotate_qk"),
     ("KV cache writes", "dispatch", "store_kv"),
     ("KV cache writes", "dispatch", "store_kv_layer"),
+    # a decode step whose every layer runs in one native call (LlamaModel._fused_layers): its
+    # projections, attention and small ops are not split out
+    ("fused decode layers (one native call)", "dispatch", "decode_layers"),
 )
 FORWARD_REST = "forward: rest (embedding, slices, activation, layer loop)"
 HOST_PARTS = (("scheduler", "scheduler", "schedule"), ("step tensors (runner.prepare)", "runner", "prepare"))

@@ -45,7 +45,7 @@
  * between jumps, and the sums loaded and stored on every pass.) */
 #define W_BLOCK 16
 
-int kvb_native_abi_version(void) { return 9; }
+int kvb_native_abi_version(void) { return 10; }
 int kvb_block_cols(void) { return W_BLOCK; }
 
 static inline float kvb_expf(float x) {
@@ -166,30 +166,36 @@ static void silu_mul(const float *g, const float *u, float *o, int64_t n) {
     for (; i < n; i++) o[i] = g[i] / (1.0f + kvb_expf(-g[i])) * u[i];
 }
 
+/* One row of kvb_add_rms_norm: o = w * (x' * rsqrt(mean(x'^2) + eps)) with x' = xr + rr (stored
+ * into xr), or xr itself where rr is NULL. Not inlined: kvb_add_rms_norm and the fused layers'
+ * batched schedule run this one machine code, so that their sums are the same bits (an inlined
+ * copy may vectorize its reduction in another order). */
+static __attribute__((noinline)) void add_rms_norm_row(float *xr, const float *rr, const float *w, float *o,
+                                                      int64_t dim, float eps) {
+    float ss = 0.0f;
+    if (rr != NULL) {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) {
+            float v = xr[i] + rr[i];
+            xr[i] = v;
+            ss += v * v;
+        }
+    } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+    }
+    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
+}
+
 /* out[r] = w * (x'[r] * rsqrt(mean(x'[r]^2) + eps)) with x' = x + res; x' is stored into x (the
  * new residual) when res is given. */
 void kvb_add_rms_norm(float *x, const float *res, const float *w, float *out, int64_t rows, int64_t dim,
                       float eps, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (rows * dim >= PAR_WORK && rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * dim, *o = out + r * dim;
-        float ss = 0.0f;
-        if (res != NULL) {
-            const float *rr = res + r * dim;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) {
-                float v = xr[i] + rr[i];
-                xr[i] = v;
-                ss += v * v;
-            }
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
-        }
-        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(x + r * dim, res != NULL ? res + r * dim : NULL, w, out + r * dim, dim, eps);
 }
 
 /* The first index of x[0:n]'s largest value, as torch.argmax answers: a NaN counts as larger than
@@ -1115,12 +1121,14 @@ typedef void (*kvb_cols_fn)(const void *w, int32_t qtype, const float *x, int64_
 
 /* A projection's weight as the fused layers and kvb_gemv take it, by kind: fp32 [in, out]; int8
  * in blocks of W_BLOCK columns standing for w[i, c] * scale[c] (scale padded like the blocks);
- * bf16 in blocks of W_BLOCK columns; another library's format and kernel (the fused layers only).
- * The activations are fp32 in every kind. */
+ * bf16 in blocks of W_BLOCK columns; another library's format and kernel (the fused layers only);
+ * MKL's packed fp32 layout, multiplied by the step's sgemm_compute (the fused layers' batched
+ * schedule only). The activations are fp32 in every kind. */
 #define KVB_W_F32 0
 #define KVB_W_I8 1
 #define KVB_W_BF16 2
 #define KVB_W_COLS 3
+#define KVB_W_MKL 4
 typedef struct {
     const void *w;
     const float *scale;  /* KVB_W_I8 only */
@@ -1382,7 +1390,87 @@ typedef struct {
     const float *cos_sin;  /* [max_pos, d] */
     const int32_t *block_tables, *context_lens;  /* [rows, table_stride], [rows] */
     int32_t bf16;  /* a bf16 model: bf16 caches, and every value rounded where its per-op path rounds */
+    const void *sgemm_compute;  /* MKL's cblas_sgemm_compute, for KVB_W_MKL projections; else NULL */
 } kvb_step_t;
+
+/* MKL's cblas_sgemm_compute (mkl_cblas.h; MKL_INT 32-bit, the LP64 symbols torch's CPU library
+ * exports), reached through the address the caller looked up: this library links no MKL. */
+typedef void (*kvb_sgemm_compute_fn)(int layout, int transa, int transb, int m, int n, int k, const float *a,
+                                     int lda, const void *b, int ldb, float beta, float *c, int ldc);
+
+/* y [rows, out] = x [rows, in] @ an MKL-packed weight: the call engine/models/mkl_packed.py's
+ * linear makes (row-major, A as is, B packed, beta 0), so that the batched schedule's products
+ * are the per-op path's bits. MKL runs its own threads: called outside any parallel region. */
+static void mkl_proj(const kvb_step_t *s, const float *x, int64_t rows, const kvb_proj_t *p, int64_t in,
+                     int64_t out, float *y) {
+    ((kvb_sgemm_compute_fn)s->sgemm_compute)(101, 111, 151, (int)rows, (int)out, (int)in, x, (int)in, p->w,
+                                             (int)out, 0.0f, y, (int)out);
+}
+
+/* kvb_decode_layers for projections held in MKL's packed layout (a batched decode step, 9-64 rows,
+ * where the kernel choice gave them MKL): the same layer, each projection one MKL call between
+ * parallel loops of the small ops (MKL threads itself, so the layer cannot be one OpenMP region
+ * as the GEMV schedule's is). What it saves against the per-op path is the Python between the
+ * ~9 calls of each layer, and the other threads' idle spinning through it. Same bits as that
+ * path: the same kernels in the same order (the norm per row, rotary and cache write, attention
+ * split as kvb_decode_attention splits it, MKL's call, SiLU-and-multiply). fp32 only. */
+static int decode_layers_mkl(const kvb_layer_t *layers, int64_t n_layers, const kvb_step_t *s, float *h,
+                             float *resid, int has_resid, float *work, int nthreads, int64_t max_len, int64_t total) {
+    const int64_t rows = s->rows, dim = s->dim, hq = s->hq, hkv = s->hkv, d = s->d, inter = s->inter;
+    const int64_t group = hq / hkv, qkv_out = (hq + 2 * hkv) * d;
+    float *x = work, *qkv = x + rows * dim, *attn = qkv + rows * qkv_out, *gu = attn + rows * hq * d,
+          *act = gu + rows * 2 * inter;
+    /* the per-op calls' thread rules: a loop splits where kvb_add_rms_norm, kvb_rotary_store and
+     * kvb_silu_and_mul split, attention where kvb_decode_attention does (its split changes bits) */
+    const int norm_par = rows * dim >= PAR_WORK && rows > 1, rot_par = rows * qkv_out >= PAR_WORK && rows > 1,
+              silu_par = rows * inter >= PAR_WORK && rows > 1,
+              attn_par = rows * hkv > 1 && total * hkv * d >= PAR_WORK;
+    const int attn_threads = attn_par ? nthreads : 1;
+    split_t sp;
+    if (plan_split(&sp, rows, s->context_lens, total, hkv, hq, d, s->block_size, attn_threads)) return KVB_NO_MEMORY;
+    const int64_t per_thread = group * (max_len > 0 ? max_len : 1);
+    float *scores = malloc((size_t)(attn_threads * per_thread) * sizeof(float));
+    if (scores == NULL) {
+        free_split(&sp);
+        return KVB_NO_MEMORY;
+    }
+    /* The per-op path's buffers, as it hands them on: a norm adds the residual into its input (the
+     * layer's input, then the o projection's output), which becomes the residual, so h and resid
+     * trade places twice a layer and each layer ends with them where it found them. */
+    for (int64_t l = 0; l < n_layers; l++) {
+        const kvb_layer_t *L = layers + l;
+        const int first = l == 0 && !has_resid;  /* the embedding is the residual as it is */
+#pragma omp parallel for num_threads(nthreads) if (norm_par)
+        for (int64_t r = 0; r < rows; r++)
+            add_rms_norm_row(h + r * dim, first ? NULL : resid + r * dim, L->input_norm, x + r * dim, dim, s->eps);
+        mkl_proj(s, x, rows, &L->qkv, dim, qkv_out, qkv);
+#pragma omp parallel for num_threads(nthreads) if (rot_par)
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = qkv + r * qkv_out;
+            if (L->qkv_bias != NULL)
+                for (int64_t c = 0; c < qkv_out; c++) row[c] += L->qkv_bias[c];
+            rotate_store_row(row, s->cos_sin + s->positions[r] * d, hq, hkv, d, L->k_plane, L->v_plane, s->slots[r], 0);
+        }
+#pragma omp parallel num_threads(attn_threads) if (attn_par)
+        {
+            int t, n;
+            team(&t, &n);
+            attend_tasks(&sp, qkv, qkv_out, attn, hq, hkv, d, L->k_plane, L->v_plane, 0, s->block_size,
+                         s->block_tables, s->table_stride, s->context_lens, s->scale, scores + t * per_thread);
+        }
+        mkl_proj(s, attn, rows, &L->o, hq * d, dim, resid);  /* h holds the residual now */
+#pragma omp parallel for num_threads(nthreads) if (norm_par)
+        for (int64_t r = 0; r < rows; r++)
+            add_rms_norm_row(resid + r * dim, h + r * dim, L->post_norm, x + r * dim, dim, s->eps);
+        mkl_proj(s, x, rows, &L->gate_up, dim, 2 * inter, gu);
+#pragma omp parallel for num_threads(nthreads) if (silu_par)
+        for (int64_t r = 0; r < rows; r++) silu_mul(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter, inter);
+        mkl_proj(s, act, rows, &L->down, inter, dim, h);
+    }
+    free(scores);
+    free_split(&sp);
+    return KVB_OK;
+}
 
 /* A decode step of `rows` sequences (one token each) through n_layers dense Llama layers, in one
  * OpenMP region: per layer, residual add + RMSNorm, the qkv projection (+ bias), rotary and the
@@ -1407,6 +1495,15 @@ int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_ste
     if (check_decode_indices(rows, s->block_tables, s->table_stride, s->context_lens, s->num_blocks, s->block_size,
                              &max_len, &total))
         return KVB_BAD_INDEX;
+    int mkl = 0;  /* projections held by MKL: every one of them (KVB_W_MKL), and fp32 */
+    for (int64_t l = 0; l < n_layers; l++) {
+        const kvb_proj_t *ps[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+        for (int i = 0; i < 4; i++) mkl += ps[i]->kind == KVB_W_MKL;
+    }
+    if (mkl) {
+        if (mkl != 4 * n_layers || rb || s->sgemm_compute == NULL) return KVB_BAD_SHAPE;
+        return decode_layers_mkl(layers, n_layers, s, h, resid, has_resid, work, nthreads, max_len, total);
+    }
     const int64_t group = hq / hkv, qkv_out = (hq + 2 * hkv) * d;
     float *x = work, *qkv = x + rows * dim, *attn = qkv + rows * qkv_out, *gu = attn + rows * hq * d,
           *act = gu + rows * 2 * inter;

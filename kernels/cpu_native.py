@@ -26,7 +26,7 @@ import torch
 from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
-_ABI = 9
+_ABI = 10
 # Rows the native fp32 and bf16 GEMVs and the fused decode layers are offered for: decode and small
 # batches, where a multiply is bound by streaming the weights; more rows are compute-bound, and there
 # oneDNN's GEMMs win. (The int8 blocks are offered at every row count: widened in registers, they
@@ -325,9 +325,21 @@ class ColumnsWeight(NamedTuple):
     max_rows: int
 
 
-Weight = torch.Tensor | Int8Blocks | Bf16Blocks | ColumnsWeight  # fp32 [in, out], int8 or bf16 blocks, another kernel's
+class GemmWeight(NamedTuple):
+    """An fp32 weight in MKL's packed layout, multiplied inside the fused decode layers by MKL's
+    ``cblas_sgemm_compute`` (whose address :func:`fuse_layers` takes): the layers' batched schedule,
+    one MKL call per projection between parallel loops of the small ops. ``data`` holds the packed
+    bytes (kept alive here; never copied: MKL's buffer must not move); it stands for an
+    ``[in_features, out_features]`` product. :func:`kvbatch.engine.models.mkl_packed.fused_weight`."""
+
+    data: torch.Tensor
+    in_features: int
+    out_features: int
+
+
+Weight = torch.Tensor | Int8Blocks | Bf16Blocks | ColumnsWeight | GemmWeight  # fp32 [in, out], int8 or bf16 blocks, another kernel's
 # kvb_proj_t's kinds (cpu_native.c): how the C code reads a weight's bytes
-_W_F32, _W_I8, _W_BF16, _W_COLS = 0, 1, 2, 3
+_W_F32, _W_I8, _W_BF16, _W_COLS, _W_MKL = 0, 1, 2, 3, 4
 
 
 def _weight_ptrs(w: Weight, name: str) -> tuple[int, int | None, int, tuple[int, int]]:
@@ -338,6 +350,10 @@ def _weight_ptrs(w: Weight, name: str) -> tuple[int, int | None, int, tuple[int,
         if not w.cols or not w.data.is_contiguous() or w.data.device.type != "cpu":
             raise ValueError(f"{name}: a columns weight needs its kernel's address and contiguous CPU bytes")
         return w.data.data_ptr(), None, _W_COLS, (w.in_features, w.out_features)
+    if isinstance(w, GemmWeight):
+        if not w.data.is_contiguous() or w.data.device.type != "cpu":
+            raise ValueError(f"{name}: an MKL-packed weight needs its contiguous CPU bytes")
+        return w.data.data_ptr(), None, _W_MKL, (w.in_features, w.out_features)
     if isinstance(w, (Int8Blocks, Bf16Blocks)):
         int8 = isinstance(w, Int8Blocks)
         q, out = w.q, w.out_features
@@ -371,8 +387,8 @@ def gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.
     bf16 matmul rounds (on a CPU with AVX512-BF16 and an even ``in``, the exact products come
     from ``vdpbf16ps``). A :class:`ColumnsWeight` runs in the fused layers only."""
     w_ptr, scale_ptr, kind, (w_in, w_out) = _weight_ptrs(w, "gemv")
-    if kind == _W_COLS:
-        raise ValueError("gemv: a columns weight is multiplied inside the fused decode layers only")
+    if kind in (_W_COLS, _W_MKL):
+        raise ValueError("gemv: a columns or MKL-packed weight is multiplied inside the fused decode layers only")
     bf16 = kind == _W_BF16
     if _bf16(x, *(() if bias is None else (bias,))) != bf16:
         raise ValueError(f"gemv: x and bias take the weight's dtype ({'bf16' if bf16 else 'fp32'}), got {x.dtype}"
@@ -474,7 +490,7 @@ class _Step(ctypes.Structure):
                                                   "num_blocks", "block_size", "table_stride")] + \
                [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + \
                [(name, ctypes.c_void_p) for name in ("positions", "slots", "cos_sin", "block_tables", "context_lens")] + \
-               [("bf16", ctypes.c_int32)]
+               [("bf16", ctypes.c_int32), ("sgemm_compute", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -509,10 +525,13 @@ class FusedLayers:
     num_kv_heads: int
     head_dim: int
     max_rows: int | None = None  # the fewest rows a columns-kernel projection takes (None: no such projection)
+    sgemm_compute: int | None = None  # MKL's cblas_sgemm_compute, for GemmWeight projections (else None)
 
 
-def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
-    """Check every layer's shapes and layouts and lay them out for :func:`decode_layers`."""
+def fuse_layers(layers: list[DenseLayer], sgemm_compute: int | None = None) -> FusedLayers:
+    """Check every layer's shapes and layouts and lay them out for :func:`decode_layers`.
+    ``sgemm_compute``: the address of MKL's ``cblas_sgemm_compute``, which layers of
+    :class:`GemmWeight` projections (all four in every layer, fp32) are multiplied by."""
     if not layers:
         raise ValueError("fuse_layers needs at least one layer")
     first = layers[0]
@@ -537,6 +556,14 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
             raise ValueError(f"layer {i}: a bf16 model's fused layers take bf16 projections")
         if not bf16 and any(kind == _W_BF16 for _, _, kind, _ in projs.values()):
             raise ValueError(f"layer {i}: fp32 layers take fp32, int8 or columns-kernel projections, not bf16")
+        gemm = sum(kind == _W_MKL for _, _, kind, _ in projs.values())
+        if gemm and (gemm != len(projs) or bf16 or not sgemm_compute or
+                     (i > 0 and structs[0].qkv.kind != _W_MKL)):
+            raise ValueError(f"layer {i}: MKL-packed projections run every projection of every layer through MKL "
+                             f"(fp32, with cblas_sgemm_compute's address), got {gemm} of {len(projs)}"
+                             f"{' and no address' if not sgemm_compute else ''}")
+        if i > 0 and not gemm and structs[0].qkv.kind == _W_MKL:
+            raise ValueError(f"layer {i}: layer 0's projections are MKL-packed, this layer's are not")
         shapes = {"o": (projs["o"][3], (hq * d, dim)), "qkv": (projs["qkv"][3], (dim, qkv_out)),
                   "gate_up": (projs["gate_up"][3], (dim, 2 * inter)), "down": (projs["down"][3], (inter, dim)),
                   "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape)}
@@ -555,7 +582,9 @@ def fuse_layers(layers: list[DenseLayer]) -> FusedLayers:
                             None if lw.qkv_bias is None else lw.qkv_bias.data_ptr(), k_plane,
                             k_plane + lw.kv_layer.stride(0) * lw.kv_layer.element_size())
     limits = [w.max_rows for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if isinstance(w, ColumnsWeight)]
-    return FusedLayers(structs, tuple(held), bf16, dim, inter, hq, hkv, d, min(limits) if limits else None)
+    gemm = structs[0].qkv.kind == _W_MKL
+    return FusedLayers(structs, tuple(held), bf16, dim, inter, hq, hkv, d, min(limits) if limits else None,
+                       sgemm_compute if gemm else None)
 
 
 def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual: torch.Tensor | None,
@@ -589,7 +618,8 @@ def decode_layers(fused: FusedLayers, num_layers: int, h: torch.Tensor, residual
     kv_layer = fused.tensors[0].kv_layer
     step = _Step(rows, dim, hq, hkv, d, fused.inter, cos_sin.shape[0], kv_layer[0].numel() // (hkv * d),
                  kv_layer.shape[1], kv_layer.shape[2], tables.shape[1], eps, scale, positions.data_ptr(),
-                 slots.data_ptr(), cos_sin.data_ptr(), tables.data_ptr(), lens.data_ptr(), int(fused.bf16))
+                 slots.data_ptr(), cos_sin.data_ptr(), tables.data_ptr(), lens.data_ptr(), int(fused.bf16),
+                 fused.sgemm_compute)
     qkv_out = (hq + 2 * hkv) * d
     work = torch.empty(rows * (dim + qkv_out + hq * d + 3 * fused.inter), dtype=torch.float32)
     rc = _lib().kvb_decode_layers(fused.structs, num_layers, ctypes.byref(step), h.data_ptr(), resid.data_ptr(),

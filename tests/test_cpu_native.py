@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbatch.engine.models import mkl_packed
 from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
@@ -658,6 +659,68 @@ def test_a_bucket_the_native_gemv_won_takes_the_fused_path(tmp_path, monkeypatch
     assert tokens == ref_tokens
     for a, b in zip(logits, ref_logits, strict=True):
         _close(a, b, rel=1e-5)
+
+
+@pytest.mark.skipif(not mkl_packed.available(), reason="this torch build has no MKL packed sgemm")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv bias inside the fused layers
+def test_mkl_packed_projections_run_fused_with_the_per_op_paths_bits(tmp_path, monkeypatch, arch):
+    # the batched schedule: MKL called from the C code between the small ops, at any row count (12:
+    # past the native GEMV's 8 rows), the per-op path's bits in every step's logits; long prompts
+    # on 2 threads split attention into parts as the per-op kernel splits it
+    build_tiny(arch, tmp_path / arch)
+    calls = []
+    real = N.decode_layers
+    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+
+    def run(fused: str, n: int, long: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        monkeypatch.setenv("KVBATCH_KERNELS", "native")
+        monkeypatch.setenv("KVBATCH_FUSED_DECODE", fused)
+        monkeypatch.setenv("KVBATCH_LINEAR", "mkl")
+        llm = LLM(str(tmp_path / arch), engine_config=EngineConfig(block_size=4, num_blocks=512))
+        assert llm.model.linear.kind == "mkl" and llm.model.linear.fused_gemm(n)
+        if not long:
+            return _tokens_and_logits(llm, n)
+        full_head(llm)
+        seen, execute = [], llm.runner.execute
+        llm.runner.execute = lambda step: seen.append(execute(step)) or seen[-1]
+        prompts = [torch.randint(3, 97, (150 + i,), generator=torch.Generator().manual_seed(i)).tolist()
+                   for i in range(n)]
+        reqs = [GenerationRequest(f"r{i}", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                                  prompt_token_ids=p) for i, p in enumerate(prompts)]
+        return [r.output_token_ids for r in llm.generate(reqs)], [s[0].clone() for s in seen]
+
+    with _threads(2):
+        for n, long in ((12, False), (3, False), (3, True)):
+            calls.clear()
+            tokens, logits = run("1", n, long)
+            assert set(calls) == {n}  # every decode step ran fused
+            calls.clear()
+            per_op_tokens, per_op_logits = run("0", n, long)
+            assert not calls and tokens == per_op_tokens
+            for a, b in zip(logits, per_op_logits, strict=True):
+                assert torch.equal(a, b)
+    assert N.attention_parts(torch.tensor([155] * 3, dtype=torch.int32), 2, 4, 2) > 3  # the long case split
+
+
+def test_fuse_layers_takes_mkl_packed_projections_whole(tmp_path, monkeypatch):
+    if not mkl_packed.available():
+        pytest.skip("this torch build has no MKL packed sgemm")
+    build_tiny("llama", tmp_path / "m")
+    llm = _llm(tmp_path / "m", monkeypatch, "native")
+    cache, lw = llm.runner.kv_cache, llm.model.layers[0]
+    packed = [mkl_packed.fused_weight(mkl_packed.pack(w.t())) for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+    layer = dispatch.DenseLayer(lw.input_norm, lw.post_norm, *packed[:1], None, *packed[1:], cache[0])
+    address = mkl_packed.sgemm_compute_address()
+    assert dispatch.fuse_layers([layer], address).sgemm_compute == address
+    with pytest.raises(ValueError, match="and no address"):
+        dispatch.fuse_layers([layer])
+    with pytest.raises(ValueError, match="got 3 of 4"):  # one plain [in, out] projection among them
+        dispatch.fuse_layers([replace(layer, o=lw.o_proj)], address)
+    with pytest.raises(ValueError, match="layer 0's projections are MKL-packed"):
+        plain = dispatch.DenseLayer(lw.input_norm, lw.post_norm, lw.qkv, None, lw.o_proj, lw.gate_up, lw.down, cache[1])
+        dispatch.fuse_layers([layer, plain], address)
+    with pytest.raises(ValueError, match="multiplied inside the fused decode layers only"):
+        N.gemv(torch.randn(2, packed[0].in_features), packed[0])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv bias inside the fused layers

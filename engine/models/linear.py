@@ -213,19 +213,29 @@ class LinearFormat:
         if self.kind in (INT8, GGUF):
             native = GEMV if self.kind == INT8 else GGUF_NATIVE
             return self.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS and self.kind_for(rows) == native
-        return self.kind in (*_PLAIN_KINDS, MIXED) and self.kind_for(rows) in self._plain_kinds()
+        return self.fused_gemm(rows) or (self.kind in (*_PLAIN_KINDS, MIXED) and self.kind_for(rows) in self._plain_kinds())
+
+    def fused_gemm(self, rows: int) -> bool:
+        """Whether the fused decode layers multiply a step of ``rows`` rows through MKL's packed
+        GEMM (their batched schedule, any row count: :class:`~kvbatch.kernels.cpu_native.GemmWeight`),
+        the kernel this format runs for that many rows."""
+        return (self.device.type == "cpu" and self.kind in (MKL, MIXED) and self.kind_for(rows) == MKL
+                and mkl_packed.sgemm_compute_address() is not None)
 
     def _plain_kinds(self) -> tuple[str, ...]:
         """The kinds whose layout the fused decode layers take in this dtype: fp32 BLAS and the
         native GEMV share the plain ``[in, out]``; in bf16 only the native GEMV's blocks."""
         return _PLAIN_KINDS if self.dtype == torch.float32 else (NATIVE,) if self.dtype == torch.bfloat16 else ()
 
-    def fused_weight(self, w: Any) -> cpu_native.Weight | None:
-        """The layout of a weight this format prepared that the fused decode layers multiply (see
-        :meth:`fused_rows`): the plain fp32 ``[in, out]`` tensor, the native GEMV's bf16 blocks, an
-        int8 weight's blocks, or a GGUF weight's blocks (for the GGUF kernel's own entry); for a
+    def fused_weight(self, w: Any, rows: int = 1) -> cpu_native.Weight | None:
+        """The layout of a weight this format prepared that the fused decode layers multiply a step
+        of ``rows`` rows by (see :meth:`fused_rows`): MKL's packed bytes where that step runs MKL
+        (:meth:`fused_gemm`), else the plain fp32 ``[in, out]`` tensor, the native GEMV's bf16 blocks,
+        an int8 weight's blocks, or a GGUF weight's blocks (for the GGUF kernel's own entry); for a
         GGUF weight the file held in another type, its plain fp32 layout where it keeps one, else
         None (that model's decode keeps the per-op path)."""
+        if self.fused_gemm(rows):
+            return mkl_packed.fused_weight(w.layouts[MKL] if self.kind == MIXED else w)
         if self.kind == INT8 and w.blocks is not None:
             return w.blocks
         if self.kind == GGUF:

@@ -15,7 +15,7 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
-from kvbatch.engine.models import greedy_head
+from kvbatch.engine.models import greedy_head, mkl_packed
 from kvbatch.engine.models.greedy_head import GreedyHead, make_greedy_head
 from kvbatch.engine.models.linear import GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
 from kvbatch.engine.models.moe import (
@@ -46,9 +46,10 @@ def refuse_batch_invariant_moe(config: ModelConfig) -> None:
             f"{config.model_type} has {len(sparse)} MoE layer(s), the first is layer {sparse[0]}")
 
 
-# Decode steps of at most this many sequences take the fused native path (one C call for every
-# layer; see LlamaModel._fused_layers): the rows its GEMV is measured for. More rows are
-# compute-bound, where BLAS/oneDNN GEMMs win.
+# Decode steps of at most this many sequences take the fused native path over its own GEMV (one C
+# call for every layer; see LlamaModel._fused_layers): the rows that GEMV is measured for. More rows
+# are compute-bound, where GEMMs win: there the fused path runs only where MKL's packed GEMM holds
+# the projections (its batched schedule, MKL called from the C code).
 FUSED_DECODE_MAX_ROWS = NATIVE_MAX_ROWS
 
 
@@ -213,7 +214,8 @@ class LlamaModel:
         self.lean_ops = lean_ops_enabled()
         self.fused_decode = fused_decode_enabled()
         self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]] | None = None
-        self._fused: tuple[torch.Tensor, K.FusedLayers | None] | None = None
+        # per schedule (MKL's GEMM or not: LinearFormat.fused_gemm), the cache tensor and its fused layers
+        self._fused: dict[bool, tuple[torch.Tensor, K.FusedLayers | None]] = {}
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[L, 2 (K, V), num_blocks, block_size, Hkv, D]``; the runner allocates this and the KV
@@ -320,30 +322,33 @@ class LlamaModel:
     def _fused_layers(self, kv_cache: torch.Tensor, rows: int) -> K.FusedLayers | None:
         """The model's layers over ``kv_cache`` laid out for :func:`K.decode_layers`, when a decode
         step of ``rows`` sequences can take that path: fp32 or bf16 on the CPU with the native
-        kernels built, at most FUSED_DECODE_MAX_ROWS rows, every layer dense without q/k norms, and the
-        projections held in a layout the fused layers take for this many rows: the kernel choice
+        kernels built, every layer dense without q/k norms, and the projections held in a layout the
+        fused layers take for this many rows. Up to FUSED_DECODE_MAX_ROWS rows: the kernel choice
         gave the bucket to the native GEMV (the fused layers' own, measured against BLAS and
         oneDNN), to BLAS (the same layout; the fused step still saves the small ops between the
         GEMVs) or, for int8 weights, to the native int8 GEMV (its blocks); in bf16, to the native
         GEMV (its bf16 blocks: bf16 BLAS keeps no layout the fused layers take); for GGUF weights, to
         the native GGUF kernel (the file's blocks, through the kernel's own entry for a thread's
-        outputs). Where oneDNN's packed layout or another int8 route won, or a GGUF weight the file
-        held in another type has no plain fp32 layout, the per-op path keeps it. Made once per
-        cache tensor."""
-        if not (self.fused_decode and 0 < rows <= FUSED_DECODE_MAX_ROWS and K.native(kv_cache, bf16=True)
-                and self.linear.fused_rows(rows)):
+        outputs). At any row count: to MKL's packed GEMM, which the fused layers call between their
+        small ops (the batched schedule: the per-op path's bits without its Python). Where oneDNN's
+        packed layout or another int8 route won, or a GGUF weight the file held in another type has
+        no plain fp32 layout, the per-op path keeps it. Made once per cache tensor and schedule."""
+        gemm = self.linear.fused_gemm(rows)
+        if not (self.fused_decode and 0 < rows and (rows <= FUSED_DECODE_MAX_ROWS or gemm)
+                and K.native(kv_cache, bf16=True) and self.linear.fused_rows(rows)):
             return None
-        held = self._fused
+        held = self._fused.get(gemm)
         if held is None or held[0] is not kv_cache:
             fused = None
             if all(not lw.is_moe and lw.q_norm is None for lw in self.layers):
-                plain = self.linear.fused_weight
-                projs = [[plain(w) for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)] for lw in self.layers]
+                projs = [[self.linear.fused_weight(w, rows) for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+                         for lw in self.layers]
                 if all(w is not None for ws in projs for w in ws):  # None: a weight with no such layout
                     fused = K.fuse_layers([
                         K.DenseLayer(lw.input_norm, lw.post_norm, qkv, lw.qkv_bias, o, gate_up, down, kv_cache[li])
-                        for li, (lw, (qkv, o, gate_up, down)) in enumerate(zip(self.layers, projs))])
-            held = self._fused = (kv_cache, fused)
+                        for li, (lw, (qkv, o, gate_up, down)) in enumerate(zip(self.layers, projs))],
+                        mkl_packed.sgemm_compute_address() if gemm else None)
+            held = self._fused[gemm] = (kv_cache, fused)
         return held[1]
 
     def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:

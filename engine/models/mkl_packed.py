@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kvbatch.kernels import cpu_native
 from kvbatch.kernels.huge_pages import HugePageArena
 
 # cblas enums (mkl_cblas.h)
@@ -120,3 +121,18 @@ def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> t
                                        x.data_ptr(), x.stride(0), w._buffer.data_ptr(), w.out_features, 0.0,
                                        y.data_ptr(), w.out_features)
     return y.add_(b) if b is not None else y
+
+
+def fused_weight(w: PackedWeight) -> cpu_native.GemmWeight:
+    """``w`` as the fused decode layers take it: its packed bytes, multiplied there by
+    :func:`sgemm_compute_address`'s routine with the arguments :func:`linear` passes (the same bits)."""
+    return cpu_native.GemmWeight(w._buffer, w.in_features, w.out_features)
+
+
+@functools.cache
+def sgemm_compute_address() -> int | None:
+    """The address of torch's MKL ``cblas_sgemm_compute`` (for the fused decode layers' C code, which
+    links no MKL), or None where :func:`available` is False."""
+    if not available():
+        return None
+    return ctypes.cast(_library().cblas_sgemm_compute, ctypes.c_void_p).value
