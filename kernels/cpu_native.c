@@ -561,6 +561,17 @@ static inline const float *cache_pos(const void *base, int64_t index, int64_t d,
     return tmp;
 }
 
+/* Ask for KV head g's rows of the cache block `block` (its first `left` positions, at most a block),
+ * ahead of reading them: a sequence's blocks lie scattered, so the hardware prefetchers, which
+ * follow runs of addresses, cannot see the next block coming. */
+static inline void prefetch_block(const void *cache, int32_t block, int64_t block_size, int64_t hkv, int64_t g,
+                                  int64_t d, int bf16, int64_t left) {
+    const int64_t m = left < block_size ? left : block_size, esize = bf16 ? 2 : 4;
+    const char *base = (const char *)cache + (((int64_t)block * block_size * hkv + g) * d) * esize;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < d * esize; b += 64) __builtin_prefetch(base + i * hkv * d * esize + b, 0, 3);
+}
+
 #ifdef VEC
 /* The weighted sum of V over columns [e0, e0 + 4 VEC) of the head for up to 4 query heads per KV
  * head (Llama 3, SmolLM2, Qwen2: groups of 2-4): the 16 accumulators stay in registers (the
@@ -579,6 +590,8 @@ static void pv_cols(const float *scores, int64_t p_begin, int64_t p_end, int64_t
     for (int64_t p0 = p_begin; p0 < p_end; p0 += block_size) {
         const int64_t vb = ((int64_t)table[p0 / block_size] * block_size * hkv + g) * d + e0;
         const int64_t m = p_end - p0 < block_size ? p_end - p0 : block_size;
+        if (e0 == 0 && p0 + block_size < p_end)
+            prefetch_block(v_cache, table[p0 / block_size + 1], block_size, hkv, g, d, bf16, p_end - p0 - block_size);
         for (int64_t i = 0; i < m; i++) {
             const int64_t at = vb + i * pos_stride;  /* a bf16 cache widened in registers as it is read */
             const vec_t v0 = kv_load(v_cache, at, bf16), v1 = kv_load(v_cache, at + VEC, bf16),
@@ -630,6 +643,8 @@ static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t
         const int64_t m = p_end - p0 < block_size ? p_end - p0 : block_size;
         float *sp = scores + (p0 - p_begin);
         int64_t i = 0;
+        if (p0 + block_size < p_end) prefetch_block(k_cache, table[p0 / block_size + 1], block_size, hkv, g, d, bf16,
+                                                    p_end - p0 - block_size);
 #if defined(__AVX512BF16__)
         for (; dp && i + 4 <= m; i += 4) {
             const int64_t at = kb + i * pos_stride;
