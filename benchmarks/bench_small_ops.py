@@ -160,7 +160,7 @@ def run_paths(llm: LLM, args: argparse.Namespace, rows: list[int], kind: str, cp
             r.update(threads=threads, rows=n, load_average=[load0, os.getloadavg()[0]])
             report["paths"].append(r)
             print(f"\n{args.model} {args.dtype}, {n} sequence(s) at context {args.prompt_len}, {threads} thread(s), "
-                  f"linear {kind} (fused where BLAS or the native GEMV has the row bucket), "
+                  f"linear {kind} (fused where BLAS or the native GEMV has the row bucket, or MKL at any row count), "
                   f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
             for name in PATHS:
                 print(f"  {name:<22} median {r['median_ms'][name]:8.2f} ms   reference / this "
