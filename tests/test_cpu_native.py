@@ -311,6 +311,14 @@ def test_out_of_range_indices_raise_and_write_nothing():
 # ------------------------------------------------------------------------- the engine
 
 
+def _fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of every fused decode call made from now on (the calls still run)."""
+    calls: list[int] = []
+    real = N.decode_layers
+    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    return calls
+
+
 def _llm(folder: Path, monkeypatch: pytest.MonkeyPatch, kernels: str, fused: str = "1") -> LLM:
     monkeypatch.setenv("KVBATCH_KERNELS", kernels)
     monkeypatch.setenv("KVBATCH_FUSED_DECODE", fused)
@@ -321,9 +329,7 @@ def _llm(folder: Path, monkeypatch: pytest.MonkeyPatch, kernels: str, fused: str
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv bias inside the fused layers
 def test_native_and_fused_paths_match_the_torch_forward_pass(tmp_path, monkeypatch, arch):
     build_tiny(arch, tmp_path / arch)
-    calls = []
-    real = N.decode_layers
-    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    calls = _fused_calls(monkeypatch)
     for n in (1, 3, 9):  # batch 1; 3 rows; 9 rows: more than the fused path takes
         calls.clear()
         torch_tokens, torch_logits = _tokens_and_logits(_llm(tmp_path / arch, monkeypatch, "reference"), n)
@@ -631,10 +637,7 @@ def _native_gemv_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[i
 
     monkeypatch.setattr(factory, "choose_kernels", functools.partial(kc.choose_kernels, timer=native_wins_small_batches,
                                                                      cache_dir=tmp_path / "cache"))
-    calls: list[int] = []
-    real = N.decode_layers
-    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
-    return calls
+    return _fused_calls(monkeypatch)
 
 
 def _reference_run(folder: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -668,9 +671,7 @@ def test_mkl_packed_projections_run_fused_with_the_per_op_paths_bits(tmp_path, m
     # past the native GEMV's 8 rows), the per-op path's bits in every step's logits; long prompts
     # on 2 threads split attention into parts as the per-op kernel splits it
     build_tiny(arch, tmp_path / arch)
-    calls = []
-    real = N.decode_layers
-    monkeypatch.setattr(dispatch, "decode_layers", lambda *a, **k: calls.append(a[2].shape[0]) or real(*a, **k))
+    calls = _fused_calls(monkeypatch)
 
     def run(fused: str, n: int, long: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
         monkeypatch.setenv("KVBATCH_KERNELS", "native")
