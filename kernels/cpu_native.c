@@ -1422,8 +1422,8 @@ static void mkl_proj(const kvb_step_t *s, const float *x, int64_t rows, const kv
                                              (int)out, 0.0f, y, (int)out);
 }
 
-/* kvb_decode_layers for projections held in MKL's packed layout (a batched decode step, 9-64 rows,
- * where the kernel choice gave them MKL): the same layer, each projection one MKL call between
+/* kvb_decode_layers for projections held in MKL's packed layout (a decode step whose row bucket the
+ * kernel choice gave to MKL: 2-64 rows on the Xeon 167, any count it runs): the same layer, each projection one MKL call between
  * parallel loops of the small ops (MKL threads itself, so the layer cannot be one OpenMP region
  * as the GEMV schedule's is). What it saves against the per-op path is the Python between the
  * ~9 calls of each layer, and the other threads' idle spinning through it. Same bits as that
@@ -1498,7 +1498,10 @@ static int decode_layers_mkl(const kvb_layer_t *layers, int64_t n_layers, const 
  * A bf16 model (s->bf16; bf16 weights and caches) runs the same step in fp32 with every value
  * rounded to bf16 where the per-op path's bf16 tensors round (each projection's output, the norms'
  * and the bf16 small ops' own roundings, the attention output), so it differs from that path by
- * summation order only; h and resid are fp32 holding bf16 values. */
+ * summation order only; h and resid are fp32 holding bf16 values.
+ *
+ * Projections of kind KVB_W_MKL (every one of them, fp32, s->sgemm_compute set) run the batched
+ * schedule instead (decode_layers_mkl: MKL's calls between parallel loops, not one region). */
 int kvb_decode_layers(const kvb_layer_t *layers, int64_t n_layers, const kvb_step_t *s, float *h, float *resid,
                       int has_resid, float *work, int nthreads) {
     const int64_t rows = s->rows, dim = s->dim, hq = s->hq, hkv = s->hkv, d = s->d, inter = s->inter;

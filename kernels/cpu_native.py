@@ -27,9 +27,9 @@ from kvbatch.kernels import native_build
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 _ABI = 10
-# Rows the native fp32 and bf16 GEMVs and the fused decode layers are offered for: decode and small
-# batches, where a multiply is bound by streaming the weights; more rows are compute-bound, and there
-# oneDNN's GEMMs win. (The int8 blocks are offered at every row count: widened in registers, they
+# Rows the native fp32 and bf16 GEMVs and the fused decode layers over them are offered for: decode
+# and small batches, where a multiply is bound by streaming the weights; more rows are compute-bound,
+# and there oneDNN's or MKL's GEMMs win (the fused layers take MKL's at any row count). (The int8 blocks are offered at every row count: widened in registers, they
 # multiply as fast as oneDNN's fp32 GEMM, where the other int8 routes copy or emulate.)
 GEMV_MAX_ROWS = 8
 _ERRORS = {1: (IndexError, "an index (position, slot, block id or context length) is out of range"),
@@ -497,8 +497,9 @@ class _Step(ctypes.Structure):
 class DenseLayer:
     """One dense Llama layer as :func:`decode_layers` takes it: norms [dim], projections in the
     ``[in, out]`` layout (the BLAS layout the engine keeps; fp32, or :class:`Int8Blocks`; for a
-    bf16 model :class:`Bf16Blocks`), and the layer's cache [2, blocks, block_size, Hkv, D]. All
-    fp32 (int8 projections allowed), or all bf16."""
+    bf16 model :class:`Bf16Blocks`; another library's :class:`ColumnsWeight`), or all four MKL's
+    :class:`GemmWeight`, and the layer's cache [2, blocks, block_size, Hkv, D]. All fp32 (int8
+    projections allowed), or all bf16."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -557,13 +558,12 @@ def fuse_layers(layers: list[DenseLayer], sgemm_compute: int | None = None) -> F
         if not bf16 and any(kind == _W_BF16 for _, _, kind, _ in projs.values()):
             raise ValueError(f"layer {i}: fp32 layers take fp32, int8 or columns-kernel projections, not bf16")
         gemm = sum(kind == _W_MKL for _, _, kind, _ in projs.values())
-        if gemm and (gemm != len(projs) or bf16 or not sgemm_compute or
-                     (i > 0 and structs[0].qkv.kind != _W_MKL)):
-            raise ValueError(f"layer {i}: MKL-packed projections run every projection of every layer through MKL "
-                             f"(fp32, with cblas_sgemm_compute's address), got {gemm} of {len(projs)}"
+        if gemm and (gemm != len(projs) or not sgemm_compute):
+            raise ValueError(f"layer {i}: MKL-packed projections run every projection of the layer through MKL "
+                             f"(with cblas_sgemm_compute's address), got {gemm} of {len(projs)}"
                              f"{' and no address' if not sgemm_compute else ''}")
-        if i > 0 and not gemm and structs[0].qkv.kind == _W_MKL:
-            raise ValueError(f"layer {i}: layer 0's projections are MKL-packed, this layer's are not")
+        if i > 0 and bool(gemm) != (structs[0].qkv.kind == _W_MKL):
+            raise ValueError(f"layer {i}: MKL-packed projections in some layers and not in others")
         shapes = {"o": (projs["o"][3], (hq * d, dim)), "qkv": (projs["qkv"][3], (dim, qkv_out)),
                   "gate_up": (projs["gate_up"][3], (dim, 2 * inter)), "down": (projs["down"][3], (inter, dim)),
                   "kv_layer": (lw.kv_layer.shape, first.kv_layer.shape)}
