@@ -760,6 +760,13 @@ static int plan_split(split_t *sp, int64_t n_seqs, const int32_t *context_lens, 
     return KVB_OK;
 }
 
+/* Whether decode attention over n_seqs sequences (total positions) runs on several threads: the
+ * standalone kernel and the fused layers' MKL schedule both ask here, as the answer sets the split
+ * (plan_split's thread count), and with it the bits. */
+static inline int attention_parallel(int64_t n_seqs, int64_t hkv, int64_t d, int64_t total) {
+    return n_seqs * hkv > 1 && total * hkv * d >= PAR_WORK;
+}
+
 static void free_split(split_t *sp) {
     free(sp->item_seq);
     free(sp->part_out);
@@ -837,7 +844,7 @@ int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, i
     if (check_decode_indices(n_seqs, block_tables, table_stride, context_lens, num_blocks, block_size, &max_len,
                              &total))
         return KVB_BAD_INDEX;
-    const int parallel = n_seqs * hkv > 1 && total * hkv * d >= PAR_WORK;
+    const int parallel = attention_parallel(n_seqs, hkv, d, total);
     split_t sp;
     if (plan_split(&sp, n_seqs, context_lens, total, hkv, hq, d, block_size, parallel ? nthreads : 1))
         return KVB_NO_MEMORY;
@@ -1436,10 +1443,11 @@ static int decode_layers_mkl(const kvb_layer_t *layers, int64_t n_layers, const 
     float *x = work, *qkv = x + rows * dim, *attn = qkv + rows * qkv_out, *gu = attn + rows * hq * d,
           *act = gu + rows * 2 * inter;
     /* the per-op calls' thread rules: a loop splits where kvb_add_rms_norm, kvb_rotary_store and
-     * kvb_silu_and_mul split, attention where kvb_decode_attention does (its split changes bits) */
+     * kvb_silu_and_mul split, attention where kvb_decode_attention does (attention_parallel: its
+     * split changes bits) */
     const int norm_par = rows * dim >= PAR_WORK && rows > 1, rot_par = rows * qkv_out >= PAR_WORK && rows > 1,
               silu_par = rows * inter >= PAR_WORK && rows > 1,
-              attn_par = rows * hkv > 1 && total * hkv * d >= PAR_WORK;
+              attn_par = attention_parallel(rows, hkv, d, total);
     const int attn_threads = attn_par ? nthreads : 1;
     split_t sp;
     if (plan_split(&sp, rows, s->context_lens, total, hkv, hq, d, s->block_size, attn_threads)) return KVB_NO_MEMORY;
