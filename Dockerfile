@@ -6,7 +6,7 @@
 # The code location runs the default command (a Dagster gRPC code server on port 4000, what
 # deploy/helm/values.yaml points the webserver and daemon at); the K8s run launcher and executor
 # start runs and steps in this image; the decode pod (DecodeClusterResource.pod_spec) runs
-# `torchrun ... -m kvbatch.ops.decode_worker` in it and talks to the step through Dagster Pipes.
+# `torchrun ... -m kvbatch.ops.decode.worker` in it and talks to the step through Dagster Pipes.
 FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0

@@ -61,7 +61,7 @@ demo: install
 	done
 	id=$(NEW_RUN_ID) && $(LAUNCH) -j kvbatch_rollup --run-id $$id --tags '{"dagster/partition": "$(DEMO_DATE)"}' \
 		&& $(WAIT_RUN) $$id
-	$(BIN)/python -m kvbatch.ops.demo_report $(DEMO_ABS)/data $(DEMO_DATE)
+	$(BIN)/python -m kvbatch.ops.results.demo_report $(DEMO_ABS)/data $(DEMO_DATE)
 	@echo "UI: $(DEMO_ENV) $(BIN)/dagster dev -w workspace.yaml"
 
 # Two workers, whole files to each (module fixtures such as a served API or a webserver start once):

@@ -14,7 +14,7 @@ own slice of one ``[L, 2, blocks, 16, 3, 64]`` cache as the engine lays it out.
 - *in place*: ``plan_decode(...)`` as the engine calls it (from
   ``reference.SPARSE_DECODE_MIN_ROWS`` rows on: sampled_addmm, segmented softmax, embedding_bag
   over the cache, nothing copied);
-- *native*: ``kernels/cpu_native.paged_decode_attention``, the C kernel the engine runs for fp32
+- *native*: ``kvbatch.kernels.cpu.native.paged_decode_attention``, the C kernel the engine runs for fp32
   CPU tensors where it builds (``KVBATCH_KERNELS=auto``), also reading the cache in place;
 - *native bf16*: the same kernel over the same cache, queries and context rounded to bf16 (a bf16
   model's step): half the bytes; on a CPU with AVX512-BF16 its query-key products are
@@ -47,9 +47,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvbatch.engine.models.kernel_choice import cpu_identity  # noqa: E402
-from kvbatch.kernels import cpu_native as N  # noqa: E402
 from kvbatch.kernels import reference as R  # noqa: E402
+from kvbatch.kernels.cpu import native as N  # noqa: E402
+from kvbatch.kernels.cpu.kernel_choice import cpu_identity  # noqa: E402
 
 # chat_workload(None, 64) prompt lengths with SmolLM2-135M-Instruct's tokenizer (2026-12-01).
 PROMPT_LENS = (351, 533, 344, 405, 49, 92, 151, 103, 358, 371, 449, 363, 84, 62, 372, 92, 362, 382, 357, 391,

@@ -68,20 +68,19 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks.workload
 
 from benchmarks.timing import Stopwatch, Timed, profile_decode_steps
 from benchmarks.workloads import WorkloadPrompt, chat_workload, default_datasets_dir
-from kvbatch.engine.models import greedy_head
 from kvbatch.engine.models.config import ModelConfig
-from kvbatch.engine.models.gguf_blocks import layer_qtype
-from kvbatch.engine.models.kernel_choice import LINEAR_CHOICES, choose_kernels, cpu_identity, dense_shapes
-from kvbatch.engine.models.linear import GGUF, GGUF_NATIVE
 from kvbatch.engine.models.llama import huge_pages_wanted
 from kvbatch.engine.models.weights import Checkpoint, load_checkpoint, resolve_model
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest, parse_dtype
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.tokenizer import ChatTokenizer
-from kvbatch.kernels import huge_pages
-from kvbatch.kernels.huge_pages import HugePageArena
-from kvbatch.kernels.machine import ISA_CAPS, isa_cap_environment, isa_limits
+from kvbatch.kernels.cpu import greedy_head, huge_pages
+from kvbatch.kernels.cpu.gguf_blocks import layer_qtype
+from kvbatch.kernels.cpu.huge_pages import HugePageArena
+from kvbatch.kernels.cpu.kernel_choice import LINEAR_CHOICES, choose_kernels, cpu_identity, dense_shapes
+from kvbatch.kernels.cpu.linear import GGUF, GGUF_NATIVE
+from kvbatch.kernels.cpu.machine import ISA_CAPS, isa_cap_environment, isa_limits
 
 # Issue 18's targets, per (kvbatch variant, mode): the ratio over transformers fp32 in the same mode
 # (both batched workloads, end-of-turn ignored and honoured, take the batched target); batch-1 fp32
@@ -632,19 +631,20 @@ def isa_cap_text(limits: dict[str, str] | None = None, torch_capability: str | N
 
 def batched_head_status(llm: LLM) -> str:
     """Which LM head a batched greedy step runs, and the load-time timings that chose it
-    (engine/models/greedy_head.py)."""
+    (kernels/cpu/greedy_head.py)."""
     head = getattr(llm.model, "greedy_head", None)
     if head is None:
         return "the full head (no greedy screen for this model)"
     if head.batched is None:
-        return "the full head (the int8 screen lost its load-time measurement, or oneDNN's int8 linear is missing)"
+        return ("the full head (the int8 screen lost its load-time measurement, or oneDNN's int8 linear is missing "
+                "or not exact here)")
     screened, full = head.batched.timings_ms
     return (f"the int8 screen ({screened:.1f} ms against the fp32 head's {full:.1f} at "
             f"{greedy_head.MEASURE_ROWS} rows, measured at load)")
 
 
 def huge_pages_status() -> str:
-    """Where the engine's CPU models hold their projections and KV cache (kernels/huge_pages.py)."""
+    """Where the engine's CPU models hold their projections and KV cache (kernels/cpu/huge_pages.py)."""
     if huge_pages_wanted("cpu"):
         return "in transparent huge pages (2 MiB)"
     reason = huge_pages.unavailable_reason()

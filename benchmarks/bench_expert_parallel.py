@@ -56,7 +56,7 @@ def write_manifests(model: Path, path: Path, requests: int, prompt_len: int, max
     from kvbatch.engine.runtime.llm import LLM
     from kvbatch.engine.runtime.sampling_params import SamplingParams
     from kvbatch.ops.jobs import Job
-    from kvbatch.ops.manifests import manifest_line
+    from kvbatch.ops.prefill.manifests import manifest_line
 
     llm = LLM(str(model))
     vocab = llm.model_config.vocab_size
@@ -70,12 +70,14 @@ def write_manifests(model: Path, path: Path, requests: int, prompt_len: int, max
 
 def run_group(workdir: Path, model: Path, manifests: Path, workers: int, *, eplb_interval: int = 0,
               redundant: int = 0, max_batch: int = 64, trace_out: Path | None = None) -> dict[str, Any]:
-    from kvbatch.ops.worker_group import launch_local
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.ops.decode.launch import launch_local
 
     tag = f"w{workers}-eplb{eplb_interval}-r{redundant}-{manifests.stem}"
-    spec = {"command": "decode", "model": str(model), "manifests": str(manifests),
+    spec = {"command": "decode", "manifests": str(manifests),
             "output": str(workdir / f"{tag}.jsonl"), "report": str(workdir / f"{tag}.report.json"),
-            "engine": {"max_num_seqs": max_batch}, "eplb_interval": eplb_interval, "redundant_experts": redundant}
+            "engine_spec": EngineSpec(model=str(model), dtype="fp32", max_batch=max_batch).to_json(),
+            "eplb_interval": eplb_interval, "redundant_experts": redundant}
     spec_path = workdir / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
     if workers == 1:  # the plain single-process path, for the baseline step time
@@ -90,9 +92,9 @@ def run_single(spec: dict[str, Any], trace_out: Path | None = None) -> dict[str,
     """W=1: the engine in this process, timing each step like the group does; with ``trace_out``
     the routing of every step is saved there (``ExpertLoadWindow.save``) for the simulator."""
     from kvbatch.engine.parallel.eplb import ExpertLoadWindow
-    from kvbatch.ops.batch_generate import run_jobs
-    from kvbatch.ops.manifests import manifest_jobs, read_manifests
-    from kvbatch.ops.worker_group import build_llm
+    from kvbatch.ops.decode.generate import run_jobs
+    from kvbatch.ops.prefill.manifests import manifest_jobs, read_manifests
+    from kvbatch.ops.decode.group import build_llm
 
     llm = build_llm(spec)
     step_s: list[float] = []
@@ -205,11 +207,11 @@ def probe_a2a(world: int) -> dict[str, float]:
     all_reduce (``all_reduce_s``), and the per-rank bandwidth of a 1 MiB-per-peer all_to_all."""
     import torch.multiprocessing as mp
 
-    from kvbatch.ops.worker_group import _free_port
+    from kvbatch.ops.decode.launch import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
-        mp.spawn(_probe_rank, args=(world, _free_port(), out), nprocs=world)
+        mp.spawn(_probe_rank, args=(world, free_port(), out), nprocs=world)
         res = json.loads(Path(out).read_text())
     small, big = res["64"], res[str(1 << 20)]
     sent = (world - 1) * ((1 << 20) - 64)  # bytes each rank sends to others beyond the small probe

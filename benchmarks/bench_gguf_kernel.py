@@ -29,8 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvbatch.engine.models import gguf_blocks, gguf_kernels  # noqa: E402
-from kvbatch.kernels.machine import cpu_identity  # noqa: E402
+from kvbatch.kernels.cpu import gguf_blocks, gguf_kernels  # noqa: E402
+from kvbatch.kernels.cpu.machine import cpu_identity  # noqa: E402
 
 LAYERS = 30
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [out, in] of one layer's projections

@@ -57,10 +57,11 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch
 
-from kvbatch.io import kv_object_tier
-from kvbatch.io.kv_compaction import compact_index
-from kvbatch.io.kv_object_tier import ObjectStoreTier, RetryPolicy
-from kvbatch.io.kv_store import KVStore
+from kvbatch.io.kvstore import object_layout, object_tier
+from kvbatch.io.kvstore.compaction import compact_index
+from kvbatch.io.kvstore.faults import RetryPolicy
+from kvbatch.io.kvstore.object_tier import ObjectStoreTier
+from kvbatch.io.kvstore.store import KVStore
 
 FP = "bench-kv-scale|float16|bs16"
 SHAPE = (2, 2, 16, 1, 8)
@@ -171,17 +172,21 @@ def reads_as(layout: str):
     if layout != "before":
         yield
         return
-    real = kv_object_tier.coalesce_ranges
+    # Both users of coalesce_ranges: the tier's block reads and the layout's index-range reads.
+    users = (object_tier, object_layout)
+    real = [m.coalesce_ranges for m in users]
 
     def one_per_block(ranges):
         return [p for p, _, _ in ranges], [s for _, s, _ in ranges], [e for _, _, e in ranges], \
             [[i] for i in range(len(ranges))]
 
-    kv_object_tier.coalesce_ranges = one_per_block
+    for m in users:
+        m.coalesce_ranges = one_per_block
     try:
         yield
     finally:
-        kv_object_tier.coalesce_ranges = real
+        for m, fn in zip(users, real):
+            m.coalesce_ranges = fn
 
 
 def throughput(url: str, opts: dict[str, Any], args: argparse.Namespace, layout: str) -> dict[str, Any]:
@@ -207,7 +212,7 @@ def throughput(url: str, opts: dict[str, Any], args: argparse.Namespace, layout:
 
 
 def two_nights(url: str, opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from kvbatch.io.kv_store import kv_gc, kv_stats
+    from kvbatch.io.kvstore.store import kv_gc, kv_stats
 
     real_time = time.time
     time.time = lambda: real_time() - 10 * 86400  # night 1 was ten days ago

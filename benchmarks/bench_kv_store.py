@@ -58,7 +58,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks.workload
 
 from benchmarks.timing import Stopwatch  # noqa: E402
 from benchmarks.workloads import _sharegpt, datasets_root, default_datasets_dir  # noqa: E402
-from kvbatch.cli.main import _kv_fingerprint  # noqa: E402  (the CLI's store fingerprint: stores stay compatible)
+from kvbatch.engine.spec import EngineSpec  # noqa: E402  (the builder's store fingerprint: stores stay compatible)
 from kvbatch.engine.models.weights import Checkpoint, load_checkpoint  # noqa: E402
 from kvbatch.engine.runtime.engine_config import EngineConfig  # noqa: E402
 from kvbatch.engine.runtime.kv_connector import ConnectorStats  # noqa: E402
@@ -66,9 +66,10 @@ from kvbatch.engine.runtime.llm import LLM, GenerationRequest  # noqa: E402
 from kvbatch.engine.runtime.sampling_params import SamplingParams  # noqa: E402
 from kvbatch.engine.text.tokenizer import ChatTokenizer  # noqa: E402
 from kvbatch.io.batch_requests import read_requests  # noqa: E402
-from kvbatch.io.kv_store import KVStore, KVStoreConfig  # noqa: E402
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig  # noqa: E402
 from kvbatch.ops.jobs import Rejected, tokenize_requests  # noqa: E402
-from kvbatch.ops.kv_handoff import run_decode, run_prefill  # noqa: E402
+from kvbatch.ops.decode.generate import run_decode  # noqa: E402
+from kvbatch.ops.prefill.prefill import run_prefill
 
 GOALS = {
     "shared_fraction": 0.60,  # prompt tokens that some other prompt starts with
@@ -199,7 +200,7 @@ def sharing_stats(ids: list[list[int]], block_size: int) -> dict[str, Any]:
 def make_store(ckpt: Checkpoint, dtype: str, url: str, *, memory_bytes: int = 0, disk_dir: str | None = None,
                block_size: int = 16) -> KVStore:
     cfg = KVStoreConfig(url=url, memory_bytes=memory_bytes, disk_dir=disk_dir)
-    return KVStore.from_config(cfg, _kv_fingerprint(ckpt.fingerprint, dtype, block_size))
+    return KVStore.from_config(cfg, EngineSpec(dtype=dtype, block_size=block_size).kv_fingerprint(ckpt.fingerprint))
 
 
 def make_llm(ckpt: Checkpoint, dtype: str, threads: int, *, store: KVStore | None = None,

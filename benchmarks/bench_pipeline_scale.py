@@ -15,7 +15,7 @@ printed: the rate after start-up, from the first row on, and the start-up second
 
 - "columnar": the working tree's defaults: ``ingest(columnar=True)`` (Arrow's JSON reader and
   vectorized checks, :mod:`kvbatch.io.request_columns`) and ``build_shards(path="columnar")``
-  (:mod:`kvbatch.ops.prompt_columns`), tokenizing in the stage's own process.
+  (:mod:`kvbatch.ops.shards.prompt_columns`), tokenizing in the stage's own process.
 - "rows": the working tree's per-row paths (``ingest(columnar=False)``, ``build_shards(path="rows")``
   with the default tokenizer workers, min(4, CPUs)): what the columnar paths replaced.
 - "baseline": the code of ``--baseline-ref`` (default HEAD), extracted with ``git archive`` into
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbatch.ops.shard_routing import DEFAULT_MAX_ROWS_PER_SHARD, shards_for_rows
+from kvbatch.ops.shards.routing import DEFAULT_MAX_ROWS_PER_SHARD, shards_for_rows
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,20 +56,20 @@ for mod in list(sys.modules.values()):
             mapping[k] = root + v[len(v.rstrip("/").rsplit("/", 1)[0]):]
 t0 = time.perf_counter()
 if stage == "ingest":
-    from kvbatch.ops.ingest import ingest
+    from kvbatch.ops.ingest.prompts import ingest
     kw = {} if impl == "baseline" else {"columnar": impl == "columnar"}
     t1 = time.perf_counter()
     rep = ingest(src, out + "/prompts.parquet", out + "/rejects.parquet", **kw)
     result = {"rows": rep.rows, "valid": rep.valid}
 else:
-    from kvbatch.ops.shards import build_shards
+    from kvbatch.ops.shards.build import build_shards
     from kvbatch.resources import ModelResource
     kw = {} if impl == "baseline" else {"path": "columnar" if impl == "columnar" else "rows"}
     tokenizer = ModelResource().row_tokenizer()
     t1 = time.perf_counter()
     rep = build_shards(tokenizer, out + "/prompts.parquet", out, int(num_shards), rejects_url=out + "/shard_rejects.parquet", **kw)
     result = {"rows": rep.rows, "tokenized": rep.tokenized, "workers": rep.tokenize_workers}
-import kvbatch.ops.ingest as m
+import kvbatch.ops.ingest.prompts as m
 result["code"] = m.__file__
 result["stage_s"] = time.perf_counter() - t0
 result["startup_s"] = t1 - t0  # imports and the tokenizer, before the first row
@@ -202,7 +202,7 @@ def _decode_fixture(work: Path, rows: int, max_tokens: int) -> tuple[Path, str]:
     from kvbatch.engine.runtime.sampling_params import SamplingParams
     from kvbatch.io.batch_output import JsonlWriter
     from kvbatch.ops.jobs import Job
-    from kvbatch.ops.manifests import manifest_line
+    from kvbatch.ops.prefill.manifests import manifest_line
     from tests.tiny_models import build_tiny_chat_model
 
     model = build_tiny_chat_model(work / "tiny", max_positions=128)
@@ -273,6 +273,8 @@ def decode_main(argv: list[str]) -> int:
     SIGKILLed at 60 % and its re-run: the work lost and the exactly-once output."""
     import pyarrow.parquet as pq
 
+    from kvbatch.engine.spec import EngineSpec
+
     ap = argparse.ArgumentParser(prog="bench_pipeline_scale.py decode")
     ap.add_argument("--rows", type=int, default=5000)
     ap.add_argument("--checkpoint-rows", type=int, default=256)
@@ -287,11 +289,12 @@ def decode_main(argv: list[str]) -> int:
     model, manifests = _decode_fixture(work, args.rows, args.max_tokens)
 
     def spec(name: str) -> list[str]:
-        s = {"model": str(model), "engine": {"max_num_seqs": 32}, "manifests_url": manifests,
+        s = {"command": "shard", "engine_spec": EngineSpec(model=str(model), dtype="fp32", max_batch=32).to_json(),
+             "manifests_url": manifests,
              "results_url": str(work / name / "part.parquet"), "parts_url": str(work / name / "parts"),
              "checkpoint_rows": args.checkpoint_rows, "rows": args.rows}
         (work / f"{name}.json").write_text(json.dumps(s))
-        return [sys.executable, "-m", "kvbatch.ops.decode_worker", "--spec", str(work / f"{name}.json")]
+        return [sys.executable, "-m", "kvbatch.ops.decode.worker", "--spec", str(work / f"{name}.json")]
 
     rps = None
     if not args.skip_uninterrupted:

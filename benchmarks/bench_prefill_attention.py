@@ -47,7 +47,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from kvbatch.kernels import reference as R  # noqa: E402
-from kvbatch.kernels.machine import cpu_identity, isa_limits  # noqa: E402
+from kvbatch.kernels.cpu.machine import cpu_identity, isa_limits  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")

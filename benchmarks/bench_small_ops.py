@@ -35,11 +35,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO_ROOT))
 
-from kvbatch.engine.models.kernel_choice import LINEAR_CHOICES, cpu_identity  # noqa: E402
 from kvbatch.engine.runtime.engine_config import EngineConfig  # noqa: E402
 from kvbatch.engine.runtime.llm import LLM  # noqa: E402
 from kvbatch.engine.runtime.model_runner import WorkItem  # noqa: E402
 from kvbatch.kernels import dispatch  # noqa: E402
+from kvbatch.kernels.cpu.kernel_choice import LINEAR_CHOICES, cpu_identity  # noqa: E402
 
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 MATMULS = ("aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise")

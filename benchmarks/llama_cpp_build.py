@@ -21,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvbatch.kernels.machine import cpu_identity
+from kvbatch.kernels.cpu.machine import cpu_identity
 
 # llama.cpp's option -> the /proc/cpuinfo flags it needs (all of them)
 _LEVELS = (

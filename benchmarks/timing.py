@@ -66,8 +66,8 @@ class StepProfile:
     tensors and the forward pass (the sampler, stop checks, block commits, results) another."""
 
     def __init__(self, llm: Any) -> None:
-        from kvbatch.engine.models import greedy_head, linear
         from kvbatch.kernels import dispatch
+        from kvbatch.kernels.cpu import greedy_head, linear
 
         self.llm = llm
         self._owners = {"linear": linear.LinearFormat, "greedy_head": greedy_head, "dispatch": dispatch,

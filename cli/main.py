@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -205,35 +206,34 @@ def _fail(msg: str) -> int:
     return EXIT_FATAL
 
 
+def _engine_spec(args: argparse.Namespace) -> Any:
+    """The engine the command's options ask for (device and dtype resolved by ``_resolve_device``)."""
+    from kvbatch.engine.spec import EngineSpec
+
+    return EngineSpec(
+        model=args.model, dtype=args.dtype, device=args.device, weights=args.weights, linear=args.linear,
+        deterministic=args.deterministic, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
+        kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager, seed=args.seed, threads=args.threads,
+        speculative=getattr(args, "spec", None), spec_max_len=getattr(args, "spec_max_len", 8),
+        spec_adaptive=getattr(args, "spec_adaptive", True))
+
+
+def _store_config(args: argparse.Namespace) -> Any:
+    """The ``--store*`` options as a KV store config, or None without ``--store``."""
+    if not getattr(args, "store", None):
+        return None
+    from kvbatch.io.kvstore.store import KVStoreConfig
+
+    return KVStoreConfig(url=args.store, memory_bytes=int(args.store_memory_gb * (1 << 30)),
+                         disk_dir=args.store_disk, disk_bytes=int(args.store_disk_gb * (1 << 30)))
+
+
 def _load_llm(args: argparse.Namespace) -> Any:
-    from kvbatch.engine.models.weights import load_checkpoint
-    from kvbatch.engine.runtime.engine_config import EngineConfig
-    from kvbatch.engine.runtime.llm import LLM
-    from kvbatch.engine.speculative.controller import SpecConfig
-    from kvbatch.io.kv_store import KVStore, KVStoreConfig
+    from kvbatch.ops.engine_build import build_llm
 
-    cfg = EngineConfig(max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_step_tokens,
-                       kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), batch_invariant=args.deterministic,
-                       **_device_config(args))
-    ckpt = load_checkpoint(args.model)
-    store = None
-    if getattr(args, "store", None):
-        store_cfg = KVStoreConfig(url=args.store, memory_bytes=int(args.store_memory_gb * (1 << 30)),
-                                  disk_dir=args.store_disk, disk_bytes=int(args.store_disk_gb * (1 << 30)))
-        # The store checks every block against the fingerprint of the exact KV layout.
-        kv_dtype = args.dtype if cfg.weights == "full" else f"{args.dtype}+{cfg.weights}-weights"  # as LLM.kv_root_key
-        store = KVStore.from_config(store_cfg, _kv_fingerprint(ckpt.fingerprint, kv_dtype, cfg.block_size))
-    spec = None
-    if getattr(args, "spec", None):
-        spec = SpecConfig.parse(args.spec, args.spec_max_len, args.spec_adaptive)
-    return LLM(ckpt, dtype=args.dtype, engine_config=cfg, kv_store=store, seed=args.seed,
-               num_threads=args.threads, speculative=spec)
-
-
-def _kv_fingerprint(model_fingerprint: str, dtype: str, block_size: int) -> str:
-    from kvbatch.ops.shards import kv_fingerprint
-
-    return kv_fingerprint(model_fingerprint, dtype, block_size)
+    # The store checks every block against the engine's KV fingerprint (the builder derives both).
+    return build_llm(_engine_spec(args), _store_config(args))
 
 
 class _SamePath(ValueError):
@@ -352,7 +352,8 @@ def _run_step(bar: Any, incomplete: type[Exception], step: Callable[[], Any]) ->
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvbatch.ops.batch_generate import IncompleteInput, run_jobs
+    from kvbatch.ops.decode.generate import run_jobs
+    from kvbatch.ops.jobs import IncompleteInput
     from kvbatch.ops.jobs import tokenize_requests
 
     with contextlib.ExitStack() as stack:
@@ -408,24 +409,23 @@ def _say_loaded(args: argparse.Namespace, llm: Any) -> None:
 
 
 def _run_worker_group(args: argparse.Namespace, command: str) -> int:
-    """``--workers W``: start W local ranks of the worker-group entry point (the one torchrun
-    runs) and wait; rank 0 writes the output and the metrics."""
+    """``--workers W``: start W local ranks of the worker entry point (``kvbatch.ops.decode.worker``, the
+    one torchrun runs) and wait; rank 0 writes the output and the metrics."""
     import os
     import tempfile
 
-    from kvbatch.ops.worker_group import launch_local
+    from kvbatch.ops.decode.launch import launch_local
 
     if args.eplb_interval < 0 or args.redundant_experts < 0:
         return _fail("--eplb-interval and --redundant-experts must be >= 0")
+    engine = _engine_spec(args)
+    if args.device.startswith("cuda"):  # each rank takes GPU LOCAL_RANK (worker_group.init_group), not one fixed index
+        engine = dataclasses.replace(engine, device="cuda")
     spec: dict[str, Any] = {
-        "command": command, "model": args.model, "dtype": args.dtype, "seed": args.seed, "threads": args.threads,
-        "engine": {"max_num_seqs": args.max_batch, "max_num_batched_tokens": args.max_step_tokens,
-                   "kv_cache_bytes": int(args.kv_cache_gb * (1 << 30)), "batch_invariant": args.deterministic,
-                   # each rank takes GPU LOCAL_RANK (worker_group.init_group), not one fixed index
-                   **_device_config(args), **({"device": "cuda"} if args.device.startswith("cuda") else {})},
+        "command": command, "engine_spec": engine.to_json(),
         "output": args.output, "errors": args.errors, "metrics": args.metrics, "model_name": args.model,
         "eplb_interval": args.eplb_interval, "redundant_experts": args.redundant_experts,
-        # The ranks' parts go beside the output (worker_group.group_parts_url), where a killed run leaves
+        # The ranks' parts go beside the output (group_outputs.group_parts_url), where a killed run leaves
         # them for its re-run to resume from.
         "checkpoint_rows": args.checkpoint_rows, "resume": args.resume,
     }
@@ -434,11 +434,9 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
         spec["strict"] = args.strict
     else:
         spec["manifests"] = args.manifests
-    if getattr(args, "store", None):
-        spec["kv_store"] = {"url": args.store, "memory_bytes": int(args.store_memory_gb * (1 << 30)),
-                            "disk_dir": args.store_disk, "disk_bytes": int(args.store_disk_gb * (1 << 30))}
-    if getattr(args, "spec", None):
-        spec["speculative"] = {"method": args.spec, "max_len": args.spec_max_len, "adaptive": args.spec_adaptive}
+    store = _store_config(args)
+    if store is not None:
+        spec["kv_store"] = store.model_dump()
     with tempfile.TemporaryDirectory(prefix="kvbatch-workers-") as tmp:
         spec["report"] = os.path.join(tmp, "report.json")
         spec_path = os.path.join(tmp, "spec.json")
@@ -481,7 +479,7 @@ def _add_store_metrics(llm: Any, metrics: dict) -> None:
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
-    from kvbatch.ops.kv_handoff import IncompletePrefill, run_prefill
+    from kvbatch.ops.prefill.prefill import IncompletePrefill, run_prefill
 
     with contextlib.ExitStack() as stack:
         # As in generate: the input opened and the outputs checked before the model loads.
@@ -513,8 +511,8 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
 def cmd_decode(args: argparse.Namespace) -> int:
     from kvbatch.io.batch_output import OutputError
-    from kvbatch.ops.kv_handoff import run_decode
-    from kvbatch.ops.manifests import ManifestMismatch
+    from kvbatch.ops.decode.generate import run_decode
+    from kvbatch.ops.prefill.manifests import ManifestMismatch
 
     if args.workers > 1:
         return _run_worker_group(args, "decode")
@@ -555,7 +553,7 @@ def _store_error(url: str, exc: Exception) -> int:
 
 
 def cmd_kv_stats(args: argparse.Namespace) -> int:
-    from kvbatch.io.kv_store import kv_stats
+    from kvbatch.io.kvstore.store import kv_stats
 
     try:
         out = kv_stats(args.store)
@@ -566,7 +564,7 @@ def cmd_kv_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_kv_compact(args: argparse.Namespace) -> int:
-    from kvbatch.io.kv_store import kv_compact
+    from kvbatch.io.kvstore.store import kv_compact
 
     if args.grace_hours < 0:
         return _fail(f"kv compact --grace-hours must be >= 0, got {args.grace_hours}")
@@ -579,7 +577,7 @@ def cmd_kv_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_kv_gc(args: argparse.Namespace) -> int:
-    from kvbatch.io.kv_store import kv_gc
+    from kvbatch.io.kvstore.store import kv_gc
 
     ttl = args.ttl_hours * 3600 if args.ttl_hours is not None else None
     max_bytes = int(args.max_gb * (1 << 30)) if args.max_gb is not None else None
@@ -622,7 +620,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_sample_data(args: argparse.Namespace) -> int:
-    from kvbatch.ops.sample_dataset import write_sample_dataset
+    from kvbatch.ops.ingest.sample_dataset import write_sample_dataset
 
     if args.requests < 1:
         return _fail(f"--requests must be >= 1, got {args.requests}")
@@ -674,13 +672,6 @@ def _warnings_to_stderr() -> Iterator[None]:
         yield
     finally:
         logger.removeHandler(handler)
-
-
-def _device_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields of ``--device``, ``--gpu-memory-utilization``, ``--enforce-eager``,
-    ``--linear`` and ``--weights``."""
-    return {"device": args.device, "gpu_memory_utilization": args.gpu_memory_utilization,
-            "enforce_eager": args.enforce_eager, "linear": args.linear, "weights": args.weights}
 
 
 def _resolve_device(args: argparse.Namespace) -> str | None:

@@ -1,3 +1,4 @@
 """Hot-path kernels (Triton, native C for the CPU) and their PyTorch reference twins; import through
-``dispatch``. ``machine`` (torch-free) names this machine to every cache of measured kernels and
-built libraries."""
+``dispatch``. ``cpu`` is the CPU backend: the native C kernels and their build, the projection
+layouts and the kernel choice, huge pages, and ``cpu.machine`` (torch-free), which names this
+machine to every cache of measured kernels and built libraries."""

@@ -2,7 +2,7 @@
 
 On CUDA tensors with Triton importable, the Triton kernels run. On fp32 and bf16 CPU tensors the
 small operations of a decode step (residual add + RMSNorm, SiLU-and-multiply, rotary + K/V cache
-write, decode attention) run as C kernels built for this CPU (:mod:`kvbatch.kernels.cpu_native`)
+write, decode attention) run as C kernels built for this CPU (:mod:`kvbatch.kernels.cpu.native`)
 when a C compiler is at hand. Everywhere else the PyTorch reference twins in
 :mod:`kvbatch.kernels.reference` (and ``reference_mla``, ``reference_verify``) do. Callers import
 from here only, so a kernel can be swapped or disabled without touching the engine.
@@ -29,7 +29,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kvbatch.kernels import cpu_native, reference, reference_mla, reference_verify
+from kvbatch.kernels import reference, reference_mla, reference_verify
+from kvbatch.kernels.cpu import native as native_kernels
 
 gather_slots = reference.gather_slots  # index arithmetic only: the Triton kernels do not need it
 slot_major = reference.slot_major  # a view of one layer's cache, for store_kv_layer
@@ -37,8 +38,8 @@ slot_major = reference.slot_major  # a view of one layer's cache, for store_kv_l
 # would need a kernel with a fixed reduction order, which is future work).
 invariant_attention = reference.invariant_attention
 # A whole decode step's dense layers in one native call (fp32 or bf16 CPU; callers check native() first).
-DenseLayer, FusedLayers = cpu_native.DenseLayer, cpu_native.FusedLayers
-fuse_layers, decode_layers = cpu_native.fuse_layers, cpu_native.decode_layers
+DenseLayer, FusedLayers = native_kernels.DenseLayer, native_kernels.FusedLayers
+fuse_layers, decode_layers = native_kernels.fuse_layers, native_kernels.decode_layers
 
 
 @cache
@@ -88,10 +89,10 @@ def native(t: torch.Tensor, bf16: bool = False) -> bool:
     mode = _mode()
     if mode not in ("auto", "native"):
         return False
-    if cpu_native.available():
+    if native_kernels.available():
         return True
     if mode == "native":
-        raise RuntimeError(f"KVBATCH_KERNELS=native, but {cpu_native.unavailable_reason()}")
+        raise RuntimeError(f"KVBATCH_KERNELS=native, but {native_kernels.unavailable_reason()}")
     return False
 
 
@@ -137,14 +138,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` of logits ``x`` [rows, vocab]: natively on fp32 CPU rows (the
     same indices, several times faster at a batched step's 64 rows), by torch elsewhere."""
     if x.dim() == 2 and x.shape[0] and x.shape[1] and x.stride(1) == 1 and native(x):
-        return cpu_native.argmax_rows(x)
+        return native_kernels.argmax_rows(x)
     return torch.argmax(x, dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """See :func:`reference.silu_and_mul`."""
     if native(x, bf16=True):
-        return cpu_native.silu_and_mul(x)
+        return native_kernels.silu_and_mul(x)
     return _impl(x).silu_and_mul(x)
 
 
@@ -173,7 +174,7 @@ def add_rms_norm(
     """:func:`rms_norm` that may add ``residual`` into ``x`` in place (the reference does, see
     :func:`reference.add_rms_norm`): the caller hands ``x`` over."""
     if native(x, bf16=True) and weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype):
-        return cpu_native.add_rms_norm(x, weight, eps, residual)
+        return native_kernels.add_rms_norm(x, weight, eps, residual)
     impl = _impl(x)
     if impl is reference:
         return reference.add_rms_norm(x, weight, eps, residual)
@@ -210,7 +211,7 @@ def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, pos
     D = kv_layer.shape[-1]
     qk = qkv[:, :(num_q_heads + num_kv_heads) * D].view(T, num_q_heads + num_kv_heads, D)
     if native(qkv, bf16=True) and kv_layer.dtype == qkv.dtype and cos_sin.dtype == torch.float32:
-        cpu_native.rotate_and_store(qkv, num_q_heads, num_kv_heads, D, positions, cos_sin, kv_layer, slot_mapping)
+        native_kernels.rotate_and_store(qkv, num_q_heads, num_kv_heads, D, positions, cos_sin, kv_layer, slot_mapping)
         return qk
     rotate_qk(qk, num_q_heads, positions, cos_sin, table)
     store_kv_layer(qkv[:, num_q_heads * D:].view(T, 2, num_kv_heads, D), kv_layer, slot_mapping, slots_view)
@@ -241,7 +242,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """See :func:`reference.paged_decode_attention` (``workspace`` and ``plan`` serve the reference only)."""
     if native(q, bf16=True) and q.dtype == k_cache.dtype:
-        return cpu_native.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return native_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     impl = _impl(q)
     if impl is reference:
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots,

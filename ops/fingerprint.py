@@ -28,7 +28,7 @@ from typing import Any
 
 import fsspec
 
-from kvbatch.kernels.machine import CACHE_DIR_ENV, default_cache_dir  # torch-free
+from kvbatch.kernels.cpu.machine import CACHE_DIR_ENV, default_cache_dir  # torch-free
 
 FINGERPRINT_CACHE_ENV = CACHE_DIR_ENV
 RECORD_VERSION = 1

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.tokenizer import ChatTokenizer
-from kvbatch.io.batch_requests import ChatRequest, RejectedRow, reject
-from kvbatch.ops.prompt_tokens import CachedChatEncoder
+from kvbatch.io.batch_requests import ChatRequest, InputStreamError, RejectedRow, reject
+from kvbatch.ops.shards.prompt_tokens import CachedChatEncoder
 
 if TYPE_CHECKING:  # tokenizing steps import this module without torch
     from kvbatch.engine.runtime.llm import LLM
@@ -75,3 +75,12 @@ def prompt_ids(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len: int,
         return reject(item, "body.messages", f"prompt is {len(ids)} tokens; the context window is {max_model_len}")
     return ids
 
+
+class IncompleteInput(Exception):
+    """The input broke part-way; everything read before the break was answered and the output
+    committed (its last line says where the input ended). ``report`` is the run's report."""
+
+    def __init__(self, error: InputStreamError, report: Any) -> None:
+        self.error = error
+        self.report = report
+        super().__init__(str(error))

@@ -39,8 +39,8 @@ import dagster as dg
 from pydantic import Field
 
 from kvbatch.io.shard_tables import read_json, read_table, write_table
-from kvbatch.ops.metrics import ProgressMeter
-from kvbatch.ops.shard_routing import (
+from kvbatch.ops.results.metrics import ProgressMeter
+from kvbatch.ops.shards.routing import (
     DEFAULT_MAX_ROWS_PER_SHARD,
     SHARD_COUNT_FILE,
     ShardCount,
@@ -195,7 +195,7 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_sto
     """Every row of the day's dataset, validated and streamed (never held whole in memory): valid
     rows normalized to ``prompts/date=D/part.parquet``, the others to ``rejects/date=D/part.parquet``
     with (row, custom_id, field, reason). Nothing is dropped."""
-    from kvbatch.ops.ingest import ingest
+    from kvbatch.ops.ingest.prompts import ingest
 
     day, opts = _day(context, object_store), object_store.storage_options()
     url = dataset_url(config, day.date)
@@ -257,7 +257,7 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
     ``shards/date=D/shard=XXXX/part.parquet`` with messages, sampling params, prompt token ids and
     prefix block keys, and n in ``shards/date=D/_shard_count.json``. Rows the chat template refuses
     or that exceed the context window go to ``shard_rejects/date=D/part.parquet``."""
-    from kvbatch.ops.shards import build_shards, remove_shards_from
+    from kvbatch.ops.shards.build import build_shards, remove_shards_from
 
     day, opts = _day(context, object_store), object_store.storage_options()
     rows = _row_count(day.table("prompts"), opts)  # the valid rows
@@ -294,7 +294,7 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
 
 
 def _kv(object_store: ObjectStoreResource, model: ModelResource, kv_store: KVStoreResource):
-    return kv_store.open(object_store.url, object_store.storage_options(), model.kv_fingerprint())
+    return kv_store.open(object_store.url, object_store.storage_options(), model.engine_spec())
 
 
 SHARD_DEPS_ON_DAY = dg.AssetDep(prompt_shards, partition_mapping=shard_to_date)
@@ -358,7 +358,7 @@ def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResou
     """The (date, shard)'s prompt KV blocks in the tiered KV store (each block once, under its
     content key, shared across days) and the decode manifests, ``manifests/date=D/shard=XXXX/manifests.jsonl``.
     A shard beyond its date's shard count materializes nothing."""
-    from kvbatch.ops.results import prefill_shard
+    from kvbatch.ops.prefill.prefill import prefill_shard
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
     skipped = _beyond_its_day(context, day, shard, opts)
@@ -413,7 +413,7 @@ def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreR
 def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                     kv_store: KVStoreResource, decode_cluster: DecodeClusterResource,
                     pipes_subprocess_client: dg.PipesSubprocessClient):
-    from kvbatch.ops.results import decode_shard
+    from kvbatch.ops.decode.shard import decode_shard
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
     skipped = _beyond_its_day(context, day, shard, opts)
@@ -427,13 +427,10 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
     parts_url = day.shard("decode_parts", shard, "")
     piped = decode_cluster.launcher != "in_process"
     if piped:
-        import dataclasses
-
-        spec = {"model": model.model, "dtype": model.dtype, "seed": model.seed, "threads": model.threads,
-                "engine": dataclasses.asdict(model.engine_config()), "kv_fingerprint": model.kv_fingerprint(),
+        spec = {"engine_spec": model.engine_spec().to_json(),
                 "kv_store": kv_store.store_config(day.root, opts).model_dump(), "manifests_url": manifests,
                 "results_url": results_url, "stats_url": stats_url, "parts_url": parts_url, "storage_options": opts,
-                "speculative": model.speculative(), "rows": _row_count(day.shard("shards", shard), opts)}
+                "rows": _row_count(day.shard("shards", shard), opts)}
         yield from decode_cluster.run(context, spec, pipes_subprocess_client)
         stats = read_json(stats_url, storage_options=opts)
     else:
@@ -520,7 +517,7 @@ def cost_metrics(context: dg.AssetExecutionContext, config: SLOConfig, object_st
 
 def _cost_metrics(context: dg.AssetExecutionContext, config: SLOConfig, object_store: ObjectStoreResource,
                   pricing: PricingResource, decode_cluster: DecodeClusterResource):
-    from kvbatch.ops.cost import metrics_table, shard_metrics
+    from kvbatch.ops.results.cost import metrics_table, shard_metrics
 
     (day, shard), opts = _day_shard(context, object_store), object_store.storage_options()
     skipped = _beyond_its_day(context, day, shard, opts)
@@ -551,7 +548,7 @@ _CLASS_LABELS = (("prefill_computed", "prompt, computed at prefill"),
 
 def cost_metadata(row: dict) -> dict:
     """The metadata of a shard's (or a day's) cost row: numbers to plot and a readable summary."""
-    from kvbatch.ops.cost import TIERS, class_tokens
+    from kvbatch.ops.results.cost import TIERS, class_tokens
 
     # The summary first: it is what the UI shows at the top of the metadata, with units in the values.
     meta: dict = {"summary": dg.MetadataValue.md(cost_markdown(row, class_tokens(row)))}

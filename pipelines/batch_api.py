@@ -18,7 +18,7 @@ and the batch still has exactly one line per input row.
 
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import dagster as dg
 from fsspec.core import url_to_fs
 
 from kvbatch.io.batch_output import JsonlWriter, error_line, result_line
-from kvbatch.io.batch_requests import WHOLE_LINE, InputStreamError, RejectedRow, read_requests
+from kvbatch.io.batch_requests import read_requests
 from kvbatch.io.urls import one_line
 from kvbatch.resources import KVStoreResource, ModelResource, ObjectStoreResource
 
@@ -152,9 +152,10 @@ def run_batch_parts(
     """Answer every row of ``input_url`` not yet in a committed part of ``work_url``, committing a
     part each time ``chunk_rows`` more rows are finished in order; stop early (keeping every
     finished row) when the server asks to cancel. Writes ``done.json`` last and returns it."""
-    from kvbatch.engine.runtime.llm import GenerationRequest
-    from kvbatch.ops.batch_generate import _logprobs
-    from kvbatch.ops.jobs import Job, Rejected, tokenize_requests
+    from kvbatch.ops.decode.generate import result_draft_tokens, result_logprobs
+    from kvbatch.ops.decode.report import BatchReport
+    from kvbatch.ops.decode.loop import DecodeLoop, Refused
+    from kvbatch.ops.jobs import tokenize_requests
 
     opts = dict(storage_options or {})
     started = time.monotonic()
@@ -167,7 +168,6 @@ def run_batch_parts(
                          succeeded=sum(p.ok for p in parts), failed=sum(p.failed for p in parts))
     stop = is_cancelled or (lambda: cancel_requested(work_url, opts))
     lines: dict[int, dict[str, Any]] = {}
-    in_flight: dict[str, Job] = {}
     next_lo = resume
 
     def flush(force: bool) -> None:
@@ -188,34 +188,22 @@ def run_batch_parts(
             summary.failed += len(rows) - ok
             next_lo = hi
 
-    def requests() -> Iterator[Any]:
-        index = 0
-        try:
-            for job in tokenize_requests(llm, read_requests(input_url, storage_options=opts)):
-                index = job.index + 1
-                if job.index < resume:
-                    continue
-                if isinstance(job, Rejected):
-                    lines[job.index] = error_line(job.row)
-                    continue
-                in_flight[str(job.index)] = job
-                yield GenerationRequest(str(job.index), job.sampling, prompt_token_ids=job.prompt_token_ids)
-        except InputStreamError as exc:  # as generate does: the output says where the input ended
-            lines[index] = error_line(RejectedRow(exc.lines_read + 1, None, WHOLE_LINE,
-                                                  f"input ends here, unreadable: {exc.reason}"))
-
+    report = BatchReport.start(llm)
+    loop = DecodeLoop(llm, tokenize_requests(llm, read_requests(input_url, storage_options=opts)), report,
+                      skip=lambda job: job.index < resume)
     last_check = time.monotonic()
     cancelled = stop()
     if not cancelled:
-        for result in llm.stream(requests()):
-            job = in_flight.pop(result.request_id)
+        for outcome in loop:
+            if isinstance(outcome, Refused):
+                lines[outcome.index] = error_line(outcome.row)
+                continue
+            job, result = outcome.job, outcome.result
             cached = result.num_cached_tokens + result.num_loaded_tokens
             lines[job.index] = _with_cached_tokens(result_line(
                 job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
                 prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
-                model=model_name, logprobs=_logprobs(llm, result),
-                draft_tokens=(result.spec_accepted_tokens, result.spec_draft_tokens - result.spec_accepted_tokens)
-                if llm.spec is not None else None), cached)
+                model=model_name, logprobs=result_logprobs(llm, result), draft_tokens=result_draft_tokens(llm, result)), cached)
             summary.prompt_tokens += len(result.prompt_token_ids)
             summary.cached_tokens += min(cached, len(result.prompt_token_ids))
             summary.output_tokens += len(result.output_token_ids)
@@ -237,7 +225,7 @@ def run_batch_parts(
             summary.succeeded += ok
             summary.failed += len(tail) - ok
     else:
-        assert not lines and not in_flight, "every fed row was answered and written"
+        assert not lines, "every fed row was answered and written"
     summary.rows = summary.succeeded + summary.failed
     summary.wall_s = round(time.monotonic() - started, 3)
     _write_json(_join(work_url, DONE), asdict(summary), opts)
@@ -270,7 +258,7 @@ def batch_api_run(context: dg.OpExecutionContext, config: BatchApiRunConfig, mod
     try:
         # The pipeline's KV store: a prompt prefix stored by any earlier batch or nightly run is
         # loaded, not recomputed, and counted in the answer's cached_tokens.
-        store = kv_store.open(object_store.url, object_store.storage_options(), model.kv_fingerprint())
+        store = kv_store.open(object_store.url, object_store.storage_options(), model.engine_spec())
         llm = model.load(store, decode=True)
         summary = run_batch_parts(llm, config.input_url, config.work_url, model_name=model.model,
                                   chunk_rows=config.chunk_rows, storage_options=opts)

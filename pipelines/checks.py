@@ -14,7 +14,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from kvbatch.ops.metrics import LatencySLO, check_slo
+from kvbatch.ops.results.metrics import LatencySLO, check_slo
 from kvbatch.pipelines.partitions import date_partitions, date_shard_partitions
 
 SLO_TTFT_ENV, SLO_TPOT_ENV, SLO_SEVERITY_ENV = "KVBATCH_SLO_TTFT_P95_S", "KVBATCH_SLO_TPOT_P95_S", "KVBATCH_SLO_SEVERITY"

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import dagster as dg
 
-from kvbatch.ops.shard_routing import MAX_SHARD_KEYS, shard_keys
+from kvbatch.ops.shards.routing import MAX_SHARD_KEYS, shard_keys
 
 MAX_SHARDS_ENV, OLD_NUM_SHARDS_ENV = "KVBATCH_MAX_SHARDS", "KVBATCH_NUM_SHARDS"
 DEFAULT_MAX_SHARDS = 1024

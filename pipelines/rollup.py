@@ -32,7 +32,7 @@ def cost_rollup(context: dg.AssetExecutionContext, config: SLOConfig, object_sto
     import pyarrow as pa
 
     from kvbatch.io.shard_tables import read_shards
-    from kvbatch.ops.cost import ROLLUP_SCHEMA, day_rollup
+    from kvbatch.ops.results.cost import ROLLUP_SCHEMA, day_rollup
 
     day, opts = DayLayout(object_store.url, check_date(context.partition_key)), object_store.storage_options()
     metrics = pl.from_arrow(read_shards(day.root, day.folder("cost_metrics"), storage_options=opts))

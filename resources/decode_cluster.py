@@ -3,10 +3,10 @@
 Launchers (``launcher``):
 
 - ``in_process`` (default): the run's own process, ``world_size`` 1.
-- ``pipes_subprocess``: ``python -m kvbatch.ops.decode_worker`` through ``PipesSubprocessClient``,
+- ``pipes_subprocess``: ``python -m kvbatch.ops.decode.worker`` through ``PipesSubprocessClient``,
   ``world_size`` 1.
 - ``local``: ``world_size`` ranks on this machine, started by torchrun in standalone mode
-  (``python -m torch.distributed.run --standalone --nproc-per-node W -m kvbatch.ops.decode_worker``),
+  (``python -m torch.distributed.run --standalone --nproc-per-node W -m kvbatch.ops.decode.worker``),
   through ``PipesSubprocessClient``. ``gloo`` on CPU, ``nccl`` on GPUs (``backend``).
 - ``torchrun``: the same entry point under torchrun with an explicit rendezvous
   (``master_addr``/``master_port``, ``nnodes``/``node_rank``) for groups that span machines, or
@@ -19,7 +19,8 @@ resumes from them), ``eplb_interval``/``eplb_window`` (live EPLB) and ``redundan
   (``nvidia.com/gpu`` requests, the torchrun command, ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``),
   launched with ``dagster_k8s.PipesK8sClient`` (the ``kvbatch[k8s]`` extra: :mod:`kvbatch.resources.kubernetes`).
 
-Every rank runs the same torchrun-compatible entry point (it reads ``RANK``/``WORLD_SIZE``);
+Every rank runs the same torchrun-compatible entry point (it reads ``RANK``/``WORLD_SIZE``), the
+worker's ``shard`` command (:meth:`DecodeClusterResource.run` sets ``"command": "shard"`` in the spec);
 rank 0 opens Dagster Pipes and reports the materialization. Terminating the run sends SIGINT to
 the launcher, and torchrun stops its workers (SIGTERM, then SIGKILL); the Kubernetes client
 deletes the pod.
@@ -34,7 +35,7 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field, model_validator
 
-WORKER_MODULE = "kvbatch.ops.decode_worker"
+WORKER_MODULE = "kvbatch.ops.decode.worker"
 GPU_RESOURCE = "nvidia.com/gpu"
 Launcher = Literal["in_process", "pipes_subprocess", "local", "torchrun", "kubernetes"]
 
@@ -124,7 +125,7 @@ class DecodeClusterResource(dg.ConfigurableResource):
         return "cuda" if self.resolved_backend() == "nccl" else "cpu"
 
     def torchrun_args(self, *, standalone: bool, target: list[str] | None = None) -> list[str]:
-        """torchrun's arguments, then the target (default ``-m kvbatch.ops.decode_worker``)."""
+        """torchrun's arguments, then the target (default ``-m kvbatch.ops.decode.worker``)."""
         args = [f"--nproc-per-node={self.nproc_per_node}"]
         if standalone:
             args.append("--standalone")  # a private rendezvous on a free port: groups never collide
@@ -146,7 +147,7 @@ class DecodeClusterResource(dg.ConfigurableResource):
         raise ValueError(f"launcher {self.launcher!r} has no local command")
 
     def worker_options(self) -> dict[str, Any]:
-        """The spec keys every rank reads (``kvbatch.ops.decode_worker``): checkpointing, live EPLB."""
+        """The spec keys every rank reads (``kvbatch.ops.decode.worker``): checkpointing, live EPLB."""
         return {"checkpoint_rows": self.checkpoint_rows, "eplb_interval": self.eplb_interval,
                 "eplb_window": self.eplb_window, "redundant_experts": self.redundant_experts}
 
@@ -193,8 +194,8 @@ class DecodeClusterResource(dg.ConfigurableResource):
     def run(self, context: dg.AssetExecutionContext, spec: dict[str, Any],
             subprocess_client: dg.PipesSubprocessClient) -> Iterator[Any]:
         """Launch the worker group for one shard and yield what rank 0 reported through Pipes."""
-        # The ranks' tensors go where the collectives can move them.
-        spec = {**spec, "engine": {**(spec.get("engine") or {}), "device": self.worker_device()},
+        # The worker's shard command; the ranks' tensors go where the collectives can move them.
+        spec = {**spec, "command": "shard", "engine_spec": {**spec["engine_spec"], "device": self.worker_device()},
                 **self.worker_options()}
         if self.launcher == "kubernetes":
             from kvbatch.resources.kubernetes import require_dagster_k8s

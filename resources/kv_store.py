@@ -30,7 +30,7 @@ class KVStoreResource(dg.ConfigurableResource):
         return self
 
     def store_config(self, default_url: str, storage_options: dict[str, Any]) -> Any:
-        from kvbatch.io.kv_store import KVStoreConfig
+        from kvbatch.io.kvstore.store import KVStoreConfig
 
         url = self.url or default_url.rstrip("/") + "/kv"
         same = (url.split("://", 1)[0] if "://" in url else "file") == \
@@ -41,7 +41,8 @@ class KVStoreResource(dg.ConfigurableResource):
             max_bytes=int(self.max_gb * GB) if self.max_gb else None,
             storage_options=dict(storage_options) if same else {})
 
-    def open(self, default_url: str, storage_options: dict[str, Any], fingerprint: str) -> Any:
-        from kvbatch.io.kv_store import KVStore
+    def open(self, default_url: str, storage_options: dict[str, Any], engine_spec: Any) -> Any:
+        """The store, checking blocks against ``engine_spec``'s KV fingerprint (the one builder's)."""
+        from kvbatch.ops.engine_build import open_kv_store
 
-        return KVStore.from_config(self.store_config(default_url, storage_options), fingerprint)
+        return open_kv_store(engine_spec, self.store_config(default_url, storage_options))

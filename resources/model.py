@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Literal
 
 import dagster as dg
 from pydantic import Field, field_validator
-
-_CHECKPOINTS: dict[str, Any] = {}
-_LOCK = threading.Lock()
-
-
-def _checkpoint(model: str) -> Any:
-    """Checkpoints are cached per process: every step of an in-process run shares one load."""
-    from kvbatch.engine.models.weights import load_checkpoint
-    from kvbatch.ops.fingerprint import identity_of_checkpoint, remember
-
-    with _LOCK:
-        if model not in _CHECKPOINTS:
-            _CHECKPOINTS[model] = load_checkpoint(model)
-            # Its weights were just hashed: keep the fingerprint for the steps that only tokenize.
-            remember(model, identity_of_checkpoint(_CHECKPOINTS[model]))
-        return _CHECKPOINTS[model]
 
 
 class ModelResource(dg.ConfigurableResource):
@@ -43,6 +26,11 @@ class ModelResource(dg.ConfigurableResource):
     seed: int = Field(default=0, description="seed for requests that give none")
     threads: int | None = Field(default=None, ge=1, description="torch threads (default: all cores)")
     deterministic: bool = Field(default=False, description="batch-invariant numerics")
+    weights: Literal["full", "int8", "gguf"] = Field(default="full", description="dense projection weights: full "
+                                                     "(the dtype), int8 (weight-only, CPU) or gguf (the file's own "
+                                                     "blocks, CPU); part of the KV fingerprint")
+    linear: Literal["auto", "onednn", "blas", "mkl"] = Field(default="auto", description="CPU projection kernel "
+                                                             "(auto: measured on the machine at load)")
     spec: str | None = Field(default=None, description="speculative decoding at decode: ngram, draft:MODEL or "
                                                         "early-exit:K (none by default)")
     spec_max_len: int = Field(default=8, ge=1, description="most tokens drafted per step")
@@ -66,45 +54,38 @@ class ModelResource(dg.ConfigurableResource):
             SpecConfig.parse(value)  # raises with the accepted forms named
         return value or None
 
-    def speculative(self) -> dict[str, Any] | None:
-        """The decode worker's ``speculative`` entry (None: plain decoding)."""
-        if not self.spec:
-            return None
-        return {"method": self.spec, "max_len": self.spec_max_len, "adaptive": self.spec_adaptive}
+    def engine_spec(self) -> Any:
+        """The :class:`~kvbatch.engine.spec.EngineSpec` every step builds from (the one builder,
+        :mod:`kvbatch.ops.engine_build`, derives the engine and the KV fingerprint from it)."""
+        from kvbatch.engine.spec import EngineSpec
+
+        return EngineSpec(model=self.model, dtype=self.dtype, device=self.device, weights=self.weights,
+                          linear=self.linear, deterministic=self.deterministic, max_batch=self.max_batch,
+                          max_step_tokens=self.max_step_tokens, kv_cache_gb=self.kv_cache_gb,
+                          gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=self.enforce_eager,
+                          seed=self.seed, threads=self.threads, speculative=self.spec,
+                          spec_max_len=self.spec_max_len, spec_adaptive=self.spec_adaptive)
 
     def engine_config(self) -> Any:
-        from kvbatch.engine.runtime.engine_config import EngineConfig
-
-        return EngineConfig(max_num_seqs=self.max_batch, max_num_batched_tokens=self.max_step_tokens,
-                            kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)), batch_invariant=self.deterministic,
-                            device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
-                            enforce_eager=self.enforce_eager)
+        return self.engine_spec().engine_config()
 
     def kv_fingerprint(self) -> str:
         """From the weights loaded in this process if any, else the kept fingerprint
         (:mod:`kvbatch.ops.fingerprint`): an orchestrating step never hashes weights."""
-        from kvbatch.ops.fingerprint import model_identity
-        from kvbatch.ops.shards import kv_fingerprint
+        from kvbatch.ops.engine_build import kv_fingerprint
 
-        loaded = _CHECKPOINTS.get(self.model)
-        fingerprint = loaded.fingerprint if loaded is not None else model_identity(self.model).fingerprint
-        return kv_fingerprint(fingerprint, self.dtype, self.engine_config().block_size)
+        return kv_fingerprint(self.engine_spec())
 
     def row_tokenizer(self) -> Any:
         """What tokenizing steps (``prompt_shards``) need: the tokenizer and the KV key root,
         as ``load()``'s engine would tokenize, with no weights loaded."""
-        from kvbatch.ops.shards import RowTokenizer
+        from kvbatch.ops.shards.build import RowTokenizer
 
-        return RowTokenizer.for_model(self.model, self.dtype, self.engine_config())
+        return RowTokenizer.for_spec(self.engine_spec())
 
     def load(self, kv_store: Any = None, decode: bool = False) -> Any:
-        """A fresh ``LLM`` (engines are cheap next to the weights, which are shared); ``decode``:
-        with the speculative drafter, if one is configured (prefill never drafts)."""
-        from kvbatch.engine.runtime.llm import LLM
-        from kvbatch.engine.speculative.controller import SpecConfig
+        """A fresh ``LLM`` (engines are cheap next to the weights, which are kept per process and
+        shared); ``decode``: with the speculative drafter, if one is configured (prefill never drafts)."""
+        from kvbatch.ops.engine_build import build_llm
 
-        spec = None
-        if decode and self.spec:
-            spec = SpecConfig.parse(self.spec, self.spec_max_len, self.spec_adaptive)
-        return LLM(_checkpoint(self.model), dtype=self.dtype, engine_config=self.engine_config(),
-                   kv_store=kv_store, seed=self.seed, num_threads=self.threads, speculative=spec)
+        return build_llm(self.engine_spec(), kv_store, decode=decode, keep=True)

@@ -1,6 +1,6 @@
 """Prices that turn device-seconds, stored bytes, requests and egress into dollars in ``cost_metrics``.
 
-The attribution of those dollars to token classes is ``kvbatch.ops.cost`` (docs/metrics.md).
+The attribution of those dollars to token classes is ``kvbatch.ops.results.cost`` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class PricingResource(dg.ConfigurableResource):
         self.pricing()  # the plain-Python Pricing validates every rate and key, naming the bad one
         return self
 
-    def pricing(self, decode_devices: int = 1):  # -> kvbatch.ops.cost.Pricing
-        from kvbatch.ops.cost import Pricing, ReferencePrices
+    def pricing(self, decode_devices: int = 1):  # -> kvbatch.ops.results.cost.Pricing
+        from kvbatch.ops.results.cost import Pricing, ReferencePrices
 
         ref = self.reference
         return Pricing(

@@ -9,7 +9,7 @@ from kvbatch.engine.runtime.llm import LLM
 
 
 def full_head(llm: LLM) -> LLM:
-    """``llm`` with its greedy LM-head screen off (engine/models/greedy_head.py): a screened row is
+    """``llm`` with its greedy LM-head screen off (kernels/cpu/greedy_head.py): a screened row is
     -inf wherever the screen ruled a token out, and parity tests compare whole rows."""
     llm.runner.model.greedy_head = None
     return llm

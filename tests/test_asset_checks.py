@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvbatch.ops.shard_routing import shard_of
+from kvbatch.ops.shards.routing import shard_of
 from kvbatch.pipelines.assets import decode_results, prefill_kv, prompt_shards, prompts
 from kvbatch.pipelines.layout import DayLayout
 from kvbatch.pipelines.partitions import date_shard_key
@@ -76,7 +76,7 @@ def _meta(check: dg.AssetCheckEvaluation) -> dict:
 def _ingest_repeating_rows(monkeypatch, start: int, length: int) -> None:
     """Make the real ingest write rows [start, start + length) of its prompts table a second time:
     an ingest that lost its duplicate check, the only honest way to see ``unique_custom_ids`` fail."""
-    import kvbatch.ops.ingest as ingest_module
+    import kvbatch.ops.ingest.prompts as ingest_module
 
     real = ingest_module.ingest
 

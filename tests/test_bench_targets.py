@@ -71,10 +71,10 @@ def test_the_floor_counts_the_bytes_a_greedy_step_streams(tmp_path, monkeypatch)
     from benchmarks.bench_engine import decode_weight_bytes
     from kvbatch.engine.runtime.engine_config import EngineConfig
     from kvbatch.engine.runtime.llm import LLM
-    from kvbatch.kernels import cpu_native
+    from kvbatch.kernels.cpu import native as native_kernels
     from tests.tiny_models import build_tiny
 
-    if not cpu_native.available():
+    if not native_kernels.available():
         pytest.skip("the native CPU kernels do not build here")
     build_tiny("llama", tmp_path)
     llm = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64))
@@ -83,7 +83,7 @@ def test_the_floor_counts_the_bytes_a_greedy_step_streams(tmp_path, monkeypatch)
     assert llm.model.greedy_head is not None
     monkeypatch.setenv("KVBATCH_GREEDY_HEAD", "0")
     full = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64))
-    blocks = -(-c.vocab_size // cpu_native.block_cols()) * cpu_native.block_cols()  # the screen's padded rows
+    blocks = -(-c.vocab_size // native_kernels.block_cols()) * native_kernels.block_cols()  # the screen's padded rows
     assert decode_weight_bytes(full) - decode_weight_bytes(llm) == 4 * head - blocks * (c.hidden_size + 4)
     monkeypatch.delenv("KVBATCH_GREEDY_HEAD")
     int8 = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64, weights="int8"))
@@ -93,7 +93,7 @@ def test_the_floor_counts_the_bytes_a_greedy_step_streams(tmp_path, monkeypatch)
 def test_the_report_says_where_the_weights_lie(monkeypatch):
     # huge pages, or 4 KiB pages and why: a figure measured on one is not the other's
     from benchmarks import bench_engine as B
-    from kvbatch.kernels import huge_pages
+    from kvbatch.kernels.cpu import huge_pages
 
     monkeypatch.setenv("KVBATCH_HUGE_PAGES", "0")
     assert B.huge_pages_status() == f"in 4 KiB pages ({huge_pages.unavailable_reason() or 'KVBATCH_HUGE_PAGES=0'})"
@@ -106,7 +106,7 @@ def test_the_report_says_where_the_weights_lie(monkeypatch):
 
 def test_the_bandwidth_probe_reads_the_pages_the_engine_streams(monkeypatch):
     from benchmarks import bench_engine as B
-    from kvbatch.kernels import huge_pages
+    from kvbatch.kernels.cpu import huge_pages
 
     monkeypatch.setenv("KVBATCH_HUGE_PAGES", "1")
     probe = B.probe_buffer(8)
@@ -123,7 +123,7 @@ def test_the_report_says_which_head_a_batched_greedy_step_runs():
     from types import SimpleNamespace
 
     from benchmarks import bench_engine as B
-    from kvbatch.engine.models import greedy_head as G
+    from kvbatch.kernels.cpu import greedy_head as G
 
     def llm(head):
         return SimpleNamespace(model=SimpleNamespace(greedy_head=head))

@@ -1,4 +1,4 @@
-"""The cost model of ``kvbatch.ops.cost`` on hand-made shard stats (no model, no Dagster run):
+"""The cost model of ``kvbatch.ops.results.cost`` on hand-made shard stats (no model, no Dagster run):
 dollars by token class add up to the total, device-seconds are charged per stage at that stage's
 devices, storage is GB-month per tier prorated by retention, requests are priced per 1,000 by
 kind, $/Mtok is left out (None) where a class has no tokens, and a day's rollup is the sum of
@@ -10,8 +10,8 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from kvbatch.ops.cost import CLASSES, Pricing, ReferencePrices, day_rollup, metrics_table, shard_metrics
-from kvbatch.ops.metrics import LatencySLO, ProgressMeter, check_slo
+from kvbatch.ops.results.cost import CLASSES, Pricing, ReferencePrices, day_rollup, metrics_table, shard_metrics
+from kvbatch.ops.results.metrics import LatencySLO, ProgressMeter, check_slo
 from kvbatch.resources import PricingResource
 
 GB = 10 ** 9
@@ -174,7 +174,7 @@ def test_progress_meter_reports_rows_rate_and_eta():
 
 
 def test_the_summary_shows_units_and_explains_the_token_sums():
-    from kvbatch.ops.cost import class_tokens
+    from kvbatch.ops.results.cost import class_tokens
     from kvbatch.pipelines.assets import cost_markdown, fmt_usd, mib, pct
 
     assert [fmt_usd(x) for x in (None, 0, 0.0000678, 0.000906179, -1.036, 1234.5)] == [

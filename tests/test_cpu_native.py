@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu_native.c, issue 18) against the PyTorch reference they
+"""The native CPU kernels (kernels/cpu/native.c, issue 18) against the PyTorch reference they
 replace on fp32 CPU tensors (and their bf16 twins on bf16 ones), the fused decode layers against
 the per-op forward pass, the bounds the C code checks, and how dispatch chooses (and falls back)
 between them.
@@ -20,14 +20,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbatch.engine.models import mkl_packed
 from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.kernels import cpu_native as N
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
+from kvbatch.kernels.cpu import mkl_packed
+from kvbatch.kernels.cpu import native as N
 from tests.logit_capture import full_head
 from tests.test_small_ops import _tokens_and_logits  # greedy tokens and every step's logits
 from tests.tiny_models import build_tiny, build_tiny_moe
@@ -474,13 +474,41 @@ def test_dispatch_chooses_native_for_fp32_cpu_and_falls_back_without_a_compiler(
         N._library.cache_clear()
 
 
-def test_the_c_source_ships_in_the_package():
+def test_the_c_sources_ship_in_the_package():
+    import fnmatch
     import tomllib
+
+    from kvbatch.kernels.cpu import native_build
 
     repo = Path(__file__).resolve().parents[1]
     config = tomllib.loads((repo / "pyproject.toml").read_text())
-    assert "cpu_native.c" in config["tool"]["setuptools"]["package-data"]["kvbatch.kernels"]
-    assert (repo / "kernels" / "cpu_native.c").is_file()
+    patterns = config["tool"]["setuptools"]["package-data"]["kvbatch.kernels.cpu"]
+    parts = native_build.sources(N.SOURCE)  # native.c and every file it includes
+    assert N.SOURCE.resolve() == (repo / "kernels" / "cpu" / "native.c").resolve()
+    assert {p.name for p in parts} == {p.name for p in (repo / "kernels" / "cpu").glob("native*.[ch]")}
+    for part in parts:
+        assert part.parent == N.SOURCE.resolve().parent and any(fnmatch.fnmatch(part.name, pat) for pat in patterns), part
+
+
+def test_a_change_to_any_part_of_the_source_rebuilds(tmp_path):
+    """native.c compiles its parts (native_common.h, native_*.c) as one library: the build's key
+    covers every one of them, so an edit to a part builds it anew."""
+    from kvbatch.kernels.cpu import native_build
+
+    cc = native_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler here")
+    parts = native_build.sources(N.SOURCE)
+    assert len(parts) >= 3 and parts[0] == N.SOURCE.resolve()
+    for p in parts:
+        (tmp_path / p.name).write_text(p.read_text())
+    copy = tmp_path / N.SOURCE.name
+    key = native_build.build_key(copy, cc)
+    assert key == native_build.build_key(N.SOURCE, cc)  # the same text, the same key
+    for p in parts:
+        (tmp_path / p.name).write_text(p.read_text() + "\n/* changed */\n")
+        assert native_build.build_key(copy, cc) != key, p.name
+        (tmp_path / p.name).write_text(p.read_text())
 
 
 # ------------------------------------------------------------------------- the native GEMV
@@ -576,7 +604,7 @@ def test_int8_blocks_are_checked():
 
 
 def test_the_native_format_runs_the_gemv_for_decode_rows_and_blas_otherwise(monkeypatch):
-    from kvbatch.engine.models.linear import NATIVE, LinearFormat
+    from kvbatch.kernels.cpu.linear import NATIVE, LinearFormat
 
     fmt = LinearFormat(NATIVE, torch.float32)
     gen = torch.Generator().manual_seed(11)
@@ -600,8 +628,8 @@ def test_the_native_format_runs_the_gemv_for_decode_rows_and_blas_otherwise(monk
 
 
 def test_the_native_gemv_is_a_kernel_choice_candidate_for_decode_rows(tmp_path):
-    from kvbatch.engine.models import kernel_choice as kc
-    from kvbatch.engine.models.linear import NATIVE
+    from kvbatch.kernels.cpu import kernel_choice as kc
+    from kvbatch.kernels.cpu.linear import NATIVE
     from tests.test_kernel_choice import fake_timer
 
     calls = []
@@ -625,8 +653,9 @@ def test_the_native_gemv_is_a_kernel_choice_candidate_for_decode_rows(tmp_path):
 def _native_gemv_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Models built from now on measure the native GEMV fastest at 1-8 rows (a fake timer) under
     ``KVBATCH_KERNELS=native``; returns the row counts of every fused decode call made after."""
-    from kvbatch.engine.models import factory, kernel_choice as kc
-    from kvbatch.engine.models.linear import NATIVE
+    from kvbatch.engine.models import factory
+    from kvbatch.kernels.cpu import kernel_choice as kc
+    from kvbatch.kernels.cpu.linear import NATIVE
 
     monkeypatch.setenv("KVBATCH_KERNELS", "native")
     monkeypatch.delenv("KVBATCH_LINEAR", raising=False)
@@ -642,7 +671,8 @@ def _native_gemv_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[i
 
 def _reference_run(folder: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens and logits of 3 requests on the PyTorch path (BLAS, the reference kernels)."""
-    from kvbatch.engine.models import factory, kernel_choice as kc
+    from kvbatch.engine.models import factory
+    from kvbatch.kernels.cpu import kernel_choice as kc
 
     monkeypatch.setenv("KVBATCH_KERNELS", "reference")
     monkeypatch.setattr(factory, "choose_kernels", functools.partial(kc.choose_kernels, linear="blas"))
@@ -650,7 +680,7 @@ def _reference_run(folder: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) ->
 
 
 def test_a_bucket_the_native_gemv_won_takes_the_fused_path(tmp_path, monkeypatch):
-    from kvbatch.engine.models.linear import NATIVE
+    from kvbatch.kernels.cpu.linear import NATIVE
 
     build_tiny("llama", tmp_path / "dense")
     calls = _native_gemv_wins(tmp_path, monkeypatch)
@@ -729,7 +759,7 @@ def test_a_bf16_model_whose_native_gemv_won_runs_fused_with_the_per_op_roundings
     # bf16 weights in blocks, the bf16 cache, every value rounded where the per-op bf16 path rounds:
     # the fused step gives that path's logits (the same GEMV, small ops and attention in C, in one
     # call), and the reference's greedy tokens
-    from kvbatch.engine.models.linear import NATIVE
+    from kvbatch.kernels.cpu.linear import NATIVE
 
     build_tiny(arch, tmp_path / arch)
     calls = _native_gemv_wins(tmp_path, monkeypatch)

@@ -18,13 +18,20 @@ from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.io.batch_output import JsonlWriter
-from kvbatch.ops.decode_checkpoint import INDEX_COLUMN, PartWriter, done_indexes, prepare_parts
+from kvbatch.ops.decode.checkpoint import INDEX_COLUMN, PartWriter, done_indexes, prepare_parts
 from kvbatch.ops.jobs import Job
-from kvbatch.ops.manifests import manifest_line
-from kvbatch.ops.results import RESULTS_SCHEMA, decode_shard
+from kvbatch.ops.prefill.manifests import manifest_line
+from kvbatch.ops.decode.shard import RESULTS_SCHEMA, decode_shard
 from tests.tiny_models import build_tiny_chat_model
 
 ENGINE = {"batch_invariant": True, "max_num_seqs": 4}
+
+
+def _engine_spec(tiny: Path) -> dict:
+    """ENGINE as a worker spec's ``engine_spec``."""
+    from kvbatch.engine.spec import EngineSpec
+
+    return EngineSpec(model=str(tiny), dtype="fp32", deterministic=True, max_batch=4).to_json()
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +130,11 @@ def test_sigkill_mid_shard_then_rerun_commits_each_request_once(tiny, tmp_path):
     n = 40
     manifests = _manifests(llm, tmp_path / "m.jsonl", n, max_tokens=8)
     parts, results = tmp_path / "parts", tmp_path / "res" / "part.parquet"
-    spec = {"model": str(tiny), "engine": ENGINE, "manifests_url": manifests, "results_url": str(results),
-            "parts_url": str(parts), "stats_url": str(tmp_path / "stats.json"), "checkpoint_rows": 4, "rows": n}
+    spec = {"command": "shard", "engine_spec": _engine_spec(tiny), "manifests_url": manifests,
+            "results_url": str(results), "parts_url": str(parts), "stats_url": str(tmp_path / "stats.json"),
+            "checkpoint_rows": 4, "rows": n}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "kvbatch.ops.decode_worker", "--spec", str(tmp_path / "spec.json")]
+    cmd = [sys.executable, "-m", "kvbatch.ops.decode.worker", "--spec", str(tmp_path / "spec.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -157,8 +165,8 @@ def test_sigkill_mid_shard_then_rerun_commits_each_request_once(tiny, tmp_path):
 def test_compaction_merges_every_rank_part_in_manifest_order(tmp_path, monkeypatch):
     """Parts of two ranks, each in finishing order, merged into one table in manifest order, across
     several merge windows."""
-    import kvbatch.ops.decode_checkpoint as ckpt
-    from kvbatch.ops.results import commit_parts
+    import kvbatch.ops.decode.checkpoint as ckpt
+    from kvbatch.ops.decode.shard import commit_parts
 
     monkeypatch.setattr(ckpt, "MERGE_WINDOW", 3)
     parts = tmp_path / "parts"

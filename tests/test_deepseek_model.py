@@ -21,14 +21,14 @@ from kvbatch.engine.runtime.kv_connector import KVConnector
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.model_runner import ModelRunner
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.io.kv_store import KVStore, KVStoreConfig
-from kvbatch.io.kv_tiers import MemoryTier
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
+from kvbatch.io.kvstore.tiers import MemoryTier
 from kvbatch.kernels.reference_mla import (
     mla_decode_attention,
     mla_prefill_attention,
     store_mla_kv,
 )
-from kvbatch.ops.shards import kv_fingerprint
+from kvbatch.engine.spec import EngineSpec
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_deepseek import VOCAB, build_tiny_deepseek, deepseek_config
 
@@ -266,7 +266,7 @@ def test_reference_mla_matches_unabsorbed_attention(case):
 
 
 def _store(ckpt, url: str) -> KVStore:
-    return KVStore.from_config(KVStoreConfig(url=url, memory_bytes=0), kv_fingerprint(ckpt.fingerprint, "fp32", 4))
+    return KVStore.from_config(KVStoreConfig(url=url, memory_bytes=0), EngineSpec(dtype="fp32", block_size=4).kv_fingerprint(ckpt.fingerprint))
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe"])

@@ -1,7 +1,7 @@
 """`make demo` in the suite, on a tiny chat model: the commands of the Makefile's demo recipe
 (``kvbatch sample-data``, the named jobs launched and waited for: ``kvbatch_ingest`` for the
 date, ``kvbatch_shard`` for each (date, shard), ``kvbatch_rollup``; ``python -m
-kvbatch.ops.demo_report``) run as subprocesses, and what a user would look
+kvbatch.ops.results.demo_report``) run as subprocesses, and what a user would look
 at is checked against the tables they wrote.
 
 The Makefile is the one source of truth: the commands are what ``make -n demo`` prints, with
@@ -54,7 +54,7 @@ def demo_commands(demo: Path, repo: Path = REPO) -> list[str]:
 
 
 DEMO_STEPS = ("kvbatch sample-data", "-j kvbatch_ingest", "-j kvbatch_shard", "-j kvbatch_rollup",
-              "kvbatch.ops.demo_report")
+              "kvbatch.ops.results.demo_report")
 
 
 def demo_steps(commands: list[str]) -> list[int]:
@@ -95,7 +95,7 @@ def test_the_demo_commands_come_from_the_makefile(tmp_path):
     assert f'"dagster/partition": "{DATE}"' in commands[steps[1]] and f"{DATE}|$shard" in commands[steps[2]]
     assert commands[steps[0]].split()[0] == str(BIN / "kvbatch")  # the venv's, not one on PATH
     makefile = (REPO / "Makefile").read_text()
-    lines = [line for line in makefile.splitlines() if "kvbatch.ops.demo_report" not in line]
+    lines = [line for line in makefile.splitlines() if "kvbatch.ops.results.demo_report" not in line]
     assert len(lines) == len(makefile.splitlines()) - 1
     drifted = tmp_path / "drifted"
     drifted.mkdir()
@@ -166,7 +166,7 @@ def test_make_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
 def test_report_counts_rejects_and_rows_left_without_a_result(tmp_path):
     """Fast, on hand-made tables: the sample data of the slow test is all valid, so the rejects
     and a row left without a result are shown here."""
-    from kvbatch.ops.demo_report import MissingTable, main, report
+    from kvbatch.ops.results.demo_report import MissingTable, main, report
 
     def write(table: str, frame: pl.DataFrame, shard: str | None = None) -> None:
         folder = tmp_path / table / f"date={DATE}" / (f"shard={shard}" if shard else "")

@@ -81,10 +81,11 @@ def test_the_resource_passes_checkpointing_and_live_eplb_to_every_rank():
 
             return Done()
 
-    list(cluster.run(None, {"manifests_url": "m", "engine": {}}, Client()))
+    list(cluster.run(None, {"manifests_url": "m", "engine_spec": {}}, Client()))
     assert (seen["checkpoint_rows"], seen["eplb_interval"], seen["eplb_window"], seen["redundant_experts"]) == (
         64, 8, 16, 2)
-    assert seen["engine"]["device"] == "cpu" and seen["manifests_url"] == "m"
+    assert seen["engine_spec"]["device"] == "cpu" and seen["manifests_url"] == "m"
+    assert seen["command"] == "shard"  # the worker entry point's pipeline shard command
 
 
 # ------------------------------------------------------------------ the executor and the decode pods wired in
@@ -201,7 +202,7 @@ class _Context:
         run_id = "0123456789abcdef"
 
 
-SPEC = {"manifests_url": "s3://b/m.jsonl", "engine": {}, "storage_options": {"key": "AKIA", "endpoint_url": "http://s3"},
+SPEC = {"manifests_url": "s3://b/m.jsonl", "engine_spec": {}, "storage_options": {"key": "AKIA", "endpoint_url": "http://s3"},
         "kv_store": {"url": "s3://b/kv", "storage_options": {"secret": "shh", "anon": False}}}
 
 

@@ -135,7 +135,7 @@ def test_resources_carry_the_device(monkeypatch):
 
 
 def test_nccl_group_without_cuda_fails_at_once(no_cuda, monkeypatch):
-    from kvbatch.ops.worker_group import init_group
+    from kvbatch.ops.decode.group import init_group
 
     monkeypatch.setenv("KVBATCH_DIST_BACKEND", "nccl")
     monkeypatch.setenv("RANK", "0")

@@ -192,7 +192,8 @@ def path_problems(root: Path, code_root: Path) -> list[str]:
 
 def layout_problems(root: Path, code_root: Path) -> list[str]:
     """docs/layout.md's module tables name modules that exist: in the engine table, the modules
-    of each row's sub-package (second column); in the ops/ and io/ tables, the first column's."""
+    of each row's sub-package (second column); in the ops/, io/ and kernels/cpu/ tables, the first
+    column's (`kvstore.store` is io/kvstore/store.py)."""
     dirs = package_dirs(code_root)
     problems, section, package = [], "", ""
     prose, _ = split_code((root / "docs" / "layout.md").read_text(encoding="utf-8"))
@@ -208,12 +209,14 @@ def layout_problems(root: Path, code_root: Path) -> list[str]:
             if not package.startswith("kvbatch."):
                 continue  # the header row
             folder, names = dirs["kvbatch.engine"] / package.split(".")[-1], re.findall(r"`(\w+)`", cells[1])
-        elif section in ("ops", "io"):
-            folder, names = dirs[f"kvbatch.{section}"], re.findall(r"`(\w+)`", cells[0])
+        elif section in ("ops", "io", "kernels/cpu"):
+            top, _, sub = section.partition("/")
+            folder, names = dirs[f"kvbatch.{top}"] / sub, re.findall(r"`(\w+(?:\.\w+)*)`", cells[0])
         else:
             continue
-        problems += [f"docs/layout.md: {section}: {folder.relative_to(code_root)}/{n}.py does not exist"
-                     for n in names if not (folder / f"{n}.py").exists()]
+        paths = [n.replace(".", "/") + ".py" for n in names]
+        problems += [f"docs/layout.md: {section}: {folder.relative_to(code_root)}/{path} does not exist"
+                     for path in paths if not (folder / path).exists()]
     return problems
 
 
@@ -291,7 +294,11 @@ MUTATIONS = {
     "layout names a module that moved": (
         layout_problems, lambda c: _edit(c / "docs" / "layout.md", "| | `sequence` |", "| | `sequence`, `engine` |")),
     "layout names an ops module that is gone": (
-        layout_problems, lambda c: _edit(c / "docs" / "layout.md", "| `cost` |", "| `costs` |")),
+        layout_problems, lambda c: _edit(c / "docs" / "layout.md", "| `results.cost` |", "| `results.costs` |")),
+    "layout names a CPU backend module that is gone": (
+        layout_problems, lambda c: _edit(c / "docs" / "layout.md", "| `mkl_packed` |", "| `mkl_pack` |")),
+    "layout names a kvstore module that is gone": (
+        layout_problems, lambda c: _edit(c / "docs" / "layout.md", "| `kvstore.gc` |", "| `kvstore.gcs` |")),
     "claim marker dropped": (claim_problems, lambda c: _edit(c / "docs" / "correctness.md",
                                                              "<!-- claim: batch-invariance -->", "")),
 }

@@ -120,7 +120,7 @@ def _requests() -> list[GenerationRequest]:
 
 def _rank_main(rank: int, world: int, port: int, folder: str, out_dir: str) -> None:
     from kvbatch.engine.parallel.expert_parallel import install
-    from kvbatch.ops.worker_group import LockstepLLM
+    from kvbatch.ops.decode.group import LockstepLLM
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

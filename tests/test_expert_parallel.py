@@ -257,10 +257,12 @@ def test_forced_rebalances_mid_run_change_no_output(moe_models, tmp_path):
     src = _requests(tmp_path / "in.jsonl")
     _generate(moe_models["mixtral"], src, tmp_path / "w1.jsonl", 1)
     reference = _answers(tmp_path / "w1.jsonl")
-    from kvbatch.ops.worker_group import launch_local
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.ops.decode.launch import launch_local
 
     for force, redundant in (("rotate", 0), (None, 4)):
-        spec = {"command": "generate", "model": str(moe_models["mixtral"]), "input": str(src), "output": str(tmp_path / "w2.jsonl"), "report": str(tmp_path / "r.json"),
+        spec = {"command": "generate", "engine_spec": EngineSpec(model=str(moe_models["mixtral"]), dtype="fp32").to_json(),
+                "input": str(src), "output": str(tmp_path / "w2.jsonl"), "report": str(tmp_path / "r.json"),
                 "eplb_interval": 2, "eplb_force": force, "redundant_experts": redundant}
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         assert launch_local(2, ["--spec", str(tmp_path / "spec.json")]) == 1

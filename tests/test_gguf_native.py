@@ -8,8 +8,10 @@ hiding the compiler, which works everywhere.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import os
+import subprocess
 import tomllib
 import warnings
 from pathlib import Path
@@ -21,17 +23,19 @@ from gguf import GGMLQuantizationType as Q
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbatch.engine.models import factory, gguf_kernels
-from kvbatch.engine.models.gguf_blocks import GGUFBlocks, dequantize, quantize
-from kvbatch.engine.models.gguf_kernels import BlockIndex, GGUFWeight, gguf_linear, to_torch
-from kvbatch.engine.models.kernel_choice import choose_kernels
-from kvbatch.engine.models.linear import GGUF, GGUF_NATIVE
+from kvbatch.engine.models import factory
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.kernels import cpu_native, dispatch, native_build
-from kvbatch.kernels.machine import cpu_identity
+from kvbatch.kernels import dispatch
+from kvbatch.kernels.cpu import gguf_kernels, native_build
+from kvbatch.kernels.cpu import native as native_kernels
+from kvbatch.kernels.cpu.gguf_blocks import GGUFBlocks, dequantize, quantize
+from kvbatch.kernels.cpu.gguf_kernels import BlockIndex, GGUFWeight, gguf_linear, to_torch
+from kvbatch.kernels.cpu.kernel_choice import choose_kernels
+from kvbatch.kernels.cpu.linear import GGUF, GGUF_NATIVE
+from kvbatch.kernels.cpu.machine import cpu_identity
 from tests.logit_capture import capture_logits
 from tests.test_weights import _random_hf_tensors, _write_gguf
 
@@ -155,7 +159,7 @@ def test_engine_on_gguf_blocks_matches_the_dequantized_fp32_engine(tmp_path: Pat
 
 
 @needs_kernel
-@pytest.mark.skipif(not cpu_native.available(), reason="no native CPU kernels")
+@pytest.mark.skipif(not native_kernels.available(), reason="no native CPU kernels")
 @pytest.mark.parametrize("f32_proj", [False, True])
 def test_gguf_decode_runs_the_fused_layers_over_the_blocks(tmp_path: Path, monkeypatch, f32_proj: bool) -> None:
     # the native kernel won the decode buckets, so decode steps take the fused layers, each GGUF
@@ -177,7 +181,7 @@ def test_gguf_decode_runs_the_fused_layers_over_the_blocks(tmp_path: Path, monke
         assert bool(calls) == (fused == "1") and set(calls) <= {1, 2, 3}
     o_proj = llm.model.layers[0].o_proj
     assert (o_proj.blocks is None) == f32_proj
-    assert isinstance(llm.model.linear.fused_weight(o_proj), torch.Tensor if f32_proj else cpu_native.ColumnsWeight)
+    assert isinstance(llm.model.linear.fused_weight(o_proj), torch.Tensor if f32_proj else native_kernels.ColumnsWeight)
     assert runs["1"][0] == runs["0"][0]
     for rid, per_op in runs["0"][1].items():  # the first (prefill) logits alike; decode drifts by 2e-5 at most
         assert torch.equal(runs["1"][1][rid][0], per_op[0])
@@ -192,7 +196,7 @@ def test_the_fused_entry_refuses_what_it_cannot_take() -> None:
     long_rows = gguf_kernels.random_blocks("Q8_0", 1, 32768 + 32, torch.Generator().manual_seed(0))
     assert gguf_kernels.fused_weight(long_rows) is None  # past the entry's stack of block sums
     with pytest.raises(ValueError, match="fused decode layers only"):
-        cpu_native.gemv(torch.ones(1, 64), cols)
+        native_kernels.gemv(torch.ones(1, 64), cols)
 
 
 def test_no_compiler_means_fp32_weights_and_a_warning(tmp_path: Path, monkeypatch) -> None:
@@ -260,15 +264,24 @@ def test_gguf_weights_refuse_what_they_cannot_run() -> None:
 
 def test_the_c_source_ships_in_the_package() -> None:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "gguf_kernels.c" in config["tool"]["setuptools"]["package-data"]["kvbatch.engine.models"]
-    assert (REPO / "engine" / "models" / "gguf_kernels.c").is_file()
+    patterns = config["tool"]["setuptools"]["package-data"]["kvbatch.kernels.cpu"]
+    assert gguf_kernels.SOURCE.resolve() == (REPO / "kernels" / "cpu" / "gguf_kernels.c").resolve()
+    assert gguf_kernels.SOURCE.is_file()
+    assert any(fnmatch.fnmatch("gguf_kernels.c", pat) for pat in patterns)
 
 
 @needs_kernel
-@pytest.mark.skipif(bool(os.environ.get("CC") or os.environ.get("KVBATCH_NATIVE_MARCH")),
-                    reason="a chosen compiler or -march (the ISA-build runs) may target another CPU")
-def test_the_kernel_takes_the_widest_vector_path_this_cpu_has() -> None:
-    flags = set(cpu_identity()[1])
+def test_the_kernel_takes_the_widest_vector_path_it_is_built_for() -> None:
+    march = os.environ.get("KVBATCH_NATIVE_MARCH", "").strip()
+    if march:  # an older CPU's build (tests/test_native_isa_builds.py): the set the compiler gives -march
+        cc = gguf_kernels.compiler()
+        assert cc is not None
+        macros = subprocess.run([cc, f"-march={march}", "-dM", "-E", "-x", "c", os.devnull], check=True,
+                                capture_output=True, text=True, timeout=60).stdout.split()
+        flags = {f for f, macro in (("avx2", "__AVX2__"), ("fma", "__FMA__"), ("f16c", "__F16C__"),
+                                    ("avx512f", "__AVX512F__")) if macro in macros}
+    else:  # -march=native: this CPU's own set
+        flags = set(cpu_identity()[1])
     avx2 = {"avx2", "fma", "f16c"} <= flags
     want = "avx512" if avx2 and "avx512f" in flags else "avx2" if avx2 else "c"
     assert gguf_kernels.simd() == want

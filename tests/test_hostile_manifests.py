@@ -2,7 +2,7 @@
 its field and reason, the decode goes on and answers every other row; whatever bytes the
 manifest holds, decode never raises and answers exactly one row per line.
 
-Line rule (ops/manifests.py): every line of the file, i.e. the bytes up to each b"\\n" plus a
+Line rule (ops/prefill/manifests.py): every line of the file, i.e. the bytes up to each b"\\n" plus a
 last line without one, is one row; blank lines are rows too (rejected), so the output has
 exactly `_lines(data)` lines.
 """
@@ -16,15 +16,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbatch.cli.main import EXIT_REJECTS, _kv_fingerprint, main
+from kvbatch.cli.main import EXIT_REJECTS, main
+from kvbatch.engine.spec import EngineSpec
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.io.kv_store import KVStore, KVStoreConfig
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
 from kvbatch.ops.jobs import Job, Rejected
-from kvbatch.ops.kv_handoff import run_decode
-from kvbatch.ops.manifests import ManifestMismatch, manifest_jobs, manifest_line, read_manifests
+from kvbatch.ops.decode.generate import run_decode
+from kvbatch.ops.prefill.manifests import ManifestMismatch, manifest_jobs, manifest_line, read_manifests
 from tests.tiny_models import VOCAB, build_tiny
 
 MAX_POSITIONS = 256  # tiny_models' max_position_embeddings
@@ -39,7 +40,7 @@ def _lines(data: bytes) -> int:
 def _engine(model: Path) -> LLM:
     ckpt = load_checkpoint(str(model))
     store = KVStore.from_config(KVStoreConfig(url=str(model.parent / "kv"), memory_bytes=0),
-                                _kv_fingerprint(ckpt.fingerprint, "fp32", 16))
+                                EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(ckpt.fingerprint))
     return LLM(ckpt, engine_config=EngineConfig(max_num_seqs=8), kv_store=store)
 
 

@@ -13,15 +13,11 @@ import pytest
 import torch
 
 from kvbatch.cli.main import main
-from kvbatch.io.kv_block_format import LAYOUT_VERSION, digest, pack_blocks
-from kvbatch.io.kv_object_tier import (
-    LAYOUT_MARKER,
-    IndexInvalid,
-    ObjectStoreTier,
-    PackManifest,
-    fingerprint_id,
-)
-from kvbatch.io.kv_tiers import DiskTier, check_key
+from kvbatch.io.kvstore.block_format import LAYOUT_VERSION, digest, pack_blocks
+from kvbatch.io.kvstore.index_files import IndexInvalid, PackManifest, fingerprint_id
+from kvbatch.io.kvstore.object_layout import LAYOUT_MARKER
+from kvbatch.io.kvstore.object_tier import ObjectStoreTier
+from kvbatch.io.kvstore.tiers import DiskTier, check_key
 
 FP = "tiny-fingerprint"
 FPID = fingerprint_id(FP)

@@ -1,4 +1,4 @@
-"""Weights and the KV cache in transparent huge pages (kernels/huge_pages.py): the arena's copies
+"""Weights and the KV cache in transparent huge pages (kernels/cpu/huge_pages.py): the arena's copies
 are the tensors they were, aligned and apart; Linux backs them with 2 MiB pages where it offers
 them; a model built with the switch on holds its projections and KV cache there and decodes the
 same tokens as with it off."""
@@ -11,7 +11,7 @@ import torch
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.kernels import huge_pages as HP
+from kvbatch.kernels.cpu import huge_pages as HP
 from tests.tiny_models import VOCAB, build_tiny
 
 needs_thp = pytest.mark.skipif(HP.unavailable_reason() is not None, reason=str(HP.unavailable_reason()))
@@ -63,10 +63,10 @@ def test_the_reason_names_a_thp_setting_of_never(tmp_path, monkeypatch):
 
 @needs_thp
 def test_every_kind_of_prepared_weight_moves_its_streamed_tensors():
-    from kvbatch.engine.models.gguf_kernels import GGUFWeight, random_blocks
-    from kvbatch.engine.models.linear import MixedWeight, place_in_huge_pages
-    from kvbatch.engine.models.quant import GEMV, quantize_int8
-    from kvbatch.kernels import cpu_native
+    from kvbatch.kernels.cpu import native as native_kernels
+    from kvbatch.kernels.cpu.gguf_kernels import GGUFWeight, random_blocks
+    from kvbatch.kernels.cpu.linear import MixedWeight, place_in_huge_pages
+    from kvbatch.kernels.cpu.quant import GEMV, quantize_int8
 
     arena = HP.HugePageArena()
     g = torch.Generator().manual_seed(1)
@@ -77,9 +77,9 @@ def test_every_kind_of_prepared_weight_moves_its_streamed_tensors():
     mixed = place_in_huge_pages(arena, MixedWeight({"blas": plain, "native": plain}))
     assert mixed.layouts["blas"] is mixed.layouts["native"] and inside(mixed.layouts["blas"])  # one copy
     assert torch.equal(mixed.layouts["blas"], plain)
-    if cpu_native.available():
-        bf16 = place_in_huge_pages(arena, cpu_native.bf16_blocks(w.bfloat16()))
-        assert inside(bf16.q) and torch.equal(bf16.q, cpu_native.bf16_blocks(w.bfloat16()).q)
+    if native_kernels.available():
+        bf16 = place_in_huge_pages(arena, native_kernels.bf16_blocks(w.bfloat16()))
+        assert inside(bf16.q) and torch.equal(bf16.q, native_kernels.bf16_blocks(w.bfloat16()).q)
         int8 = quantize_int8(w, (GEMV,))
         moved = place_in_huge_pages(arena, int8)
         assert inside(moved.blocks.q) and torch.equal(moved.blocks.q, int8.blocks.q)
@@ -89,8 +89,8 @@ def test_every_kind_of_prepared_weight_moves_its_streamed_tensors():
     assert inside(gguf.blocks.data) and torch.equal(gguf.blocks.data, blocks.data) and inside(gguf.layouts["blas"])
     packed = w.to_mkldnn()  # oneDNN's own layout: its memory is oneDNN's, kept where it is
     assert place_in_huge_pages(arena, packed) is packed
-    from kvbatch.engine.models import mkl_packed
-    from kvbatch.engine.models.linear import MKL, LinearFormat
+    from kvbatch.kernels.cpu import mkl_packed
+    from kvbatch.kernels.cpu.linear import MKL, LinearFormat
 
     if mkl_packed.available():  # MKL's buffers cannot move: packed in the arena from the start
         mkl = LinearFormat(MKL, torch.float32).prepare(w, arena)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvbatch.io.batch_requests import ChatRequest, parse_request_line
 from kvbatch.io.prompt_table import reject_record, request_record
 from kvbatch.io.request_columns import parse_block
-from kvbatch.ops.ingest import ingest
+from kvbatch.ops.ingest.prompts import ingest
 
 ANY = [None, 0, 1, -1, 2, 0.5, 2.5, 1e308, float("nan"), True, False, "x", "", [], ["a"], [""], [1], [-1],
        {"a": 1}, 2**31, 2**40, 2**63, -(2**63) - 1, 20, 21]

@@ -14,8 +14,8 @@ import pytest
 
 from kvbatch.io.batch_requests import RejectedRow
 from kvbatch.io.prompt_table import reject_record, request_record
-from kvbatch.ops import ingest as ingest_module
-from kvbatch.ops.ingest import ingest, read_dataset
+from kvbatch.ops.ingest import prompts as ingest_module
+from kvbatch.ops.ingest.prompts import ingest, read_dataset
 
 
 def _rows(n: int, seed: int) -> list[dict]:

@@ -16,9 +16,10 @@ from kvbatch.engine.models import weights
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
 from kvbatch.io.shard_tables import shard_url
+from kvbatch.engine.spec import EngineSpec
 from kvbatch.ops import fingerprint
-from kvbatch.ops.ingest import ingest
-from kvbatch.ops.shards import RowTokenizer, build_shards, shard_keys
+from kvbatch.ops.ingest.prompts import ingest
+from kvbatch.ops.shards.build import RowTokenizer, build_shards, shard_keys
 from kvbatch.resources import ModelResource
 from tests.tiny_models import build_tiny_chat_model
 
@@ -75,7 +76,7 @@ def test_a_changed_model_file_is_fingerprinted_again(tiny, change):
     assert again.fingerprint == weights.load_checkpoint(str(tiny)).fingerprint
 
 
-def test_row_tokenizer_for_model_is_the_loaded_models_and_reads_no_weights(tiny, tmp_path, monkeypatch):
+def test_row_tokenizer_for_spec_is_the_loaded_models_and_reads_no_weights(tiny, tmp_path, monkeypatch):
     ec = EngineConfig(max_num_seqs=2, block_size=8)
     llm = LLM(str(tiny), engine_config=ec)
     data = tmp_path / "in.jsonl"
@@ -89,7 +90,7 @@ def test_row_tokenizer_for_model_is_the_loaded_models_and_reads_no_weights(tiny,
 
     fingerprint.model_identity(str(tiny))  # kept once (a real run: the first load of the weights)
     _no_weights(monkeypatch)
-    row_tokenizer = RowTokenizer.for_model(str(tiny), "fp32", ec)
+    row_tokenizer = RowTokenizer.for_spec(EngineSpec(model=str(tiny), dtype="fp32", max_batch=2, block_size=8))
     assert row_tokenizer == RowTokenizer.of(llm)
     report = build_shards(row_tokenizer, prompts, str(tmp_path / "b"), 3, rejects_url=str(tmp_path / "b.parquet"),
                           tokenize_workers=1)
@@ -104,9 +105,9 @@ def test_model_resource_keeps_the_fingerprint_when_it_loads_and_reads_it_back(ti
     resource = ModelResource(model=str(tiny))
     loaded = resource.load()  # the first load of the weights keeps the fingerprint
     expected = resource.kv_fingerprint()
-    from kvbatch.resources import model as model_module
+    from kvbatch.ops import engine_build
 
-    monkeypatch.setattr(model_module, "_CHECKPOINTS", {})  # a fresh process: nothing loaded
+    monkeypatch.setattr(engine_build, "_CHECKPOINTS", {})  # a fresh process: nothing loaded
     _no_weights(monkeypatch)
     assert resource.kv_fingerprint() == expected
     assert resource.row_tokenizer().kv_root_key == loaded.kv_root_key

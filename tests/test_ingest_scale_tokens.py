@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbatch.engine.text.tokenizer import ChatTokenizer
-from kvbatch.ops.prompt_tokens import CachedChatEncoder
+from kvbatch.ops.shards.prompt_tokens import CachedChatEncoder
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM_PROMPTS = ["You are a careful editor. Summarise in three bullets.",

@@ -10,20 +10,21 @@ import pytest
 import torch
 
 from kvbatch.engine.models import factory
-from kvbatch.engine.models import kernel_choice as kc
-from kvbatch.engine.models.linear import INT8, LinearFormat
-from kvbatch.engine.models.quant import DEQUANT, GEMV, INT8PACK, Int8Weight, int8_linear, quantize_int8
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.kernels import cpu_native, dispatch
+from kvbatch.kernels import dispatch
+from kvbatch.kernels.cpu import kernel_choice as kc
+from kvbatch.kernels.cpu import native as native_kernels
+from kvbatch.kernels.cpu.linear import INT8, LinearFormat
+from kvbatch.kernels.cpu.quant import DEQUANT, GEMV, INT8PACK, Int8Weight, int8_linear, quantize_int8
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.test_kernel_choice import fake_timer
 from tests.tiny_models import VOCAB, build_tiny
 
 ROUTES = [pytest.param(INT8PACK, marks=pytest.mark.skipif(not kc.int8pack_available(), reason="no int8pack op")),
           DEQUANT,
-          pytest.param(GEMV, marks=pytest.mark.skipif(not cpu_native.available(), reason="no native kernels"))]
+          pytest.param(GEMV, marks=pytest.mark.skipif(not native_kernels.available(), reason="no native kernels"))]
 
 
 def test_quantization_error_is_at_most_half_a_step():
@@ -74,7 +75,7 @@ def test_an_int8_weight_holds_the_layouts_its_routes_read():
 def test_an_int8_format_takes_its_route_per_bucket(monkeypatch):
     used: list[str] = []
     real = int8_linear
-    monkeypatch.setattr("kvbatch.engine.models.linear.int8_linear",
+    monkeypatch.setattr("kvbatch.kernels.cpu.linear.int8_linear",
                         lambda x, w, b, route: used.append(route) or real(x, w, b, route))
     fmt = LinearFormat(INT8, torch.float32, bucket_kinds=(DEQUANT, DEQUANT, DEQUANT, DEQUANT))
     held = fmt.prepare(torch.randn(16, 8))
@@ -103,7 +104,7 @@ def test_int8_routes_are_chosen_by_measurement(tmp_path):
 
 
 def test_the_int8_gemv_is_a_candidate_at_every_row_count(tmp_path):
-    if not cpu_native.available():
+    if not native_kernels.available():
         pytest.skip("no native kernels")
     calls: list[tuple[str, int]] = []
     timer = fake_timer({INT8PACK: [5.0, 5.0, 2.0, 2.0], DEQUANT: [5.0, 5.0, 3.0, 1.0], GEMV: [1.0, 2.0, 1.0, 3.0]},
@@ -117,12 +118,12 @@ def test_the_int8_gemv_is_a_candidate_at_every_row_count(tmp_path):
     assert GEMV not in kc.candidates_for(torch.bfloat16, "int8")  # bf16 activations: no native int8 GEMV
 
 
-@pytest.mark.skipif(not cpu_native.available(), reason="no native kernels")
+@pytest.mark.skipif(not native_kernels.available(), reason="no native kernels")
 def test_the_gemv_route_runs_the_native_kernel_past_decode_rows(monkeypatch):
     # 70 rows (past the float GEMV's 8) still take the int8 blocks natively, not a dequantized copy
     seen: list[int] = []
-    real = cpu_native.gemv
-    monkeypatch.setattr(cpu_native, "gemv", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
+    real = native_kernels.gemv
+    monkeypatch.setattr(native_kernels, "gemv", lambda x, w, b=None: seen.append(x.shape[0]) or real(x, w, b))
     q = quantize_int8(torch.randn(40, 24, generator=torch.Generator().manual_seed(3)), (GEMV,))
     x = torch.randn(70, 24)
     torch.testing.assert_close(int8_linear(x, q, None, GEMV), x @ q.dequantize().t(), atol=1e-4, rtol=1e-4)
@@ -130,7 +131,7 @@ def test_the_gemv_route_runs_the_native_kernel_past_decode_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("gemv", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not cpu_native.available(), reason="no native kernels"))])
+    not native_kernels.available(), reason="no native kernels"))])
 def test_the_int8_engine_equals_fp32_over_the_dequantized_weights(tmp_path, monkeypatch, gemv):
     # gemv: the native int8 GEMV wins 1-8 rows, so decode runs the fused layers over int8 blocks
     monkeypatch.setenv("KVBATCH_CACHE_DIR", str(tmp_path / "cache"))

@@ -1,9 +1,16 @@
-"""Holding the code to an older CPU's instruction set (``kernels/machine.py`` ISA_CAPS,
-``bench_engine.py --isa``): the caps reach torch, MKL, oneDNN and our C build, the caches of
-measured kernels and built libraries key on them, and a CPU that lacks the set is refused."""
+"""Holding the code to an older CPU's instruction set (``kernels/cpu/machine.py`` ISA_CAPS,
+``bench_engine.py --isa``): the caps are set in the process the bench restarts as, our C build
+takes its -march from them, the caches of measured kernels and built libraries key on them, the
+kernels chosen under them give the right numbers, and a CPU that lacks the set is refused.
+
+What torch, MKL or oneDNN print of themselves (``MKL_VERBOSE``, ``ONEDNN_VERBOSE``, torch's
+capability string) is theirs, and differs by vendor (MKL names no ISA on AMD CPUs): no test here
+reads it."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbatch.engine.models import kernel_choice as kc
-from kvbatch.engine.models.linear import onednn_available
-from kvbatch.kernels import machine, native_build
-from kvbatch.kernels.machine import ISA_CAPS, ISA_LIMIT_VARS, isa_cap_environment, isa_limits
+from kvbatch.kernels.cpu import gguf_kernels, machine, native_build
+from kvbatch.kernels.cpu import kernel_choice as kc
+from kvbatch.kernels.cpu import native as native_kernels
+from kvbatch.kernels.cpu.linear import onednn_available
+from kvbatch.kernels.cpu.machine import ISA_CAPS, ISA_LIMIT_VARS, isa_cap_environment, isa_limits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,30 +74,76 @@ def test_a_cap_is_another_key_for_the_measured_kernels(no_caps):
     assert kc.cache_file(plain, Path("c")) != kc.cache_file(capped, Path("c"))
 
 
-_PROBE = """
-import torch
-x = torch.randn(64, 256)
-w = torch.randn(256, 256)
-torch.mm(x, w)  # MKL's sgemm
-packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 64)  # oneDNN, as the engine packs
-torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-print("capability", torch.backends.cpu.get_cpu_capability())
+# The process bench_engine.py --isa restarts itself as, with its os.execve pointed at the probe
+# (tests/isa_cap_probe.py): the restart and its environment are the bench's own.
+_LAUNCH = """
+import os, sys
+from benchmarks import bench_engine as B
+name, probe, report = sys.argv[1:4]
+execve = os.execve
+B.os.execve = lambda path, argv, env: execve(path, [path, probe, report, *argv[1:]], env)
+sys.exit(B.main(["--isa", name, "--quick"]))
 """
+# The largest error of any kernel the project would run, relative to the reference's largest
+# magnitude: fp32 and int8 weights (the reference over the dequantized values) sum 128 products in
+# fp32 (~1e-6 measured); bf16 rounds the output to 8 bits.
+_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "gguf": 1e-4, "int8_linear": 2.0 ** -21}
 
 
-@pytest.mark.skipif(not {"avx512f", "avx2"} <= set(machine.cpu_identity()[1]) or not onednn_available(),
-                    reason="the cap shows only where the CPU has more than AVX2 (and oneDNN is built in)")
-def test_the_avx2_caps_hold_torch_mkl_and_onednn_to_avx2():
-    # MKL and oneDNN say which code they run when asked to be verbose; torch names its kernels' level.
-    env = {"PATH": "/usr/bin:/bin", "MKL_VERBOSE": "1", "ONEDNN_VERBOSE": "1", **isa_cap_environment("avx2")}
-    done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-2000:]
-    assert "capability AVX2" in out
-    mkl = [line for line in out.splitlines() if line.startswith("MKL_VERBOSE") and "Intel(R)" in line]
-    assert mkl and all("AVX2" in line and "AVX-512" not in line for line in mkl), mkl
-    isa = [line for line in out.splitlines() if "onednn_verbose" in line and "isa:" in line]
-    assert isa and all("AVX2" in line and "512" not in line for line in isa), isa
+@pytest.mark.parametrize("name", sorted(ISA_CAPS))
+def test_under_a_cap_the_restarted_bench_builds_chooses_and_computes_within_it(name, no_caps, tmp_path):
+    """What the project controls under ``bench_engine.py --isa NAME``, on whatever CPU this is: the
+    restarted process has every cap set; the native kernels are built for the cap's -march (a build
+    and a cached kernel choice of their own, beside the uncapped ones); the GGUF kernel takes the
+    cap's vector path; and every kernel the choice may pick, and the one it picked, gives the float64
+    reference's numbers. Where this CPU lacks the set, the bench refuses it and restarts nothing."""
+    cap = ISA_CAPS[name]
+    env = {k: v for k, v in os.environ.items() if k not in ("KVBATCH_LINEAR", "KVBATCH_KERNELS")}
+    env["KVBATCH_CACHE_DIR"] = str(tmp_path / "cache")  # builds and choices made under the cap alone
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-c", _LAUNCH, name, str(ROOT / "tests" / "isa_cap_probe.py"), str(report)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout[-3000:] + done.stderr[-3000:]
+    lacks = sorted(cap.needs - set(machine.cpu_identity()[1]))
+    if lacks:  # an older CPU than the set: refused before anything restarts
+        assert done.returncode == 2, out
+        assert f"--isa {name}: this CPU ({machine.cpu_identity()[0]}) cannot run {name} code: it lacks " \
+               f"{', '.join(lacks)}" in done.stderr
+        assert not report.exists()
+        return
+    assert done.returncode == 0 and report.exists(), out
+    got = json.loads(report.read_text())
+    assert got["argv"] == [str(ROOT / "benchmarks" / "bench_engine.py"), "--isa", name, "--quick"]
+    assert got["limits"] == cap.env  # every cap reached the restarted process
+    march = cap.env["KVBATCH_NATIVE_MARCH"]
+    assert f"-march={march}" in got["cflags"] and "-march=native" not in got["cflags"]
+    cc = native_build.compiler()
+    if cc is not None:  # the libraries built under the cap, each keyed apart from the CPU's own build
+        assert got["native_available"] and got["gguf_available"], out
+        assert got["native_key"] != native_build.build_key(native_kernels.SOURCE, cc)
+        assert got["gguf_key"] != gguf_kernels.build_key(cc)
+        assert got["built"] == sorted([f"{native_kernels.SOURCE.stem}-{got['native_key']}.so",
+                                       f"{gguf_kernels.SOURCE.stem}-{got['gguf_key']}.so"])
+        assert got["gguf_simd"] == {"avx2": "avx2", "avx512": "avx512"}[name]  # the cap's vector path
+    else:
+        assert not got["native_available"] and got["built"] == []
+    assert ("onednn" in got["candidates"]["fp32/full"]) == onednn_available()
+    assert ("onednn" in got["candidates"]["bf16/full"]) == got["onednn_bf16"]  # packed bf16 only where it runs
+    for case, choice in got["choices"].items():
+        assert set(choice["kinds"]) <= set(got["candidates"][case]), (case, choice)
+        if choice["source"] == "measured":  # measured here, under the cap, and cached under its key
+            assert choice["cache_key"]["isa_limits"] == cap.env, case
+    for case, candidates in got["candidates"].items():  # two kernels or more: measured, not a fallback
+        assert (got["choices"][case]["source"] == "measured") == (len(candidates) > 1), case
+    errors = got["errors"]
+    for case, candidates in got["candidates"].items():
+        for kind in candidates:
+            assert any(k.startswith(f"{case}/{kind}/") for k in errors), (case, kind)
+        assert sum(k.startswith(f"{case}/chosen/") for k in errors) == len(kc.BUCKET_ROWS), case
+    assert ("gguf/Q4_1" in errors) == got["gguf_available"]
+    assert ("int8_linear/saturating" in errors) == got["int8_linear"]
+    wrong = {k: e for k, e in errors.items() if not e <= _TOLERANCE[k.split("/")[0]]}
+    assert not wrong, wrong
 
 
 def test_the_bench_restarts_itself_under_the_caps(no_caps, monkeypatch):

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from kvbatch.engine.models import factory
-from kvbatch.engine.models import kernel_choice as kc
-from kvbatch.engine.models.linear import (
+from kvbatch.engine.runtime.engine_config import LINEAR_CHOICES, EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels.cpu import kernel_choice as kc
+from kvbatch.kernels.cpu.linear import (
     BLAS,
     BUCKET_BOUNDS,
     MIXED,
@@ -22,9 +25,6 @@ from kvbatch.engine.models.linear import (
     bucket_index,
     onednn_available,
 )
-from kvbatch.engine.runtime.engine_config import LINEAR_CHOICES, EngineConfig
-from kvbatch.engine.runtime.llm import LLM, GenerationRequest
-from kvbatch.engine.runtime.sampling_params import SamplingParams
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_models import VOCAB, build_tiny
 
@@ -84,7 +84,7 @@ def test_a_layout_already_held_takes_the_decode_buckets_it_is_faster_in():
     rows the rule leaves alone. The Xeon 167 held to AVX2 (2026-12-05, ms): MKL measured 9% faster
     than BLAS at 64 rows after winning 2-8 rows by 2.3x; the engine's 64-row step then ran its
     projections in 95.6 ms with MKL against 121.8 with BLAS (kept before, under the 10% gain)."""
-    from kvbatch.engine.models.linear import MKL, NATIVE
+    from kvbatch.kernels.cpu.linear import MKL, NATIVE
 
     assert kc.pick({ONEDNN: [1.0, 1.0, 1.0, 1.0], BLAS: [2.0, 0.5, 0.95, 0.95]}) == (ONEDNN, BLAS, BLAS, ONEDNN)
     xeon_avx2 = {ONEDNN: [2.94, 4.24, 2.84, 4.59], BLAS: [1.38, 4.65, 2.35, 4.43], MKL: [1.53, 2.03, 2.13, 4.13],
@@ -306,14 +306,14 @@ def test_the_engine_runs_the_measured_choice_and_matches_transformers(tmp_path, 
 
 
 def test_the_cli_options_reach_the_engine_config():
-    from kvbatch.cli.main import _device_config, build_parser
+    from kvbatch.cli.main import _engine_spec, build_parser
 
     args = build_parser().parse_args(["generate", "--input", "in.jsonl", "--output", "out.parquet",
                                       "--linear", "blas", "--weights", "int8"])
-    cfg = EngineConfig(**_device_config(args))
+    cfg = _engine_spec(args).engine_config()
     assert (cfg.linear, cfg.weights) == ("blas", "int8")
-    default = EngineConfig(**_device_config(build_parser().parse_args(
-        ["generate", "--input", "in.jsonl", "--output", "out.parquet"])))
+    default = _engine_spec(build_parser().parse_args(
+        ["generate", "--input", "in.jsonl", "--output", "out.parquet"])).engine_config()
     assert (default.linear, default.weights) == ("auto", "full")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--input", "a", "--output", "b", "--weights", "int4"])
@@ -333,12 +333,12 @@ def test_bf16_slower_than_fp32_on_this_cpu_comes_with_a_note(tmp_path):
     assert kc.choose_kernels(torch.float32, SHAPES, linear="blas", cache_dir=tmp_path, timer=refusing_timer).note == ""
 
 
-@pytest.mark.skipif(__import__("kvbatch.kernels.huge_pages", fromlist=["x"]).unavailable_reason() is not None,
+@pytest.mark.skipif(__import__("kvbatch.kernels.cpu.huge_pages", fromlist=["x"]).unavailable_reason() is not None,
                     reason="no transparent huge pages here")
 def test_the_candidates_are_timed_on_the_pages_the_model_streams():
     # with huge pages wanted, each candidate's plain weights are placed as the model places them;
     # the cache key tells the two apart, so a choice made on one kind of page is not reused for the other
-    from kvbatch.kernels.huge_pages import _THP, huge_page_bytes
+    from kvbatch.kernels.cpu.huge_pages import _THP, huge_page_bytes
 
     madvise_only = "[madvise]" in _THP.read_text()  # torch's own memory gets no huge pages then
     for huge in (False, True):
@@ -361,7 +361,7 @@ def test_at_one_row_the_fused_steps_kernels_win_unless_another_is_clearly_faster
     # MKL 8% faster than BLAS per projection at one row: BLAS still runs the fused decode step
     # (worth more than that: on a Xeon 167, 56.2 tok/s against MKL's 39.3 outside it); 40% faster:
     # MKL. Past one row the plain rule (another kernel 10% faster switches).
-    from kvbatch.engine.models.linear import MKL, NATIVE
+    from kvbatch.kernels.cpu.linear import MKL, NATIVE
 
     close = {BLAS: [1.00, 3.0, 1.7, 2.7], MKL: [0.92, 2.2, 1.4, 2.5]}
     assert kc.pick(close, kc.fused_kinds(torch.float32, "full")) == (BLAS, MKL, MKL, BLAS)

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from kvbatch.cli.main import _kv_fingerprint
+from kvbatch.engine.spec import EngineSpec
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
-from kvbatch.io.kv_store import KVStore, KVStoreConfig
-from kvbatch.ops.batch_generate import run_batch
-from kvbatch.ops.kv_handoff import run_decode, run_prefill
-from kvbatch.ops.manifests import ManifestMismatch
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
+from kvbatch.ops.decode.generate import run_batch
+from kvbatch.ops.decode.generate import run_decode
+from kvbatch.ops.prefill.prefill import run_prefill
+from kvbatch.ops.prefill.manifests import ManifestMismatch
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = ("You are a meticulous assistant for a hardware store. Answer briefly, cite the aisle number, "
@@ -54,7 +55,7 @@ def _llm(folder, store=None, **cfg) -> LLM:
 
 def _store(folder, url, **kw) -> KVStore:
     ckpt = load_checkpoint(str(folder))
-    fp = _kv_fingerprint(ckpt.fingerprint, "fp32", 16)
+    fp = EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(ckpt.fingerprint)
     return KVStore.from_config(KVStoreConfig(url=url, **{"memory_bytes": 0, **kw}), fp)
 
 

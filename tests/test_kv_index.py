@@ -1,4 +1,4 @@
-"""The persistent, partitioned index (io/kv_index.py): a reader loads only the partitions its keys
+"""The persistent, partitioned index (io/kvstore/index.py): a reader loads only the partitions its keys
 fall in, whatever the store's size; compaction can die anywhere, or run twice at once, and no
 reader ever loses a block."""
 
@@ -15,10 +15,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbatch.io.kv_compaction import compact_index
-from kvbatch.io.kv_index import PARTITIONS, _ModelIndex, partition_of, recent_prefixes
-from kvbatch.io.kv_object_tier import ObjectLayout, ObjectStoreTier, RetryPolicy, fingerprint_id
-from kvbatch.io.kv_store import KVStore, kv_compact
+from kvbatch.io.kvstore.compaction import compact_index
+from kvbatch.io.kvstore.faults import RetryPolicy
+from kvbatch.io.kvstore.index import PARTITIONS, _ModelIndex, partition_of, recent_prefixes
+from kvbatch.io.kvstore.index_files import fingerprint_id
+from kvbatch.io.kvstore.object_layout import ObjectLayout
+from kvbatch.io.kvstore.object_tier import ObjectStoreTier
+from kvbatch.io.kvstore.store import KVStore, kv_compact
 
 FP = "test-kv-index|float16|bs16"
 FPID = fingerprint_id(FP)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvbatch.cli.main import main
-from kvbatch.io.kv_object_tier import ObjectLayout
-from kvbatch.io.kv_store import KVStore, KVStoreConfig, kv_gc
+from kvbatch.io.kvstore.object_layout import ObjectLayout
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig, kv_gc
 from tests.concurrency import run_at_once
 
 FP = "retention-test-fp"

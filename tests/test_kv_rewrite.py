@@ -1,4 +1,4 @@
-"""Rewriting mostly-dead segments (io/kv_rewrite.py): `kv gc --unused-days` copies the used blocks
+"""Rewriting mostly-dead segments (io/kvstore/rewrite.py): `kv gc --unused-days` copies the used blocks
 of a segment that is mostly unused into a new segment, publishes it, and deletes the old one only
 after that and after a grace (decodes holding manifests that name it read it meanwhile, and the
 index afterwards); a gc killed at any write or delete, or two gcs at once, leave every used block
@@ -18,9 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbatch.cli.main import main
-from kvbatch.io.kv_compaction import compact_index
-from kvbatch.io.kv_object_tier import ObjectLayout, RetryPolicy, UsageFile, gc_objects
-from kvbatch.io.kv_store import KVStore, KVStoreConfig, kv_gc, kv_stats
+from kvbatch.io.kvstore.compaction import compact_index
+from kvbatch.io.kvstore.faults import RetryPolicy
+from kvbatch.io.kvstore.gc import UsageFile, gc_objects
+from kvbatch.io.kvstore.object_layout import ObjectLayout
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig, kv_gc, kv_stats
 from tests.concurrency import run_at_once
 
 FP = "rewrite-test-fp"

@@ -20,17 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbatch.cli.main import main
-from kvbatch.io.kv_block_format import LAYOUT_VERSION
-from kvbatch.io.kv_object_tier import (
-    LAYOUT_MARKER,
-    ObjectStoreTier,
-    RetryPolicy,
-    StoreLayoutError,
-    coalesce_ranges,
-)
-from kvbatch.io.kv_requests import REQUEST_KINDS, RequestCounter
-from kvbatch.io.kv_store import KVStore, KVStoreConfig, kv_stats
-from kvbatch.io.kv_tiers import MemoryTier
+from kvbatch.io.kvstore.block_format import LAYOUT_VERSION
+from kvbatch.io.kvstore.faults import RetryPolicy
+from kvbatch.io.kvstore.object_layout import LAYOUT_MARKER, StoreLayoutError, coalesce_ranges
+from kvbatch.io.kvstore.object_tier import ObjectStoreTier
+from kvbatch.io.kvstore.request_counts import REQUEST_KINDS, RequestCounter
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig, kv_stats
+from kvbatch.io.kvstore.tiers import MemoryTier
 
 FP = "segments-test-fp"
 BLOCK = (2, 2, 4, 2, 8)  # float32: 1 KiB per block
@@ -102,7 +98,7 @@ def test_pending_blocks_are_flushed_after_the_time_limit(tmp_path):
 
 def test_a_process_that_never_flushes_loses_nothing_at_exit(tmp_path):
     root = tmp_path / "kv"
-    code = (f"import torch; from kvbatch.io.kv_store import KVStore, KVStoreConfig; "
+    code = (f"import torch; from kvbatch.io.kvstore.store import KVStore, KVStoreConfig; "
             f"s = KVStore.from_config(KVStoreConfig(url={str(root)!r}, memory_bytes=0), {FP!r}); "
             f"s.put_many([(k, torch.full({BLOCK}, float(i))) for i, k in enumerate({[k for k, _ in chain(7)]!r})])")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent, timeout=120)
@@ -327,13 +323,13 @@ def test_a_prompt_longer_than_the_prefill_chunk_is_one_range(tmp_path):
     from kvbatch.engine.runtime.block_hash import chain_keys
     from kvbatch.engine.runtime.engine_config import EngineConfig
     from kvbatch.engine.runtime.llm import LLM, GenerationRequest
-    from kvbatch.ops.shards import kv_fingerprint
+    from kvbatch.engine.spec import EngineSpec
     from tests.tiny_models import VOCAB, build_tiny
 
     build_tiny("llama", tmp_path / "model")  # transformers is imported once per test process
     ckpt = load_checkpoint(str(tmp_path / "model"))
     kv = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0, index_refresh_s=0),
-                             kv_fingerprint(ckpt.fingerprint, "fp32", 4))
+                             EngineSpec(dtype="fp32", block_size=4).kv_fingerprint(ckpt.fingerprint))
     # 8 tokens a step: each prompt of 33 tokens (8 blocks of 4) is prefilled in five chunks, the two
     # prompts' chunks interleaved step by step.
     llm = LLM(ckpt, engine_config=EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=2,

@@ -29,10 +29,10 @@ from kvbatch.engine.runtime.kv_staging import (
 )
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.io.kv_block_format import tensor_bytes
-from kvbatch.io.kv_store import KVStore, KVStoreConfig
-from kvbatch.io.kv_tiers import MemoryTier
-from kvbatch.ops.shards import kv_fingerprint
+from kvbatch.io.kvstore.block_format import tensor_bytes
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
+from kvbatch.io.kvstore.tiers import MemoryTier
+from kvbatch.engine.spec import EngineSpec
 from tests.tiny_models import VOCAB, build_tiny
 
 
@@ -331,7 +331,7 @@ def _late(buffers: int, buffer_bytes: int) -> dict:
 
 
 def _store(ckpt, url: str) -> KVStore:
-    return KVStore.from_config(KVStoreConfig(url=url, memory_bytes=0), kv_fingerprint(ckpt.fingerprint, "fp32", BS))
+    return KVStore.from_config(KVStoreConfig(url=url, memory_bytes=0), EngineSpec(dtype="fp32", block_size=BS).kv_fingerprint(ckpt.fingerprint))
 
 
 def _tokens(results) -> dict[str, list[int]]:

@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbatch.io.kv_block_format import BlockCorrupt, pack_blocks, read_pack, unpack_block
-from kvbatch.io.kv_store import (
+from kvbatch.io.kvstore.block_format import BlockCorrupt, pack_blocks, read_pack, unpack_block
+from kvbatch.io.kvstore.store import (
     DiskTier,
     KVStore,
     KVStoreConfig,

@@ -119,7 +119,7 @@ def test_imports_go_down_the_layers_only():
 
 def _is_dagster(module: str) -> bool:
     # dagster_pipes is the dependency-free protocol a launched worker speaks back to Dagster
-    # with (ops/decode_worker.py under Pipes); it is not the framework and pulls none of it in.
+    # with (ops/decode/worker.py under Pipes); it is not the framework and pulls none of it in.
     top = module.split(".")[0]
     return top.startswith("dagster") and top != "dagster_pipes"
 
@@ -170,7 +170,7 @@ def test_dagster_definitions_load_without_torch():
 
 def test_ingest_and_shard_steps_import_without_torch():
     """Ingest and shard tokenize; importing torch would add seconds to every shard process."""
-    code = ("import sys, kvbatch.ops.ingest, kvbatch.ops.shards, kvbatch.engine.models.weights\n"
+    code = ("import sys, kvbatch.ops.ingest.prompts, kvbatch.ops.shards.build, kvbatch.engine.models.weights\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=REPO,
                          timeout=300)

@@ -9,8 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbatch.engine.models import mkl_packed
-from kvbatch.engine.models.linear import (
+from kvbatch.engine.runtime.engine_config import EngineConfig
+from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.kernels.cpu import mkl_packed
+from kvbatch.kernels.cpu.linear import (
     BLAS,
     MKL,
     ONEDNN,
@@ -18,9 +21,6 @@ from kvbatch.engine.models.linear import (
     choose_linear_format,
     onednn_available,
 )
-from kvbatch.engine.runtime.engine_config import EngineConfig
-from kvbatch.engine.runtime.llm import LLM, GenerationRequest
-from kvbatch.engine.runtime.sampling_params import SamplingParams
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_models import VOCAB, build_tiny
 
@@ -28,17 +28,27 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch bui
 needs_mkl = pytest.mark.skipif(not mkl_packed.available(), reason="this torch build exports no MKL packed sgemm")
 INVARIANT_FORMATS = [BLAS, pytest.param(ONEDNN, marks=needs_onednn)]  # the kernels with a measured padding rule
 FORMATS = [*INVARIANT_FORMATS, pytest.param(MKL, marks=needs_mkl)]
+# every (kernel, dtype) a format is made of: MKL's packed sgemm multiplies fp32 only
+# (test_mkl_refuses_what_is_not_fp32)
+FORMAT_DTYPES = [pytest.param(BLAS, torch.float32, id="blas-fp32"), pytest.param(BLAS, torch.bfloat16, id="blas-bf16"),
+                 pytest.param(ONEDNN, torch.float32, id="onednn-fp32", marks=needs_onednn),
+                 pytest.param(ONEDNN, torch.bfloat16, id="onednn-bf16", marks=needs_onednn),
+                 pytest.param(MKL, torch.float32, id="mkl-fp32", marks=needs_mkl)]
 
 
 def _format(kind: str, dtype: torch.dtype) -> LinearFormat:
-    """The format under test; oneDNN bf16 only where this CPU packs bf16 (AVX512-BW/VL/DQ or
-    AVX-NE-CONVERT; an AVX2-only CPU refuses it, and the engine then chooses BLAS)."""
+    """The format under test, or where this CPU cannot run it, the one the engine runs instead.
+    oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU (or oneDNN
+    capped to AVX2) the engine's choice falls back to BLAS, forcing oneDNN is refused, and the test
+    holds the BLAS format that runs there to the same numbers."""
     if kind == ONEDNN and not onednn_available(dtype):
-        pytest.skip(f"this CPU cannot pack {dtype} weights with oneDNN")
-    if kind == MKL and dtype != torch.float32:
-        with pytest.raises(ValueError, match="the mkl kernel multiplies fp32 on the CPU, not torch.bfloat16"):
-            LinearFormat(kind, dtype)
-        pytest.skip("MKL's packed sgemm is fp32 only (refused above)")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("KVBATCH_LINEAR", raising=False)
+            assert choose_linear_format(dtype).kind == BLAS
+            mp.setenv("KVBATCH_LINEAR", ONEDNN)
+            with pytest.raises(ValueError, match=f"cannot pack {dtype} weights with oneDNN"):
+                choose_linear_format(dtype)
+        kind = BLAS
     return LinearFormat(kind, dtype)
 
 
@@ -47,13 +57,12 @@ def _weights(out_f: int, in_f: int, dtype: torch.dtype, seed: int) -> tuple[torc
     return torch.randn(out_f, in_f, generator=g).to(dtype), torch.randn(out_f, generator=g).to(dtype)
 
 
-@pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kind", "dtype"), FORMAT_DTYPES)
 def test_multiply_matches_f_linear(kind, dtype):
     fmt = _format(kind, dtype)
     w, b = _weights(96, 64, dtype, 0)
     x = torch.randn(7, 64).to(dtype)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     want = torch.nn.functional.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(fmt(x, fmt.prepare(w), b).float(), want, **tol)
     torch.testing.assert_close(fmt(x, fmt.prepare(w)).float(), want - b.float(), **tol)
@@ -73,6 +82,12 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(kind, dtype, shape):
     full = fmt(x, packed, b, batch_invariant=True)
     for rows in range(1, 40):
         assert torch.equal(fmt(x[:rows], packed, b, batch_invariant=True), full[:rows]), f"{rows} rows"
+
+
+def test_mkl_refuses_what_is_not_fp32():
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match=f"the mkl kernel multiplies fp32 on the CPU, not {dtype}"):
+            LinearFormat(MKL, dtype)
 
 
 def test_batch_invariant_padding_floors_are_the_documented_ones():

@@ -1,4 +1,4 @@
-"""MKL's packed-weight sgemm (engine/models/mkl_packed.py): the same product as ``x @ w.T`` for any
+"""MKL's packed-weight sgemm (kernels/cpu/mkl_packed.py): the same product as ``x @ w.T`` for any
 shape and row count, clear errors for what it does not take, and a kernel measurement that packs
 each copy afresh (a cloned packed buffer crashed MKL with SIGFPE)."""
 
@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbatch.engine.models import kernel_choice as kc
-from kvbatch.engine.models import mkl_packed
-from kvbatch.engine.models.linear import BLAS, MKL, LinearFormat
+from kvbatch.kernels.cpu import kernel_choice as kc
+from kvbatch.kernels.cpu import mkl_packed
+from kvbatch.kernels.cpu.linear import BLAS, MKL, LinearFormat
 
 pytestmark = pytest.mark.skipif(not mkl_packed.available(), reason="this torch build exports no MKL packed sgemm")
 

@@ -12,13 +12,15 @@ import pytest
 
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
-from kvbatch.io.kv_store import KVStore, KVStoreConfig
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
 from kvbatch.io.shard_tables import read_shards, shard_url, write_table
-from kvbatch.ops.cost import Pricing, shard_metrics
-from kvbatch.ops.ingest import ingest
-from kvbatch.ops.results import decode_shard, prefill_shard
-from kvbatch.ops.shard_routing import shard_of
-from kvbatch.ops.shards import build_shards, kv_fingerprint
+from kvbatch.ops.results.cost import Pricing, shard_metrics
+from kvbatch.ops.ingest.prompts import ingest
+from kvbatch.ops.prefill.prefill import prefill_shard
+from kvbatch.ops.decode.shard import decode_shard
+from kvbatch.ops.shards.routing import shard_of
+from kvbatch.engine.spec import EngineSpec
+from kvbatch.ops.shards.build import build_shards
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = "You are a librarian. Recommend one book, give its author, and keep it to one sentence. " * 2
@@ -113,7 +115,7 @@ def test_crashed_decode_leaves_the_last_good_commit(tiny, tmp_path, monkeypatch)
     _, prompts = _dataset(tmp_path, n=6)
     root = str(tmp_path / "out")
     build_shards(_llm(tiny), prompts, root, 1, rejects_url=str(tmp_path / "sr.parquet"))
-    fp = kv_fingerprint(_llm(tiny).checkpoint.fingerprint, "fp32", 16)
+    fp = EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(_llm(tiny).checkpoint.fingerprint)
     store = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0), fp)
     manifests = shard_url(root, "manifests", "0000", "manifests.jsonl")
     pre = prefill_shard(_llm(tiny, store), shard_url(root, "shards", "0000"), manifests)
@@ -146,7 +148,7 @@ def test_prefill_refuses_shards_of_another_model(tiny, tmp_path):
     other = build_tiny_chat_model(tmp_path / "other", seed=1, max_positions=128)
     llm = _llm(other)
     store = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0),
-                                kv_fingerprint(llm.checkpoint.fingerprint, "fp32", 16))
+                                EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(llm.checkpoint.fingerprint))
     with pytest.raises(ValueError, match="another model"):
         prefill_shard(_llm(other, store), shard_url(root, "shards", "0000"), str(tmp_path / "m.jsonl"))
     assert not (tmp_path / "m.jsonl").exists()
@@ -182,7 +184,7 @@ def _one_shot_ingest(src: str, **kw) -> tuple[pa.Table, pa.Table]:
         reject_record,
         request_record,
     )
-    from kvbatch.ops.ingest import read_dataset
+    from kvbatch.ops.ingest.prompts import read_dataset
 
     items = list(read_dataset(src, **kw))
     good = [request_record(i) for i in items if not isinstance(i, RejectedRow)]
@@ -219,7 +221,7 @@ def test_streaming_ingest_equals_one_shot(tmp_path):
 
 
 def test_failed_ingest_keeps_the_previous_commit(tmp_path, monkeypatch):
-    import kvbatch.ops.ingest as ingest_mod
+    import kvbatch.ops.ingest.prompts as ingest_mod
 
     src = _write_jsonl(tmp_path / "in.jsonl", [{"custom_id": f"r{i}", "messages": [{"role": "user", "content": "x"}]}
                                                for i in range(50)])
@@ -251,7 +253,7 @@ def test_failed_ingest_keeps_the_previous_commit(tmp_path, monkeypatch):
 
 MEMORY_SCRIPT = r"""
 import json, os, resource, sys
-from kvbatch.ops.ingest import ingest
+from kvbatch.ops.ingest.prompts import ingest
 src, small, out = sys.argv[1], sys.argv[2], sys.argv[3]
 ingest(small, out + "/warm_p.parquet", out + "/warm_r.parquet")  # allocator pools, lazy imports, codecs
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -304,14 +306,14 @@ def test_cost_metrics_speculative_and_expert_columns():
     assert (m["spec_draft_tokens"], m["spec_accepted_tokens"], m["spec_target_steps"]) == (8, 6, 3)
     assert m["spec_acceptance_rate"] == 0.75 and m["spec_tokens_per_target_step"] == round(8 / 3, 6)
     assert m["expert_load_balancedness"] == 0.8
-    from kvbatch.ops.cost import metrics_table
+    from kvbatch.ops.results.cost import metrics_table
 
     assert metrics_table(m).column("spec_acceptance_rate").to_pylist() == [0.75]
     assert metrics_table(plain).column("spec_acceptance_rate").to_pylist() == [None]
 
 
 def test_group_stats_merge_and_balancedness():
-    from kvbatch.ops.decode_worker import balancedness, merge_stats
+    from kvbatch.ops.decode.group_outputs import balancedness, merge_stats
 
     per_rank = [{"requests": 3, "succeeded": 3, "output_tokens": 9, "wall_s": 2.0, "expert_rows_computed": {"1": 30},
                  "connector": {"kv_bytes_read_by_tier": {"object": 100}}},

@@ -18,9 +18,9 @@ from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
 from kvbatch.io.batch_requests import ChatRequest
 from kvbatch.io.shard_tables import shard_url
-from kvbatch.ops import shards
-from kvbatch.ops.ingest import ingest
-from kvbatch.ops.shards import (
+from kvbatch.ops.shards import build as shards
+from kvbatch.ops.ingest.prompts import ingest
+from kvbatch.ops.shards.build import (
     RowTokenizer,
     Tokenized,
     TokenizerWorkerError,

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbatch.io.shard_tables import read_shards
-from kvbatch.ops.shard_routing import shard_keys
+from kvbatch.ops.shards.routing import shard_keys
 from kvbatch.pipelines.assets import (
     ASSETS,
     cost_metrics,
@@ -98,7 +98,7 @@ def dataset(s3) -> tuple[str, str, dict, object]:
 def _reference(tiny: Path, tmp_path: Path) -> dict[str, tuple[str, int]]:
     from kvbatch.engine.runtime.engine_config import EngineConfig
     from kvbatch.engine.runtime.llm import LLM
-    from kvbatch.ops.batch_generate import run_batch
+    from kvbatch.ops.decode.generate import run_batch
 
     src = tmp_path / "ref_in.jsonl"
     src.write_text("\n".join(_rows()) + "\n")
@@ -293,13 +293,13 @@ def test_decode_cluster_commands_and_pod_spec():
     local = DecodeClusterResource(launcher="local", world_size=2, backend="gloo")
     cmd = local.command(python="py")
     assert cmd == ["py", "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m",
-                   "kvbatch.ops.decode_worker"]
+                   "kvbatch.ops.decode.worker"]
     multi = DecodeClusterResource(launcher="torchrun", world_size=8, nnodes=2, node_rank=1, master_addr="10.0.0.5",
                                   master_port=29400, backend="nccl")
     assert multi.command(python="py")[3:8] == ["--nproc-per-node=4", "--nnodes=2", "--node-rank=1",
                                                "--master-addr=10.0.0.5", "--master-port=29400"]
     assert DecodeClusterResource(launcher="pipes_subprocess").command(python="py") == [
-        "py", "-m", "kvbatch.ops.decode_worker"]
+        "py", "-m", "kvbatch.ops.decode.worker"]
 
     k8s = DecodeClusterResource(launcher="kubernetes", world_size=4, image="ghcr.io/acme/kvbatch:1", namespace="llm",
                                 secret_env="kvbatch-s3", node_selector={"gpu": "h200"}, master_port=29501)
@@ -315,7 +315,7 @@ def test_decode_cluster_commands_and_pod_spec():
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 4
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert container["command"][0] == "torchrun" and "--nproc-per-node=4" in container["command"]
-    assert container["command"][-2:] == ["-m", "kvbatch.ops.decode_worker"]
+    assert container["command"][-2:] == ["-m", "kvbatch.ops.decode.worker"]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501", "WORLD_SIZE": "4",
                    "KVBATCH_DIST_BACKEND": "nccl"}

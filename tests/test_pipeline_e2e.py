@@ -232,7 +232,7 @@ def test_webserver_graphql_launches_ingest_then_each_shard(tiny, tmp_path):
 DECODE_SCRIPT = r"""
 import sys, time
 from kvbatch.io.batch_output import AtomicSink
-from kvbatch.ops.results import decode_shard
+from kvbatch.ops.decode.shard import decode_shard
 from kvbatch.pipelines.assets import _kv
 from kvbatch.pipelines.definitions import default_resources
 from kvbatch.pipelines.layout import DayLayout

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvbatch.io.shard_tables import read_shards, shard_url, write_table
-from kvbatch.ops.cost import Pricing, results_figures, shard_metrics
+from kvbatch.ops.results.cost import Pricing, results_figures, shard_metrics
 
 
 def _results() -> pa.Table:

@@ -14,8 +14,8 @@ from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.kv_connector import TierCost
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.io.kv_store import KVStore, KVStoreConfig, MemoryTier, ObjectStoreTier
-from kvbatch.ops.shards import kv_fingerprint
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig, MemoryTier, ObjectStoreTier
+from kvbatch.engine.spec import EngineSpec
 from tests.tiny_models import VOCAB, build_tiny
 
 BLOCK = 4
@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
                 for i, n in enumerate(PROMPT_LENS)]
     want = [r.output_token_ids for r in _llm(ckpt).generate(requests)]
     store = KVStore.from_config(KVStoreConfig(url=(tmp_path_factory.mktemp("ror_kv")).as_uri()),
-                                kv_fingerprint(ckpt.fingerprint, "fp32", BLOCK))
+                                EngineSpec(dtype="fp32", block_size=BLOCK).kv_fingerprint(ckpt.fingerprint))
     prefill = _llm(ckpt, store, write=True)
     prefill.generate([GenerationRequest(r.request_id, r.sampling, prompt_token_ids=r.prompt_token_ids, prefill_only=True)
                       for r in requests])

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbatch.io.shard_tables import write_json, write_table
-from kvbatch.ops.cost import CLASSES
-from kvbatch.ops.results import RESULTS_SCHEMA
-from kvbatch.ops.shard_routing import SHARD_COUNT_FILE, ShardCount, write_shard_count
+from kvbatch.ops.results.cost import CLASSES
+from kvbatch.ops.decode.shard import RESULTS_SCHEMA
+from kvbatch.ops.shards.routing import SHARD_COUNT_FILE, ShardCount, write_shard_count
 from kvbatch.pipelines.assets import cost_metrics
 from kvbatch.pipelines.automation import rollup_after_shard, wait_for_run
 from kvbatch.pipelines.layout import DayLayout

@@ -1,4 +1,4 @@
-"""The columnar shard path (:mod:`kvbatch.ops.prompt_columns`) tokenizes a record batch exactly
+"""The columnar shard path (:mod:`kvbatch.ops.shards.prompt_columns`) tokenizes a record batch exactly
 as the per-row path does: ids, block keys and rejects equal ``RowTokenizer.tokenize`` on
 generated conversations (shared system prompts, text that spells or almost spells control
 tokens), templates that branch on or rewrite content are never spliced, and ``build_shards``
@@ -23,11 +23,11 @@ from kvbatch.engine.runtime.block_hash import chain_keys
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow, SamplingParams
 from kvbatch.io.prompt_table import PROMPTS_SCHEMA, record_request, request_record
-from kvbatch.ops.ingest import ingest
-from kvbatch.ops.prompt_columns import ColumnarTokenizer, content_printed_only
-from kvbatch.ops.prompt_tokens import CachedChatEncoder
-from kvbatch.ops.shard_routing import shard_index, shard_of
-from kvbatch.ops.shards import RowTokenizer, build_shards
+from kvbatch.ops.ingest.prompts import ingest
+from kvbatch.ops.shards.prompt_columns import ColumnarTokenizer, content_printed_only
+from kvbatch.ops.shards.prompt_tokens import CachedChatEncoder
+from kvbatch.ops.shards.routing import shard_index, shard_of
+from kvbatch.ops.shards.build import RowTokenizer, build_shards
 from kvbatch.ops.tokenizer_source_cache import kept_tokenizer_source
 
 SYSTEM_PROMPTS = ["You are a careful editor. Summarise in three bullets.", "Answer in one word.\n\nNo greetings.",
@@ -251,7 +251,7 @@ def test_build_shards_columnar_writes_the_rows_of_the_per_row_path(row_tokenizer
 
 
 def test_columnar_batches_grow_with_the_shard_count_up_to_a_bound():
-    from kvbatch.ops.shards import MAX_COLUMNAR_BATCH_ROWS, MIN_ROW_GROUP_ROWS, columnar_batch_rows
+    from kvbatch.ops.shards.build import MAX_COLUMNAR_BATCH_ROWS, MIN_ROW_GROUP_ROWS, columnar_batch_rows
 
     assert columnar_batch_rows(4096, 8) == 4096  # few shards: the caller's batch
     assert columnar_batch_rows(4096, 1000) == MIN_ROW_GROUP_ROWS * 1000  # a night's shards: 64-row groups
@@ -271,7 +271,7 @@ def test_build_shards_on_s3_spools_locally_and_writes_the_local_files(row_tokeni
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     prompts = str(tmp_path / "prompts.parquet")
     ingest(str(tmp_path / "in.jsonl"), prompts, str(tmp_path / "rejects.parquet"))
-    import kvbatch.ops.ingest as ingest_module
+    import kvbatch.ops.ingest.prompts as ingest_module
 
     opened: dict[str, bool] = {}
 
@@ -297,7 +297,7 @@ def test_the_shard_step_holds_at_most_one_shard_file_open_per_writing_thread(row
     # A Parquet writer keeps every row group's metadata until it closes: with a file per shard
     # open for the whole step, 1,000,000 rows into 100 shards doubled the step's peak RSS. The
     # rows are spilled first and the shard files written one at a time per thread (2 here).
-    import kvbatch.ops.shards as shards_module
+    import kvbatch.ops.shards.build as shards_module
 
     open_now, most = 0, 0
     lock = __import__("threading").Lock()

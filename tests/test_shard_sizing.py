@@ -1,5 +1,5 @@
 """Shards sized by the data: a date with N rows gets ceil(N / max_rows_per_shard) shards, every
-one of them holding rows (``ops/shard_routing.py``, ``ops/shards.py``); and in the pipeline: the
+one of them holding rows (``ops/shards/routing.py``, ``ops/shards/build.py``); and in the pipeline: the
 count chosen by ``prompt_shards`` and written beside the shards, ``shards_after_ingest`` requesting
 only those, a (date, shard) beyond them materializing nothing, a re-sharded day keeping no
 stale shard, and ``KVBATCH_NUM_SHARDS`` refused."""
@@ -15,9 +15,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvbatch.ops.ingest import ingest
-from kvbatch.ops.shard_routing import shards_for_rows
-from kvbatch.ops.shards import RowTokenizer, build_shards, sized_shard_count
+from kvbatch.ops.ingest.prompts import ingest
+from kvbatch.ops.shards.routing import shards_for_rows
+from kvbatch.ops.shards.build import RowTokenizer, build_shards, sized_shard_count
 
 REPO = Path(__file__).resolve().parents[1]
 DATE = "2026-11-29"
@@ -143,7 +143,7 @@ def test_a_day_gets_its_shard_count_from_its_rows_and_the_sensor_requests_only_t
     of a range of 1024 keys."""
     import dagster as dg
 
-    from kvbatch.ops.shard_routing import read_shard_count
+    from kvbatch.ops.shards.routing import read_shard_count
     from kvbatch.pipelines.automation import shards_after_ingest
     from kvbatch.pipelines.partitions import shard_partitions
 
@@ -263,7 +263,7 @@ def test_reingesting_fewer_rows_removes_the_shards_the_day_no_longer_has(day_of_
     rows (4 shards): every table of shards 0004..0009 is gone, so no stale shard is read with the
     day; each of the 35 rows is in shard sha256(custom_id) mod 4. (Its own date: the other tests
     keep 2026-11-29 at 10 shards.)"""
-    from kvbatch.ops.shard_routing import read_shard_count, shard_of
+    from kvbatch.ops.shards.routing import read_shard_count, shard_of
 
     defs, root = day_of_95["defs"], day_of_95["root"]
     instance, date = day_of_95["instance"], "2026-11-25"

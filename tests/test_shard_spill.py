@@ -1,4 +1,4 @@
-"""The shard step's spill (``ops/shard_spill.py``): pieces of many shards appended in input order,
+"""The shard step's spill (``ops/shards/spill.py``): pieces of many shards appended in input order,
 then written one shard at a time, so a night's thousand shards never hold a thousand Parquet
 writers (each keeps its row groups' metadata in memory) open at once."""
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbatch.ops import shard_spill
-from kvbatch.ops.shard_spill import ShardSpill
+from kvbatch.ops.shards import spill as shard_spill
+from kvbatch.ops.shards.spill import ShardSpill
 
 SCHEMA = pa.schema([("n", pa.int64()), ("text", pa.string()), ("ids", pa.list_(pa.int32()))])
 

@@ -1,7 +1,7 @@
 """The lean small-op path of a decode step (issue 18): the same bits as the per-tensor ops it
 replaces, in fewer ops, and never on the batch-invariant path.
 
-The counts asserted here are what docs/performance.md ("Fewer small ops per layer") states: the
+The counts asserted here are what docs/perf-log/2026-12-01.md ("Fewer small ops per decode layer") states: the
 top-level aten ops one layer of a batch-1 decode step runs outside its projections and its
 attention (those two are wrapped in a profiler range here, so their own ops are not counted).
 
@@ -21,19 +21,19 @@ import torch
 
 from benchmarks.bench_small_ops import top_level_ops
 from kvbatch.engine.models import llama as llama_module
-from kvbatch.engine.models.linear import LinearFormat
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.model_runner import WorkItem
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
+from kvbatch.kernels.cpu.linear import LinearFormat
 from tests.logit_capture import full_head
 from tests.tiny_models import VOCAB, build_tiny, build_tiny_moe
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Top-level ops per layer of a batch-1 decode step outside the projections and the attention
-# (docs/performance.md): the per-tensor path (KVBATCH_LEAN_OPS=0) and the lean one.
+# (docs/perf-log/2026-12-01.md): the per-tensor path (KVBATCH_LEAN_OPS=0) and the lean one.
 OPS_PER_LAYER_BEFORE = 67
 OPS_PER_LAYER_AFTER = 18
 

@@ -392,8 +392,8 @@ def _native_in_every_bucket(kind: str, rows: int, run) -> float:
 def test_gguf_native_weights_match_fp32(smollm2_checkpoint, kv_fp32, parity_prompts, monkeypatch,
                                         tmp_path) -> None:
     from kvbatch.engine.models import factory
-    from kvbatch.engine.models.gguf_kernels import available, unavailable_reason
-    from kvbatch.engine.models.kernel_choice import choose_kernels
+    from kvbatch.kernels.cpu.gguf_kernels import available, unavailable_reason
+    from kvbatch.kernels.cpu.kernel_choice import choose_kernels
 
     if not available():
         pytest.skip(f"no native GGUF kernel here: {unavailable_reason()}")

@@ -500,12 +500,14 @@ def test_speculative_decode_of_a_shard_from_stored_kv_feeds_the_cost_metrics(tmp
 
     from tiny_models import build_tiny_chat_model
 
-    from kvbatch.io.kv_store import KVStore, KVStoreConfig
+    from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
     from kvbatch.io.shard_tables import read_table, shard_url
-    from kvbatch.ops.cost import Pricing, shard_metrics
-    from kvbatch.ops.ingest import ingest
-    from kvbatch.ops.results import decode_shard, prefill_shard
-    from kvbatch.ops.shards import build_shards, kv_fingerprint
+    from kvbatch.ops.results.cost import Pricing, shard_metrics
+    from kvbatch.ops.ingest.prompts import ingest
+    from kvbatch.ops.prefill.prefill import prefill_shard
+    from kvbatch.ops.decode.shard import decode_shard
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.ops.shards.build import build_shards
 
     model = build_tiny_chat_model(tmp_path / "chat", max_positions=160)
     rows = [{"custom_id": f"id-{i}", "messages": [{"role": "user", "content": "red green blue " * 6 + str(i)}],
@@ -521,7 +523,7 @@ def test_speculative_decode_of_a_shard_from_stored_kv_feeds_the_cost_metrics(tmp
     root = str(tmp_path / "out")
     build_shards(llm(), prompts, root, 1, rejects_url=str(tmp_path / "sr.parquet"))
     store = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0),
-                                kv_fingerprint(llm().checkpoint.fingerprint, "fp32", 16))
+                                EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(llm().checkpoint.fingerprint))
     manifests = shard_url(root, "manifests", "0000", "manifests.jsonl")
     pre = prefill_shard(llm(store), shard_url(root, "shards", "0000"), manifests)
     plain_url, spec_url = shard_url(root, "plain", "0000"), shard_url(root, "spec", "0000")

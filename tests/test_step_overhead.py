@@ -8,11 +8,11 @@ import math
 import torch
 
 from benchmarks.timing import FORWARD_PARTS, FORWARD_REST, HOST_PARTS, HOST_REST, StepProfile, profile_decode_steps
-from kvbatch.engine.models.linear import LinearFormat
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import dispatch
+from kvbatch.kernels.cpu.linear import LinearFormat
 from tests.tiny_models import VOCAB, build_tiny
 
 

@@ -19,18 +19,21 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from kvbatch.cli.main import _kv_fingerprint, main
+from kvbatch.cli.main import main
+from kvbatch.engine.spec import EngineSpec
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
-from kvbatch.io.kv_store import KVStore, KVStoreConfig
+from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
 from kvbatch.io.shard_tables import shard_url
 from kvbatch.io.urls import redact, redact_text
-from kvbatch.ops.batch_generate import run_batch
-from kvbatch.ops.ingest import ingest
-from kvbatch.ops.kv_handoff import run_decode, run_prefill
-from kvbatch.ops.results import decode_shard, prefill_shard
-from kvbatch.ops.shards import build_shards
+from kvbatch.ops.decode.generate import run_batch
+from kvbatch.ops.ingest.prompts import ingest
+from kvbatch.ops.decode.generate import run_decode
+from kvbatch.ops.prefill.prefill import run_prefill
+from kvbatch.ops.prefill.prefill import prefill_shard
+from kvbatch.ops.decode.shard import decode_shard
+from kvbatch.ops.shards.build import build_shards
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = "You answer for a hardware store: be brief, give the aisle, never invent a price. " * 3
@@ -114,7 +117,7 @@ def _kv(url: str, endpoint: str, fingerprint: str = "fp-test", **kw) -> KVStore:
 
 
 def _model_kv(tiny: Path, url: str, endpoint: str, **kw) -> KVStore:
-    return _kv(url, endpoint, _kv_fingerprint(_checkpoint(tiny).fingerprint, "fp32", 16), **kw)
+    return _kv(url, endpoint, EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(_checkpoint(tiny).fingerprint), **kw)
 
 
 def _blocks(n: int, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -394,7 +397,7 @@ def test_shard_steps_through_503s_equal_a_clean_run(tiny, s3, s3_fault_proxy, tm
     prompts = str(tmp_path / "prompts.parquet")
     ingest(str(tmp_path / "in.jsonl"), prompts, str(tmp_path / "rejects.parquet"))
     root = str(tmp_path / "out")
-    fp = _kv_fingerprint(_checkpoint(tiny).fingerprint, "fp32", 16)
+    fp = EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(_checkpoint(tiny).fingerprint)
     # The clean run: one engine (sharding, prefill and decode) on a local store.
     local = _llm(tiny, KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0), fp))
     build_shards(local, prompts, root, 1, rejects_url=str(tmp_path / "sr.parquet"))

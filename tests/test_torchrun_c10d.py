@@ -11,9 +11,9 @@ import subprocess
 import pyarrow.parquet as pq
 import pytest
 
-from kvbatch.ops.results import decode_shard
+from kvbatch.ops.decode.shard import decode_shard
 from kvbatch.resources.decode_cluster import DecodeClusterResource
-from tests.test_decode_resume import ENGINE, _llm, _manifests, tiny  # noqa: F401 - the fixture
+from tests.test_decode_resume import _engine_spec, _llm, _manifests, tiny  # noqa: F401 - the fixture
 
 
 def _free_port() -> int:
@@ -30,12 +30,13 @@ def test_two_nodes_under_c10d_rendezvous_decode_the_shard_once(tiny, tmp_path): 
     decode_shard(_llm(tiny), manifests, str(one))
 
     results, parts = tmp_path / "two" / "part.parquet", tmp_path / "parts"
-    spec = {"model": str(tiny), "engine": ENGINE, "manifests_url": manifests, "results_url": str(results),
-            "parts_url": str(parts), "stats_url": str(tmp_path / "stats.json"), "checkpoint_rows": 2, "rows": n}
+    spec = {"command": "shard", "engine_spec": _engine_spec(tiny), "manifests_url": manifests,
+            "results_url": str(results), "parts_url": str(parts), "stats_url": str(tmp_path / "stats.json"),
+            "checkpoint_rows": 2, "rows": n}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     cluster = DecodeClusterResource(launcher="torchrun", rendezvous="c10d", world_size=2, nnodes=2,
                                     master_addr="127.0.0.1", master_port=_free_port(), backend="gloo")
-    cmd = cluster.command(target=["-m", "kvbatch.ops.decode_worker", "--spec", str(tmp_path / "spec.json")])
+    cmd = cluster.command(target=["-m", "kvbatch.ops.decode.worker", "--spec", str(tmp_path / "spec.json")])
     assert cmd[3:8] == ["--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d",
                         f"--rdzv-endpoint=127.0.0.1:{cluster.master_port}", "--rdzv-id=kvbatch-decode"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **cluster.worker_env()}
@@ -63,11 +64,13 @@ def test_two_nodes_under_c10d_rendezvous_decode_the_shard_once(tiny, tmp_path): 
 
 
 def test_the_decode_group_engine_rebalances_live_when_eplb_interval_is_set(tmp_path, monkeypatch):
-    """The spec's eplb_interval / redundant_experts reach the pipeline worker's group engine: a
-    LiveBalancer observes routing and runs after each group step (a gloo group of one here)."""
+    """The spec's eplb_interval / redundant_experts reach a rank's expert-parallel engine (the one
+    every worker command builds): a LiveBalancer observes routing and runs after each group step
+    (a gloo group of one here)."""
     import torch.distributed as dist
 
-    from kvbatch.ops import decode_worker
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.ops.decode import group as worker_group
     from tests.tiny_models import build_tiny_moe
 
     build_tiny_moe("mixtral", tmp_path / "moe")
@@ -76,11 +79,15 @@ def test_the_decode_group_engine_rebalances_live_when_eplb_interval_is_set(tmp_p
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        spec = {"model": str(model), "engine": {"max_num_seqs": 4}}
-        engine, llm, ep = decode_worker._group_engine({**spec, "eplb_interval": 2, "redundant_experts": 0}, 1)
-        assert ep is not None and engine.on_step is not None
-        assert engine.on_step.__self__.interval == 2 and llm.model.routing_observers
-        plain, _, _ = decode_worker._group_engine(spec, 1)
-        assert plain.on_step is None  # no interval: no balancer
+        spec = {"engine_spec": EngineSpec(model=str(model), dtype="fp32", max_batch=4).to_json()}
+        rank = worker_group.expert_parallel(worker_group.build_llm(spec),
+                                            {**spec, "eplb_interval": 2, "redundant_experts": 0}, 1)
+        engine, llm, ep, balancer = rank
+        assert ep is not None and engine.on_step is not None and engine.on_step == balancer.on_step
+        assert balancer.interval == 2 and llm.model.routing_observers
+        plain = worker_group.expert_parallel(worker_group.build_llm(spec), spec, 1)
+        assert plain.engine.on_step is None and plain.balancer is None  # no interval: no balancer
+        dense = worker_group.rank_engine(spec, 1)  # a world of one: no expert parallelism
+        assert dense.engine is dense.llm and dense.ep is None
     finally:
         dist.destroy_process_group()

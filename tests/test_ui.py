@@ -167,7 +167,7 @@ def test_ui_check_script_reads_the_pages_in_headless_chromium(ui, tmp_path):
 
     from kvbatch.pipelines.automation import wait_for_run
     from kvbatch.pipelines.layout import DayLayout
-    from kvbatch.ops.shard_routing import shard_keys
+    from kvbatch.ops.shards.routing import shard_keys
     from tests.test_pipeline import _rows
     from tests.tiny_models import build_tiny_chat_model
 

@@ -15,16 +15,19 @@ from pathlib import Path
 import pytest
 
 from kvbatch.cli.main import main
+from kvbatch.engine.spec import EngineSpec
 from kvbatch.io.batch_output import error_line, result_line
 from kvbatch.io.batch_requests import RejectedRow
-from kvbatch.ops import worker_group as wg
+from kvbatch.ops.decode import group_outputs
+from kvbatch.ops.decode import launch
+from kvbatch.ops.decode import worker
 from tests.tiny_models import build_tiny_chat_model
 
 
 def _rank_parts(parts_url: str, rank: int, world: int, rows: int, attempt: str, part_rows: int = 2) -> int:
     """Rank ``rank``'s share of an input of ``rows`` rows through its sink: every 3rd input row is a
     reject, the others a result whose figures name the input row (prompt tokens 10 + row)."""
-    sink = wg.RankPartSink(parts_url, rank, world, attempt, part_rows, {}, "key")
+    sink = group_outputs.RankPartSink(parts_url, rank, world, attempt, part_rows, {}, "key")
     with sink:
         for local, row in enumerate(range(rank, rows, world)):
             if row % 3 == 2:
@@ -53,8 +56,8 @@ def test_uneven_breaks_merge_and_count_only_the_rows_before_the_earliest(tmp_pat
     assert (n0, n1) == (6, 3)  # uneven shares
     spec = {"output": str(tmp_path / "out.jsonl"), "errors": str(tmp_path / "err.jsonl"),
             "metrics": str(tmp_path / "m.json")}
-    code = wg._write_outputs(spec, [_rank_info(n0, 11), _rank_info(n1, 7)], 2, parts)
-    assert code == wg.EXIT_FATAL  # no launcher report: the group says it broke
+    code = group_outputs.write_outputs(spec, [_rank_info(n0, 11), _rank_info(n1, 7)], 2, parts)
+    assert code == launch.EXIT_FATAL  # no launcher report: the group says it broke
     lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [x["custom_id"] for x in lines[:-1]] == [f"c{i}" for i in range(7)]
     assert lines[-1]["error"]["line"] == 8 and "input ends here" in lines[-1]["error"]["message"]
@@ -75,7 +78,7 @@ def test_a_missing_row_fails_the_merge_naming_it(tmp_path):
     n0 = _rank_parts(parts, 0, 2, 6, "run1")
     spec = {"output": str(tmp_path / "out.jsonl")}
     with pytest.raises(RuntimeError, match="miss output row 1"):  # rank 1 committed nothing
-        wg._write_outputs(spec, [_rank_info(n0, None), _rank_info(3, None)], 2, parts)
+        group_outputs.write_outputs(spec, [_rank_info(n0, None), _rank_info(3, None)], 2, parts)
     assert not (tmp_path / "out.jsonl").exists()
 
 
@@ -83,25 +86,25 @@ def test_parts_of_an_earlier_run_are_merged_with_this_runs(tmp_path):
     """A killed run's parts (the folder's key checked at start: group_resume) and the re-run's
     hold disjoint rows; the output is all of them, in input order, and names the earlier run."""
     parts = str(tmp_path / "parts")
-    sink = wg.RankPartSink(parts, 0, 1, "old", 2, {}, "key")
+    sink = group_outputs.RankPartSink(parts, 0, 1, "old", 2, {}, "key")
     for row in (0, 1):
-        sink.figures[str(row)] = dict.fromkeys(wg._GroupTotals.COUNTS, 1) | {"ttft_s": 0.1, "tpot_s": None}
+        sink.figures[str(row)] = dict.fromkeys(group_outputs._GroupTotals.COUNTS, 1) | {"ttft_s": 0.1, "tpot_s": None}
         sink.put(row, result_line(f"c{row}", row + 1, text="t", finish_reason="stop", prompt_tokens=1,
                                   completion_tokens=1, model="m"))
     sink.close()  # rows 0, 1 committed by the killed run
-    new = wg.RankPartSink(parts, 0, 1, "new", 2, {}, "key")
+    new = group_outputs.RankPartSink(parts, 0, 1, "new", 2, {}, "key")
     with new:
         new.put(2, error_line(RejectedRow(3, "c2", "body.max_tokens", "bad")))
     spec = {"output": str(tmp_path / "out.jsonl"), "metrics": str(tmp_path / "m.json")}
-    assert wg._write_outputs(spec, [_rank_info(new.rows, None, "new", resumed=2)], 1, parts) == wg.EXIT_REJECTS
+    assert group_outputs.write_outputs(spec, [_rank_info(new.rows, None, "new", resumed=2)], 1, parts) == launch.EXIT_REJECTS
     assert [json.loads(x)["custom_id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == ["c0", "c1", "c2"]
     m = json.loads((tmp_path / "m.json").read_text())
     assert (m["requests"], m["resumed_rows"], m["runs"], m["prompt_tokens"]) == (3, 2, 2, 2)
 
 
 def test_default_parts_folder_is_a_dot_folder_beside_the_output():
-    assert wg.group_parts_url({"output": "s3://b/out/x.jsonl"}) == "s3://b/out/.x.jsonl.kvbatch-parts"
-    assert wg.group_parts_url({"output": "x.jsonl", "parts_url": "/tmp/p"}) == "/tmp/p"
+    assert group_outputs.group_parts_url({"output": "s3://b/out/x.jsonl"}) == "s3://b/out/.x.jsonl.kvbatch-parts"
+    assert group_outputs.group_parts_url({"output": "x.jsonl", "parts_url": "/tmp/p"}) == "/tmp/p"
 
 
 def _requests(path: Path, n: int) -> Path:
@@ -130,7 +133,7 @@ def test_a_rank_sends_rank_0_its_counts_never_its_rows(tiny_chat, tmp_path, monk
 
     import torch.distributed as dist
 
-    from kvbatch.ops import decode_checkpoint
+    from kvbatch.ops.decode import checkpoint as decode_checkpoint
 
     model = tiny_chat
     src = _requests(tmp_path / "in.jsonl", 4)
@@ -146,12 +149,12 @@ def test_a_rank_sends_rank_0_its_counts_never_its_rows(tiny_chat, tmp_path, monk
         return real_merge(parts_url, schema, storage_options, attempt)
 
     monkeypatch.setattr(dist, "gather_object", gather)
-    monkeypatch.setattr(wg, "merged_parts", merge)
+    monkeypatch.setattr(group_outputs, "merged_parts", merge)
     for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    spec = {"command": "generate", "model": str(model), "input": str(src), "output": str(tmp_path / "o.jsonl"),
-            "checkpoint_rows": 2}
-    assert wg.run_rank(spec) == wg.EXIT_REJECTS
+    spec = {"command": "generate", "engine_spec": EngineSpec(model=str(model), dtype="fp32").to_json(),
+            "input": str(src), "output": str(tmp_path / "o.jsonl"), "checkpoint_rows": 2}
+    assert worker.run(spec) == launch.EXIT_REJECTS
     [payload] = sent
     assert "lines" not in payload and payload["rows"] == 5 and len(pickle.dumps(payload)) < 2000
     assert len(merged_from) == 3 and all("-r00000-" in name for name in merged_from)

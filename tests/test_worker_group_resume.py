@@ -24,9 +24,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from kvbatch.ops import group_resume
-from kvbatch.ops import worker_group as wg
-from kvbatch.ops.decode_checkpoint import INDEX_COLUMN
+from kvbatch.engine.spec import EngineSpec
+from kvbatch.ops.decode import group_outputs
+from kvbatch.ops.decode import group_resume
+from kvbatch.ops.decode import launch
+from kvbatch.ops.decode import worker
+from kvbatch.ops.decode.checkpoint import INDEX_COLUMN
 from tests.tiny_models import build_tiny_chat_model
 
 N = 9  # rows of the in-process runs, one of them rejected
@@ -55,7 +58,7 @@ def _manifests(tiny: Path, path: Path, n: int) -> Path:
     from kvbatch.engine.runtime.sampling_params import SamplingParams
     from kvbatch.io.batch_output import JsonlWriter
     from kvbatch.ops.jobs import Job
-    from kvbatch.ops.manifests import manifest_line
+    from kvbatch.ops.prefill.manifests import manifest_line
 
     llm = LLM(str(tiny), engine_config=EngineConfig())
     with JsonlWriter(str(path)) as out:
@@ -68,8 +71,9 @@ def _manifests(tiny: Path, path: Path, n: int) -> Path:
 
 def _spec(tiny: Path, tmp: Path, command: str, output: str, **extra) -> dict:
     # One request at a time: the same numerics whichever rows a run answers, so greedy tokens match.
-    spec = {"command": command, "model": str(tiny), "output": str(tmp / output), "metrics": str(tmp / f"{output}.m"),
-            "checkpoint_rows": PART, "engine": {"max_num_seqs": 1}, **extra}
+    spec = {"command": command, "output": str(tmp / output), "metrics": str(tmp / f"{output}.m"),
+            "checkpoint_rows": PART, "engine_spec": EngineSpec(model=str(tiny), dtype="fp32", max_batch=1).to_json(),
+            **extra}
     if command == "generate":
         spec.setdefault("input", str(_requests(tmp / "in.jsonl", N)))
     else:
@@ -97,19 +101,19 @@ def group_of_one(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     puts = [0]
-    real_put = wg.RankPartSink.put
+    real_put = group_outputs.RankPartSink.put
 
     def put(self, index, obj):
         puts[0] += 1
         return real_put(self, index, obj)
 
-    monkeypatch.setattr(wg.RankPartSink, "put", put)
+    monkeypatch.setattr(group_outputs.RankPartSink, "put", put)
     return puts
 
 
 def _crashed_run(spec: dict, monkeypatch) -> None:
     """``spec`` run until its 6th answered row, where the rank dies (its 5th row still buffered)."""
-    real_put = wg.RankPartSink.put
+    real_put = group_outputs.RankPartSink.put
     count = [0]
 
     def put(self, index, obj):
@@ -119,9 +123,9 @@ def _crashed_run(spec: dict, monkeypatch) -> None:
         return real_put(self, index, obj)
 
     with monkeypatch.context() as m:
-        m.setattr(wg.RankPartSink, "put", put)
+        m.setattr(group_outputs.RankPartSink, "put", put)
         with pytest.raises(RuntimeError, match="rank killed"):
-            wg.run_rank(spec)
+            worker.run(spec)
 
 
 @pytest.mark.parametrize("command", ["generate", "decode"])
@@ -129,9 +133,9 @@ def test_a_rerun_after_a_crash_answers_only_the_rows_in_no_part(tiny, tmp_path, 
                                                                 command):
     puts = group_of_one
     ref = _spec(tiny, tmp_path, command, "ref.jsonl")
-    wg.run_rank(ref)
+    worker.run(ref)
     spec = {**ref, "output": str(tmp_path / "out.jsonl"), "metrics": str(tmp_path / "out.m")}  # the same command
-    parts = Path(wg.group_parts_url(spec))
+    parts = Path(group_outputs.group_parts_url(spec))
 
     _crashed_run(spec, monkeypatch)
     committed = _part_rows(parts)
@@ -140,7 +144,7 @@ def test_a_rerun_after_a_crash_answers_only_the_rows_in_no_part(tiny, tmp_path, 
 
     puts[0] = 0
     capsys.readouterr()
-    wg.run_rank(spec)
+    worker.run(spec)
     assert puts[0] == N - len(committed)  # the re-run answered exactly the rows in no part
     assert f"resuming: {len(committed)} rows answered by an earlier run" in capsys.readouterr().err
     assert _answers(spec["output"]) == _answers(ref["output"])  # ids, order, text and tokens
@@ -156,10 +160,10 @@ def test_a_rerun_with_other_input_or_options_discards_the_parts(tiny, tmp_path, 
     puts = group_of_one
     spec = _spec(tiny, tmp_path, "generate", "out.jsonl")
     _crashed_run(spec, monkeypatch)
-    parts = Path(wg.group_parts_url(spec))
+    parts = Path(group_outputs.group_parts_url(spec))
     assert len(_part_rows(parts)) == 2 * PART
     if change == "seed":
-        spec["seed"] = 7
+        spec["engine_spec"] = {**spec["engine_spec"], "seed": 7}
     elif change == "input":  # the same rows, one answer changed: the old parts must not answer it
         src = Path(spec["input"])
         src.write_text(src.read_text().replace('"max_tokens": 4', '"max_tokens": 6'))
@@ -167,7 +171,7 @@ def test_a_rerun_with_other_input_or_options_discards_the_parts(tiny, tmp_path, 
         spec["resume"] = False
     puts[0] = 0
     capsys.readouterr()
-    wg.run_rank(spec)
+    worker.run(spec)
     err = capsys.readouterr().err
     why = {"seed": "made with a different --seed", "input": "made with a different input file",
            "no-resume": "--no-resume"}[change]
@@ -184,15 +188,17 @@ def test_a_rerun_with_other_input_or_options_discards_the_parts(tiny, tmp_path, 
 def test_the_key_follows_the_answers_not_the_split(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("{}\n")
-    base = {"command": "generate", "input": str(src), "model_name": "m", "engine": {"max_num_seqs": 4}}
+    engine = EngineSpec(model="m", dtype="fp32", max_batch=4)
+    base = {"command": "generate", "input": str(src), "model_name": "m", "engine_spec": engine.to_json()}
     key = group_resume.group_key(base, "fp")
     # World size, batching and checkpoint size change no answer: the same key.
-    assert group_resume.group_key({**base, "engine": {"max_num_seqs": 64}, "checkpoint_rows": 9}, "fp") == key
+    assert group_resume.group_key(
+        {**base, "engine_spec": {**engine.to_json(), "max_batch": 64}, "checkpoint_rows": 9}, "fp") == key
     assert group_resume.group_key({**base, "input": f"file://{src}"}, "fp") == key
     changed = {"model weights": group_resume.group_key(base, "other"),
                "--strict": group_resume.group_key({**base, "strict": True}, "fp"),
                "--model": group_resume.group_key({**base, "model_name": "n"}, "fp"),
-               "--spec": group_resume.group_key({**base, "speculative": {"method": "ngram"}}, "fp")}
+               "--spec": group_resume.group_key({**base, "engine_spec": {**engine.to_json(), "speculative": "ngram"}}, "fp")}
     for flag, other in changed.items():
         assert group_resume.key_difference(key, other) == [flag]
     os.utime(src, ns=(1, 1))  # the same bytes, touched: another identity (the safe side)
@@ -213,10 +219,10 @@ def test_unanswered_skips_the_done_rows_of_this_ranks_share_keeping_their_places
     assert [j.index for j in jobs] == [0, 2, 4]
 
 
-def _put(sink: wg.RankPartSink, local: int, row: int) -> None:
+def _put(sink: group_outputs.RankPartSink, local: int, row: int) -> None:
     from kvbatch.io.batch_output import result_line
 
-    sink.figures[str(local)] = dict.fromkeys(wg._GroupTotals.COUNTS, 1) | {"ttft_s": 0.1, "tpot_s": None}
+    sink.figures[str(local)] = dict.fromkeys(group_outputs._GroupTotals.COUNTS, 1) | {"ttft_s": 0.1, "tpot_s": None}
     sink.put(local, result_line(f"c{row}", row + 1, text=f"t{row}", finish_reason="stop", prompt_tokens=1,
                                 completion_tokens=1, model="m"))
 
@@ -229,10 +235,10 @@ def _info(attempt: str, rows: int, resumed: int) -> dict:
 def test_parts_of_a_group_of_one_are_resumed_by_a_group_of_two(tmp_path):
     """A part row is keyed by its input line, not by the rank that answered it: rows 0-3 of a
     killed group of 1, then a group of 2 over the same 6 rows answers only rows 4 and 5."""
-    from kvbatch.ops.decode_checkpoint import done_index_array
+    from kvbatch.ops.decode.checkpoint import done_index_array
 
     parts = str(tmp_path / "parts")
-    old = wg.RankPartSink(parts, 0, 1, "old", 2, {}, "key")
+    old = group_outputs.RankPartSink(parts, 0, 1, "old", 2, {}, "key")
     for row in range(4):
         _put(old, row, row)
     infos = []
@@ -240,12 +246,12 @@ def test_parts_of_a_group_of_one_are_resumed_by_a_group_of_two(tmp_path):
         skipped = [0]
         pairs = list(group_resume.unanswered(range(6), rank, 2, done_index_array(parts, None, rank, 2), skipped))
         assert pairs == [(2, 4 + rank)] and skipped == [2]  # row 4 + rank is place 2 of the rank's share
-        with wg.RankPartSink(parts, rank, 2, "new", 2, {}, "key") as sink:
+        with group_outputs.RankPartSink(parts, rank, 2, "new", 2, {}, "key") as sink:
             for place, row in pairs:
                 _put(sink, place, row)
         infos.append(_info("new", sink.rows, skipped[0]))
     spec = {"output": str(tmp_path / "out.jsonl"), "metrics": str(tmp_path / "m.json")}
-    assert wg._write_outputs(spec, infos, 2, parts) == wg.EXIT_OK
+    assert group_outputs.write_outputs(spec, infos, 2, parts) == launch.EXIT_OK
     assert [json.loads(x)["custom_id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()] == \
         [f"c{i}" for i in range(6)]
     m = json.loads((tmp_path / "m.json").read_text())
@@ -254,13 +260,13 @@ def test_parts_of_a_group_of_one_are_resumed_by_a_group_of_two(tmp_path):
 
 def test_a_row_in_two_parts_is_refused_not_written_twice(tmp_path):
     parts = str(tmp_path / "parts")
-    with wg.RankPartSink(parts, 0, 1, "a", 2, {}, "key") as first:
+    with group_outputs.RankPartSink(parts, 0, 1, "a", 2, {}, "key") as first:
         _put(first, 0, 0)
         _put(first, 1, 1)
-    with wg.RankPartSink(parts, 0, 1, "b", 2, {}, "key") as second:  # a second run at once, answering row 1 too
+    with group_outputs.RankPartSink(parts, 0, 1, "b", 2, {}, "key") as second:  # a second run at once, answering row 1 too
         _put(second, 1, 1)
     with pytest.raises(RuntimeError, match="hold output row 1 twice"):
-        wg._write_outputs({"output": str(tmp_path / "out.jsonl")}, [_info("b", 1, 2)], 1, parts)
+        group_outputs.write_outputs({"output": str(tmp_path / "out.jsonl")}, [_info("b", 1, 2)], 1, parts)
     assert not (tmp_path / "out.jsonl").exists()
 
 

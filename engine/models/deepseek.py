@@ -25,11 +25,6 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
-from kvbatch.engine.models.linear import (
-    LinearFormat,
-    blas_invariant_rows,
-    choose_linear_format,
-)
 from kvbatch.engine.models.llama import (
     ForwardBatch,
     LlamaModel,
@@ -46,6 +41,11 @@ from kvbatch.engine.models.moe import (
 )
 from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.kernels import dispatch as K
+from kvbatch.kernels.cpu.linear import (
+    LinearFormat,
+    blas_invariant_rows,
+    choose_linear_format,
+)
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps,
 # not config.rms_norm_eps.

@@ -14,11 +14,11 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.deepseek import DeepseekV3Model
-from kvbatch.engine.models.gguf_blocks import GGUFBlocks, layer_qtype
-from kvbatch.engine.models.gguf_kernels import BlockIndex, use_gguf_blocks
-from kvbatch.engine.models.kernel_choice import choose_kernels, dense_shapes
-from kvbatch.engine.models.linear import GGUF, use_linear_format
 from kvbatch.engine.models.llama import LlamaModel, huge_pages_wanted
+from kvbatch.kernels.cpu.gguf_blocks import GGUFBlocks, layer_qtype
+from kvbatch.kernels.cpu.gguf_kernels import BlockIndex, use_gguf_blocks
+from kvbatch.kernels.cpu.kernel_choice import choose_kernels, dense_shapes
+from kvbatch.kernels.cpu.linear import GGUF, use_linear_format
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -31,7 +31,7 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
     (:attr:`~kvbatch.engine.models.weights.Checkpoint.expert_ids`).
 
     The dense projections' kernel is measured on this CPU (cached on disk) unless ``linear``
-    forces one (:func:`~kvbatch.engine.models.kernel_choice.choose_kernels`); ``weights="int8"``
+    forces one (:func:`~kvbatch.kernels.cpu.kernel_choice.choose_kernels`); ``weights="int8"``
     quantizes them to weight-only int8; ``weights="gguf"`` multiplies by the GGUF file's own blocks
     (``gguf_blocks``: :attr:`~kvbatch.engine.models.weights.Checkpoint.gguf_blocks`) in the buckets
     where that measured faster, and warns when it falls back to fp32. The choice is kept as

@@ -15,9 +15,6 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
-from kvbatch.engine.models import greedy_head, mkl_packed
-from kvbatch.engine.models.greedy_head import GreedyHead, make_greedy_head
-from kvbatch.engine.models.linear import GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
 from kvbatch.engine.models.moe import (
     ExpertCompute,
     LocalExperts,
@@ -28,8 +25,10 @@ from kvbatch.engine.models.moe import (
 )
 from kvbatch.engine.models.rope import cos_sin_table
 from kvbatch.kernels import dispatch as K
-from kvbatch.kernels import huge_pages
-from kvbatch.kernels.huge_pages import HugePageArena
+from kvbatch.kernels.cpu import greedy_head, huge_pages, mkl_packed
+from kvbatch.kernels.cpu.greedy_head import GreedyHead, make_greedy_head
+from kvbatch.kernels.cpu.huge_pages import HugePageArena
+from kvbatch.kernels.cpu.linear import GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
 
 
 def refuse_batch_invariant_moe(config: ModelConfig) -> None:
@@ -80,7 +79,7 @@ def huge_pages_enabled() -> bool:
 
 def huge_pages_wanted(device: torch.device | str) -> bool:
     """Whether a model built now on ``device`` holds its projections and KV cache in huge pages: a
-    CPU model, the switch on, and Linux offering them (kernels/huge_pages.py)."""
+    CPU model, the switch on, and Linux offering them (kernels/cpu/huge_pages.py)."""
     return (torch.device(device).type == "cpu" and huge_pages_enabled()
             and huge_pages.unavailable_reason() is None)
 
@@ -161,7 +160,7 @@ class LlamaModel:
 
         self.linear: LinearFormat = choose_linear_format(dtype, device)
         # The projections a decode step streams, in 2 MiB pages where Linux offers them
-        # (kernels/huge_pages.py; KVBATCH_HUGE_PAGES=0 leaves them where torch put them).
+        # (kernels/cpu/huge_pages.py; KVBATCH_HUGE_PAGES=0 leaves them where torch put them).
         arena = HugePageArena() if huge_pages_wanted(device) else None
         self.arena = arena  # the runner's KV cache comes from it too
 

@@ -28,7 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
-from kvbatch.engine.models.gguf_blocks import NATIVE_QTYPES, GGUFBlocks
+from kvbatch.kernels.cpu.gguf_blocks import NATIVE_QTYPES, GGUFBlocks
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: tokenizing steps read only
     import torch  # the tokenizer metadata here and should not pay torch's seconds of import

@@ -13,7 +13,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvbatch.engine.runtime.engine_config import dtype_name
+
 KV_LAYOUT_VERSION = 1
+
+
+def kv_layout_dtype(dtype: object, weights: str = "full") -> str:
+    """The KV dtype as block keys name it: torch's dtype name, and the weight format when the
+    weights are not full (``float32+int8-weights``): int8 or GGUF weights give other K/V than
+    full ones, so their blocks must never mix."""
+    name = dtype_name(dtype)
+    return name if weights == "full" else f"{name}+{weights}-weights"
 
 
 def root_key(fingerprint: str, kv_dtype: str, block_size: int) -> str:

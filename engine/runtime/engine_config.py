@@ -61,7 +61,7 @@ class EngineConfig:
     matmul_precision: str = "highest"
     # CPU projection kernel: "auto" measures oneDNN packed, BLAS, MKL packed (fp32) and the native
     # GEMV against each other per row-count bucket on this machine (cached on disk); "onednn" /
-    # "blas" / "mkl" force one. See engine/models/kernel_choice.py.
+    # "blas" / "mkl" force one. See kernels/cpu/kernel_choice.py.
     linear: str = "auto"
     # Dense projection weights: "full" (the compute dtype), "int8" (weight-only, per-output-
     # channel scales, CPU only) or "gguf" (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks where a native

@@ -112,7 +112,7 @@ class ConnectorStats:
         }
 
 
-REQUEST_KINDS = ("GET", "PUT", "LIST", "HEAD", "DELETE")  # as kvbatch.io.kv_requests counts them
+REQUEST_KINDS = ("GET", "PUT", "LIST", "HEAD", "DELETE")  # as kvbatch.io.kvstore.request_counts counts them
 @dataclass
 class TierCost:
     """What loading from one tier costs: its bandwidth (None: the connector's overall figure until
@@ -129,7 +129,7 @@ def default_tier_costs() -> dict[str, TierCost]:
     return {"memory": TierCost(), "disk": TierCost(), "object": TierCost(request_s=0.02, usd_per_request=4e-7)}
 
 
-MISSING = "missing"  # the store's reason for a key no tier holds (kvbatch.io.kv_tiers says the same)
+MISSING = "missing"  # the store's reason for a key no tier holds (kvbatch.io.kvstore.tiers says the same)
 
 
 class KVConnector:

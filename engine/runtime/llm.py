@@ -16,7 +16,7 @@ import torch
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.factory import build_model
 from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_checkpoint
-from kvbatch.engine.runtime.block_hash import chain_keys, root_key
+from kvbatch.engine.runtime.block_hash import chain_keys, kv_layout_dtype, root_key
 from kvbatch.engine.runtime.block_manager import BlockManager
 from kvbatch.engine.runtime.engine_config import DTYPE_NAMES, EngineConfig, default_dtype_name, resolve_device
 from kvbatch.engine.runtime.kv_connector import BlockStore, KVConnector
@@ -141,10 +141,9 @@ class LLM:
             num_blocks = max(1, min(ec.kv_cache_bytes // per_block, useful))
         self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype)
         self.readback = HostReadback(self.device)  # a step's one device-to-host read, counted
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        if ec.weights != "full":  # int8 weights give other K/V: their blocks must never mix
-            dtype_name += f"+{ec.weights}-weights"
-        self.kv_root_key = root_key(self.checkpoint.fingerprint, dtype_name, ec.block_size)
+        # The weight format is part of the layout: int8 or GGUF weights give other K/V than full ones.
+        self.kv_root_key = root_key(self.checkpoint.fingerprint, kv_layout_dtype(self.dtype, ec.weights),
+                                    ec.block_size)
         self.block_manager = BlockManager(num_blocks, ec.block_size, self.kv_root_key, ec.enable_prefix_caching)
         self.block_bytes = per_block
         self.connector = (KVConnector(kv_store, ec.block_size, per_block, write=kv_store_write)

@@ -84,7 +84,7 @@ class ModelRunner:
         # kv_heads, head_dim]; MLA: [L, 1, blocks, block_size, 1, latent + rope]): one block of
         # every layer is the unit the KV store saves and loads. Allocated (and touched) once, on
         # the model's device; on the CPU in the model's huge-page arena where it keeps one (attention
-        # streams the cache as the projections stream the weights: kernels/huge_pages.py).
+        # streams the cache as the projections stream the weights: kernels/cpu/huge_pages.py).
         shape = model.kv_cache_shape(num_blocks, block_size)
         arena = getattr(model, "arena", None)
         self.kv_cache = (arena.zeros(shape, kv_dtype) if arena is not None and self.device.type == "cpu"

@@ -1,0 +1,1 @@
+"""The ingest stage: a prompt dataset read and validated row by row into the prompts and rejects tables."""

@@ -1,0 +1,1 @@
+"""The results stage: cost metrics, percentiles and progress, and the end-of-demo report."""
