@@ -357,20 +357,28 @@ def _to_request(
 
 
 def describe_validation_error(e: ValidationError) -> tuple[str, str]:
-    """The first pydantic error as (dotted field path, reason with the offending value)."""
+    """(the first error's dotted field path, every reason): the first error's reason with the
+    offending value, then each further error as ``; <field>: <reason>``, so a row wrong in two
+    places says both instead of hiding the second behind a count."""
     errors = e.errors(include_url=False)
-    err = errors[0]
-    field = ".".join(str(p) for p in err["loc"]) or WHOLE_LINE
+    field = _error_field(errors[0])
+    msg = _error_reason(errors[0])
+    for err in errors[1:]:
+        msg += f"; {_error_field(err)}: {_error_reason(err)}"
+    return field, msg
+
+
+def _error_field(err: Any) -> str:
+    return ".".join(str(p) for p in err["loc"]) or WHOLE_LINE
+
+
+def _error_reason(err: Any) -> str:
     msg = _CLASS_NAME.sub("", err["msg"])
     if err["type"] == "value_error":  # our own validators: the message already says it all
-        msg = msg.removeprefix("Value error, ")
-    elif err["type"] == "missing":
-        msg = MISSING
-    else:
-        msg = f"{msg}, got {_short(err.get('input'))}"
-    if len(errors) > 1:
-        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return field, msg
+        return msg.removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return MISSING
+    return f"{msg}, got {_short(err.get('input'))}"
 
 
 _CLASS_NAME = re.compile(r" or instance of _\w+")

@@ -18,7 +18,8 @@ from here only, so a kernel can be swapped or disabled without touching the engi
   interpreter (~100x slower than the reference; for tests).
 
 Triton is imported lazily, on the first call that wants it, so importing this module works on
-a machine without Triton or a GPU.
+a machine without Triton or a GPU; with Triton installed, a Triton kernel module that does not
+import raises its ImportError at that first call.
 """
 
 from __future__ import annotations
@@ -44,20 +45,23 @@ fuse_layers, decode_layers = native_kernels.fuse_layers, native_kernels.decode_l
 
 @cache
 def _triton_kernels() -> SimpleNamespace | None:
-    """The Triton kernels, or None when Triton cannot be imported."""
+    """The Triton kernels, or None when Triton is not installed. A kernel module that fails to
+    import while Triton is there is a bug, not a missing extra: its ImportError is raised, never
+    turned into a silent fallback to the reference (or, in the tests, a skip)."""
     try:
-        from kvbatch.kernels import (
-            triton_activation,
-            triton_attention,
-            triton_mla,
-            triton_moe,
-            triton_rms_norm,
-            triton_rotary,
-            triton_store_kv,
-            triton_verify,
-        )
+        import triton  # noqa: F401
     except ImportError:
         return None
+    from kvbatch.kernels import (
+        triton_activation,
+        triton_attention,
+        triton_mla,
+        triton_moe,
+        triton_rms_norm,
+        triton_rotary,
+        triton_store_kv,
+        triton_verify,
+    )
     return SimpleNamespace(
         rms_norm=triton_rms_norm.rms_norm,
         silu_and_mul=triton_activation.silu_and_mul,

@@ -55,7 +55,16 @@ class Part:
 
 
 def _fs(work_url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
-    return url_to_fs(work_url, **dict(storage_options or {}))
+    """The work folder's filesystem, its cached listing of the folder dropped first.
+
+    fsspec keeps one filesystem instance per set of options, and s3fs caches every listing it
+    makes: once a process has listed the folder, ``exists``, ``info`` and ``cat_file`` (which
+    asks ``info`` for the size) answer from that listing, so a part, ``done.json`` or ``cancel``
+    written since by *another* process (the run, the server) would stay "not found" for the life
+    of this process. Every read here decides a batch's state, so each starts from S3 itself."""
+    fs, root = url_to_fs(work_url, **dict(storage_options or {}))
+    fs.invalidate_cache(root)
+    return fs, root
 
 
 def _join(work_url: str, name: str) -> str:

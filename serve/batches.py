@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvbatch.io.batch_requests import ChatRequest, InputStreamError, RejectedRow, read_requests
-from kvbatch.pipelines.batch_api import list_parts, read_done, read_part_lines, request_cancel
+from kvbatch.pipelines.batch_api import Part, list_parts, read_done, read_part_lines, request_cancel
 from kvbatch.serve.errors import ApiError, not_found
 from kvbatch.serve.files import FileService
 from kvbatch.serve.launcher import Launcher
@@ -43,6 +43,40 @@ MAX_VALIDATION_ERRORS = 10  # reasons listed in a failed batch's ``errors``; the
 
 def _failed(code: str, message: str, param: str | None = None) -> BatchErrors:
     return BatchErrors(data=[BatchErrorItem(code=code, message=message, param=param)])
+
+
+class Uncovered(Exception):
+    """The committed parts do not hold every input row exactly once."""
+
+
+def _rows(lo: int, hi: int) -> str:
+    """Rows [lo, hi) as the input's 1-based lines."""
+    return f"input line {lo + 1}" if hi - lo == 1 else f"input lines {lo + 1}-{hi}"
+
+
+def coverage_error(parts: list[Part], total: int, status: str | None) -> str | None:
+    """None when ``parts`` (in input order) hold each input row at most once with no gap, and
+    every one of the ``total`` rows when the run says ``completed``; else what is wrong. A
+    cancelled run's ``tail-`` part (its rows finished out of order) may only come last."""
+    at = 0
+    for i, p in enumerate(parts):
+        tail = p.name.startswith("tail-")
+        if tail and (status != "cancelled" or i != len(parts) - 1):
+            return f"a cancelled run's part {p.name} in a batch whose run says {status}"
+        if tail:  # the rows after ``lo`` finished before the cancel, out of order: gaps are rows never run
+            if p.lo < at:
+                return f"{p.name} starts at a row already in a committed part"
+            break
+        if p.lo > at:
+            return f"{_rows(at, p.lo)} are in no committed part"
+        if p.lo < at:
+            return f"{_rows(p.lo, min(at, p.hi))} are in two committed parts"
+        at = p.hi
+    if at > total:
+        return f"the committed parts hold {at} rows; the input has {total}"
+    if status == "completed" and at < total:
+        return f"{_rows(at, total)} are in no committed part, yet the run says completed"
+    return None
 
 
 class BatchService:
@@ -102,10 +136,10 @@ class BatchService:
         obj = BatchObject(id=batch_id, endpoint=body.endpoint, input_file_id=f.id,
                           completion_window=body.completion_window, status="validating", created_at=now,
                           expires_at=now + WINDOW_S, metadata=body.metadata, model=self.settings.model,
-                          request_counts=RequestCounts(total=self.files.lines(owner, f.id)))
+                          request_counts=RequestCounts())  # counted once validated, as OpenAI does
         rec: dict[str, Any] = {"owner": owner, "work_url": self.store.join("work", batch_id),
                                "input_url": self.files.content_url(owner, f.id), "attempts": 0, "worker": None,
-                               "created_ns": time.time_ns()}
+                               "lines": self.files.lines(owner, f.id), "created_ns": time.time_ns()}
         with self._lock:
             self._batches[batch_id] = rec
             return self._save(rec, obj)
@@ -167,7 +201,8 @@ class BatchService:
             self._save(rec, obj.model_copy(update={"status": "failed", "failed_at": now, "errors": errors}))
             return
         self._launch(rec)
-        self._save(rec, obj.model_copy(update={"status": "in_progress", "in_progress_at": now}))
+        self._save(rec, obj.model_copy(update={"status": "in_progress", "in_progress_at": now,
+                                               "request_counts": RequestCounts(total=lines)}))
 
     def _unrunnable(self, url: str) -> BatchErrors | None:
         """A file with no request in it at all (not JSONL, another API's format) does not
@@ -226,16 +261,26 @@ class BatchService:
 
     def _finalize(self, rec: dict[str, Any], obj: BatchObject, done: dict[str, Any]) -> None:
         """Output and error files from the committed parts: successes in one, failures (with their
-        line, field and reason) in the other, each in input order."""
+        line, field and reason) in the other, each in input order. Only when the parts hold every
+        input row exactly once (every row up to where it stopped, for a cancelled run): else the
+        batch fails, saying which rows, and no output file is written."""
         now = int(time.time())
         rec["done"] = {"status": done.get("status"), "error": done.get("error")}
         obj = self._save(rec, obj.model_copy(update={"status": "finalizing", "finalizing_at": obj.finalizing_at or now}))
-        parts = list_parts(rec["work_url"], self.store.storage_options)
+        opts = self.store.storage_options
+        parts = list_parts(rec["work_url"], opts)
+        status = done.get("status")
         usage = {"input_tokens": 0, "cached_tokens": 0, "output_tokens": 0}
 
         def lines(ok: bool) -> Iterator[bytes]:
             for part in parts:
-                for line in read_part_lines(rec["work_url"], part, self.store.storage_options):
+                part_lines = read_part_lines(rec["work_url"], part, opts)
+                if ok and part.name.startswith("part-") and (
+                        len(part_lines) != part.hi - part.lo
+                        or sum(1 for x in part_lines if json.loads(x).get("error") is None) != part.ok):
+                    raise Uncovered(f"part {part.name} holds {len(part_lines)} lines, not the "
+                                    f"{part.hi - part.lo} its name says")
+                for line in part_lines:
                     row = json.loads(line)
                     if (row.get("error") is None) != ok:
                         continue
@@ -246,19 +291,37 @@ class BatchService:
                         usage["cached_tokens"] += u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
                     yield line
 
-        out = self.files.write_output(rec["owner"], f"{obj.id}_output.jsonl", lines(True))
-        err = self.files.write_output(rec["owner"], f"{obj.id}_error.jsonl", lines(False))
-        status = done.get("status")
-        update: dict[str, Any] = {
-            "output_file_id": out.id if out else None, "error_file_id": err.id if err else None,
-            "request_counts": RequestCounts(total=obj.request_counts.total, completed=sum(p.ok for p in parts),
-                                            failed=sum(p.failed for p in parts)),
-            "usage": {"input_tokens": usage["input_tokens"],
-                      "input_tokens_details": {"cached_tokens": usage["cached_tokens"]},
-                      "output_tokens": usage["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": usage["input_tokens"] + usage["output_tokens"]},
-        }
-        if status == "completed":
+        total = obj.request_counts.total or rec.get("lines") or 0
+        counts = RequestCounts(total=total, completed=sum(p.ok for p in parts), failed=sum(p.failed for p in parts))
+        update: dict[str, Any] = {"request_counts": counts}
+        uncovered = coverage_error(parts, total, status)
+        out = err = None
+        for name in (f"{obj.id}_output.jsonl", f"{obj.id}_error.jsonl"):  # an interrupted finalize's files
+            for left in self.files.list(rec["owner"], purpose="batch_output"):
+                if left.filename == name:
+                    self.files.delete(rec["owner"], left.id)
+        if uncovered is None:
+            try:
+                out = self.files.write_output(rec["owner"], f"{obj.id}_output.jsonl", lines(True))
+                err = self.files.write_output(rec["owner"], f"{obj.id}_error.jsonl", lines(False))
+            except Uncovered as exc:
+                uncovered = str(exc)
+                if out is not None:
+                    self.files.delete(rec["owner"], out.id)
+                out = None
+        if uncovered is None:
+            update.update({
+                "output_file_id": out.id if out else None, "error_file_id": err.id if err else None,
+                "usage": {"input_tokens": usage["input_tokens"],
+                          "input_tokens_details": {"cached_tokens": usage["cached_tokens"]},
+                          "output_tokens": usage["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": usage["input_tokens"] + usage["output_tokens"]},
+            })
+        if uncovered is not None:
+            log.error("batch %s: its committed parts do not cover its input: %s", obj.id, uncovered)
+            update.update(status="failed", failed_at=now, errors=_failed(
+                "incomplete_output", f"the batch's output does not hold every input row exactly once: {uncovered}"))
+        elif status == "completed":
             update.update(status="completed", completed_at=now)
         elif status == "cancelled":
             update.update(status="cancelled", cancelled_at=now)

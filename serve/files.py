@@ -7,6 +7,7 @@ over a limit is a 400 that says which limit, and leaves nothing behind.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -21,6 +22,58 @@ from kvbatch.serve.state import StateStore
 PURPOSES = ("batch", "batch_output")
 UPLOAD_PURPOSES = ("batch",)
 COPY_BYTES = 1 << 20
+PROBE_LINE_BYTES = 1 << 20  # a line longer than this is not judged at upload; the batch's validation does
+
+
+class JsonlProbe:
+    """Whether an upload is JSONL, judged while it streams: it is when some line is a JSON
+    object (a malformed line among objects is only that row's error, reported in the batch's error
+    file). A CSV, a JSON array or a document is refused at upload with the first line's reason,
+    instead of being ``processed`` and failing later as a batch. Stops looking at the first object."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        self._pending = b""
+        self._line_no = 0
+        self._first_reason: str | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.ok:
+            return
+        *lines, self._pending = (self._pending + chunk).split(b"\n")
+        for line in lines:
+            self._judge(line)
+            if self.ok:
+                self._pending = b""
+                return
+        if len(self._pending) > PROBE_LINE_BYTES:  # too long to hold: not judged here
+            self.ok, self._pending = True, b""
+
+    def _judge(self, line: bytes) -> None:
+        self._line_no += 1
+        if not line.strip():
+            return
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            reason = f"malformed JSON ({exc.msg if isinstance(exc, json.JSONDecodeError) else 'not UTF-8'})"
+        else:
+            if isinstance(value, dict):
+                self.ok = True
+                return
+            reason = f"a JSON {type(value).__name__.replace('dict', 'object').replace('list', 'array')}, not an object"
+        if self._first_reason is None:
+            self._first_reason = f"line {self._line_no} is {reason}"
+
+    def refusal(self) -> str | None:
+        """None when the upload is JSONL, else why not."""
+        if not self.ok and self._pending:
+            self._judge(self._pending)
+            self._pending = b""
+        if self.ok:
+            return None
+        return ("file is not JSONL (one JSON object per line, each a request): no line is a JSON object; "
+                + (self._first_reason or "every line is blank"))
 
 
 class FileService:
@@ -87,17 +140,22 @@ class FileService:
         sink = self.store.sink("files", f"{file_id}.jsonl")
         size = newlines = 0
         last = b"\n"
+        probe = JsonlProbe()
         try:
             while chunk := source.read(COPY_BYTES):
                 size += len(chunk)
                 if size > limit:
                     raise self.too_large()
                 sink.write(chunk)
+                probe.feed(chunk)
                 newlines += chunk.count(b"\n")
                 last = chunk[-1:]
             lines = newlines + (last != b"\n")  # a last line without its newline is a request too
             if size == 0:
                 raise ApiError(400, "file is empty", param="file", code="empty_file")
+            refusal = probe.refusal()
+            if refusal is not None:
+                raise ApiError(400, refusal, param="file", code="invalid_file_format")
             if lines > self.settings.max_requests:
                 raise ApiError(400, f"file has {lines} requests; the limit is {self.settings.max_requests} "
                                     f"per batch", param="file", code="too_many_requests")

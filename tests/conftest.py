@@ -15,6 +15,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("KVBATCH_CACHE_DIR", tempfile.mkdtemp(prefix="kvbatch-test-cache-"))
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# CI (CI=true) runs every property test derandomized: each test's examples come from a seed
+# derived from the test itself, so a CI failure replays on any machine; a failure prints the
+# blob that reproduces it. Locally hypothesis draws fresh examples (and prints the @seed to rerun).
+settings.register_profile("kvbatch-ci", derandomize=True, database=None, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+if os.environ.get("CI", "").lower() in ("true", "1"):
+    settings.load_profile("kvbatch-ci")
+
+
+def pytest_report_header(config):
+    profile = settings.get_current_profile_name()
+    how = ("derandomized: each test's seed is derived from the test, failures print a @reproduce_failure blob"
+           if settings.default.derandomize else "random seeds: a failure prints the @seed(...) that reproduces it")
+    return f"hypothesis: profile {profile!r}, {how}"
 
 
 @pytest.fixture(scope="session")

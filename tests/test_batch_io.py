@@ -140,11 +140,15 @@ def test_rejection_keeps_custom_id_when_it_is_valid() -> None:
     assert isinstance(whole_line, RejectedRow) and whole_line.custom_id is None
 
 
-def test_several_errors_report_the_first_and_count_the_rest() -> None:
+def test_several_errors_report_every_reason() -> None:
     got = parse_request_line(batch_line(body(temperature=-1, top_p=0, min_p=2)), 1)
     assert isinstance(got, RejectedRow)
     assert got.field == "body.temperature"
-    assert "(and 2 more errors)" in got.reason
+    assert "more error" not in got.reason  # no reason hidden behind a count
+    first, *rest = got.reason.split("; ")
+    assert "got -1" in first
+    assert [r.split(":", 1)[0] for r in rest] == ["body.top_p", "body.min_p"]
+    assert "got 0" in rest[0] and "got 2" in rest[1]
 
 
 # ------------------------------------------------------------------------------------------

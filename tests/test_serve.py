@@ -187,10 +187,11 @@ def test_a_batch_runs_to_completion_like_generate(server, tiny_chat, tmp_path):
     assert client.files.retrieve(file_id).bytes == input_path.stat().st_size
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"team": "search"})
-    assert batch.status == "validating" and batch.request_counts.total == len(lines)
+    assert batch.status == "validating" and batch.request_counts.total == 0  # counted once validated
     batch = _wait(client, batch.id, _done)
 
     assert batch.status == "completed", batch
+    assert batch.request_counts.total == len(lines)
     assert batch.metadata == {"team": "search"}
     assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 3)
     for stamp in ("created_at", "in_progress_at", "finalizing_at", "completed_at", "expires_at"):
@@ -249,13 +250,19 @@ def test_limits_and_bad_requests_are_clear_400s(server, tmp_path):
     with pytest.raises(openai.BadRequestError, match="at most 16 pairs"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
                               metadata={f"k{i}": "v" for i in range(17)})
-    # A file with no request in it at all does not validate: the batch fails with the reasons.
-    not_jsonl = _upload(client, tmp_path / "table.csv", ["custom_id,prompt", "a,hello"])
-    batch = client.batches.create(input_file_id=not_jsonl, endpoint="/v1/chat/completions", completion_window="24h")
+    # A file that is not JSONL is refused at upload, with the reason.
+    with pytest.raises(openai.BadRequestError, match="not JSONL.*line 1 is malformed JSON"):
+        _upload(client, tmp_path / "table.csv", ["custom_id,prompt", "a,hello"])
+    with pytest.raises(openai.BadRequestError, match="line 1 is a JSON array, not an object"):
+        _upload(client, tmp_path / "array.jsonl", ['[{"custom_id": "a"}]'])
+    # JSONL with no request in it at all does not validate: the batch fails with the reasons.
+    no_requests = _upload(client, tmp_path / "objects.jsonl", ['{"prompt": "hello"}', '{"prompt": "bye"}'])
+    batch = client.batches.create(input_file_id=no_requests, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
     batch = _wait(client, batch.id, _done)
     assert batch.status == "failed" and batch.failed_at is not None and batch.output_file_id is None
     assert [(e.line, e.code) for e in batch.errors.data] == [(1, "invalid_request"), (2, "invalid_request")]
-    assert "malformed JSON" in batch.errors.data[0].message
+    assert "custom_id" in batch.errors.data[0].message
 
     # Nothing of a refused upload is kept: every stored name is a record or the content of a listed file.
     known = {f.id for c in (client, server.client(KEY_B)) for f in c.files.list()}

@@ -11,6 +11,7 @@ skip, and each file's fresh-process test re-runs it in a new interpreter instead
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 from kvbatch.kernels import dispatch  # noqa: E402
 
-KERNELS = dispatch._triton_kernels()
+KERNELS = dispatch._triton_kernels()  # raises when triton is installed but a kernel module does not import
+TRITON_INSTALLED = KERNELS is not None
 INTERPRETED = KERNELS is not None and KERNELS.interpreted
 if _PREVIOUS_INTERPRET is None:
     del os.environ["TRITON_INTERPRET"]
@@ -54,10 +56,21 @@ def rerun_in_fresh_interpreter(test_file: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
     env.pop("KVBATCH_KERNELS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test_file],
         check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    check_rerun(proc.returncode, proc.stdout, proc.stderr)
+
+
+def check_rerun(returncode: int, stdout: str, stderr: str = "") -> None:
+    """The fresh-interpreter rerun passed, and by running tests: exit 0 with every test skipped
+    (or none collected) proves nothing about the kernels, so it fails too, as does any test of
+    the rerun skipped because the kernels were not interpreted there."""
+    tail = stdout[-4000:] + stderr[-2000:]
+    assert returncode == 0, tail
+    passed = re.search(r"(\d+) passed", stdout)
+    assert passed and int(passed.group(1)) > 0, "the fresh-interpreter rerun ran no test:\n" + tail
+    assert "compiled before TRITON_INTERPRET" not in stdout, "the rerun skipped interpreter tests:\n" + tail
 
 
 @pytest.fixture
