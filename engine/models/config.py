@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.family import FAMILIES
 from kvbatch.engine.models.mla_config import MLA_ARCHITECTURES, MLAConfig
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
@@ -114,6 +115,12 @@ class ModelConfig:
     moe: MoEConfig | None = None  # None: every MLP is dense
     qk_norm: bool = False  # Qwen3: RMSNorm over each query/key head before rotary
     mla: MLAConfig | None = None  # DeepSeek-V3 multi-head latent attention; None: plain GQA
+    rotary_dim: int = 0  # dims of each head that rotary turns (Phi: partial_rotary_factor); 0: all
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dims of each query/key head rotary turns (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -135,13 +142,25 @@ class ModelConfig:
             # MLA models check their own rope kinds (MLAConfig.from_hf).
             if kind not in ("default", "llama3", "linear") and model_type not in MLA_ARCHITECTURES:
                 raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: llama3, linear)")
-        sliding_default = model_type in ("mistral", "mixtral")  # they apply any window they state
+        family = FAMILIES.get(model_type)
+        # they apply any window they state
+        sliding_default = model_type in ("mistral", "mixtral") or (family is not None and family.sliding_default)
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", sliding_default) else None
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         if sliding is not None and int(sliding) < max_pos:
             raise UnsupportedModelError(
                 f"sliding-window attention (window {sliding} < context {max_pos}) is not implemented"
             )
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        rotary_dim = 0
+        if family is not None and family.partial_rotary:
+            # transformers 5 moves it into rope_parameters
+            factor = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+            rotary_dim = int(head_dim * factor)
+            if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+                raise UnsupportedModelError(
+                    f"{model_type}: partial_rotary_factor {factor} gives {rotary_dim} of {head_dim} dims (need an even count)")
+            rotary_dim = 0 if rotary_dim == head_dim else rotary_dim
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -150,7 +169,7 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -158,8 +177,9 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(cfg),
             moe=MoEConfig.from_hf(cfg),
-            qk_norm=model_type == "qwen3_moe",
+            qk_norm=model_type == "qwen3_moe" or (family is not None and family.qk_norm),
             mla=MLAConfig.from_hf(cfg, scaling),
+            rotary_dim=rotary_dim,
         )
 
 
@@ -170,6 +190,14 @@ def _attention_bias(cfg: dict[str, Any]) -> bool:
     if model_type == "qwen2_moe":
         return bool(cfg.get("qkv_bias", True))
     bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
-    if bias and model_type == "qwen3_moe":  # there it would bias o_proj too
-        raise UnsupportedModelError("qwen3_moe with attention_bias=true is not implemented")
+    family = FAMILIES.get(model_type)
+    if bias and (model_type == "qwen3_moe" or (family is not None and family.bias_refused)):
+        raise UnsupportedModelError(f"{model_type} with attention_bias=true is not implemented")  # o_proj too
     return bias
+
+
+# The families declared in their own modules register themselves (they import only family.py).
+from kvbatch.engine.models import phi3 as _phi3  # noqa: F401
+from kvbatch.engine.models import qwen3 as _qwen3  # noqa: F401
+
+SUPPORTED_ARCHITECTURES |= set(FAMILIES)

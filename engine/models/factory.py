@@ -26,8 +26,9 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
                 expert_ids: dict[int, list[int]] | None = None, linear: str = "auto",
                 weights: str = "full", gguf_blocks: Mapping[str, GGUFBlocks] | None = None) -> LlamaModel:
     """The model for ``config.model_type``: DeepSeek-V3 (multi-head latent attention) or the
-    Llama family (Llama, Mistral, Qwen2 and the Mixtral / Qwen MoE variants), its weights on
-    ``device``. ``expert_ids``: the experts a partial checkpoint holds, per layer
+    common decoder (Llama, Mistral, Qwen2 and the Mixtral / Qwen MoE variants, and every family
+    registered in :mod:`~kvbatch.engine.models.family`, which differ from it only in what their
+    ``ModelConfig`` declares: Qwen3, Phi-3), its weights on ``device``. ``expert_ids``: the experts a partial checkpoint holds, per layer
     (:attr:`~kvbatch.engine.models.weights.Checkpoint.expert_ids`).
 
     The dense projections' kernel is measured on this CPU (cached on disk) unless ``linear``

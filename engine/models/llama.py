@@ -23,7 +23,7 @@ from kvbatch.engine.models.moe import (
     load_moe_layer,
     moe_forward,
 )
-from kvbatch.engine.models.rope import cos_sin_table
+from kvbatch.engine.models.rope import cos_sin_table, partial_rotary_rows
 from kvbatch.kernels import dispatch as K
 from kvbatch.kernels.cpu import greedy_head, huge_pages, mkl_packed
 from kvbatch.kernels.cpu.greedy_head import GreedyHead, make_greedy_head
@@ -167,15 +167,30 @@ class LlamaModel:
         def take_t(*names: str) -> torch.Tensor:
             return self.linear.prepare(torch.cat([take(n) for n in names]), arena)
 
+        # Partial rotary (Phi): each q/k head's dims reordered so rotary over the whole head turns
+        # the right pairs (rope.partial_rotary_rows); q/k weights, biases and norms alike.
+        order = (partial_rotary_rows(c.head_dim, c.rotary_dims) if c.rotary_dims != c.head_dim else None)
+
+        def take_qk(name: str) -> torch.Tensor:
+            t = take(name)
+            if order is None or not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias",
+                                                  "q_norm.weight", "k_norm.weight")):
+                return t
+            rows = t.shape[0] // c.head_dim
+            return t.view(rows, c.head_dim, *t.shape[1:])[:, order].reshape(t.shape).contiguous()
+
+        def take_qkv_t(*names: str) -> torch.Tensor:
+            return self.linear.prepare(torch.cat([take_qk(n) for n in names]), arena)
+
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
         self.moe_layers: dict[int, MoELayerWeights] = {}
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv = take_t(*(p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")))
+            qkv = take_qkv_t(*(p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")))
             bias = None
             if c.attention_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
+                bias = torch.cat([take_qk(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
             lw = LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=qkv,
@@ -186,7 +201,7 @@ class LlamaModel:
                 down=None,
             )
             if c.qk_norm:
-                lw.q_norm, lw.k_norm = take(p + "self_attn.q_norm.weight"), take(p + "self_attn.k_norm.weight")
+                lw.q_norm, lw.k_norm = take_qk(p + "self_attn.q_norm.weight"), take_qk(p + "self_attn.k_norm.weight")
             if c.moe is not None and c.moe.is_moe_layer(i):
                 lw.is_moe = True
                 self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype, device,
@@ -207,7 +222,8 @@ class LlamaModel:
         if (dtype == torch.float32 and device.type == "cpu" and not batch_invariant
                 and self.linear.kind not in (INT8, GGUF) and greedy_head_enabled()):
             self.greedy_head = make_greedy_head(self.embed if tied else take("lm_head.weight"), arena)
-        self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings).to(device)
+        self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
+                                     c.rotary_dim).to(device)
         self.scale = c.head_dim ** -0.5
         # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).
         self.lean_ops = lean_ops_enabled()

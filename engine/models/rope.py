@@ -32,10 +32,29 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 
 def cos_sin_table(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, rotary_dim: int = 0
 ) -> torch.Tensor:
-    """``[max_positions, head_dim]``: cos of each pair's angle in the first half, sin in the second."""
-    inv_freq = inverse_frequencies(head_dim, theta, scaling)
+    """``[max_positions, head_dim]``: cos of each pair's angle in the first half, sin in the second.
+
+    ``rotary_dim`` (0: all of ``head_dim``): partial rotary, the frequencies of a ``rotary_dim``
+    head, then pairs of angle 0 (cos 1, sin 0: left as they are) for the rest. This turns pair
+    ``(i, i + head_dim / 2)``, so it matches transformers' partial rotary (pairs ``(i, i + rotary_dim
+    / 2)`` of the first ``rotary_dim`` dims) on heads whose rows :func:`partial_rotary_rows` reordered."""
+    inv_freq = inverse_frequencies(rotary_dim or head_dim, theta, scaling)
+    if rotary_dim and rotary_dim != head_dim:
+        inv_freq = torch.cat((inv_freq, inv_freq.new_zeros((head_dim - rotary_dim) // 2)))
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def partial_rotary_rows(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under which partial rotary is rotary over the whole head with a
+    table from :func:`cos_sin_table` (``rotary_dim`` given): the first half of the turned dims,
+    the first half of the rest, the second half of the turned dims, the second half of the rest.
+
+    q and k heads reordered alike give the same attention scores (a dot product does not see the
+    order of its terms); v and the output projection are untouched."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    rot, rest = torch.arange(rotary_dim), torch.arange(rotary_dim, head_dim)
+    return torch.cat((rot[:r], rest[:p], rot[r:], rest[p:]))

@@ -1,8 +1,8 @@
 """Loading model checkpoints into plain tensors with Hugging Face names.
 
-Two containers are read: a Hugging Face folder (config.json + safetensors, possibly sharded) on
-any fsspec URL, and a GGUF file (dequantized on load; its Q4_0/Q4_1/Q8_0 blocks are kept too, as
-``Checkpoint.gguf_blocks``, for ``weights="gguf"``). Both come out the same way, as a
+Two containers are read: a Hugging Face folder (config.json + safetensors, possibly sharded; FP8
+block-scaled weights dequantized on load) on any fsspec URL, and a GGUF file (dequantized on load;
+its Q4_0/Q4_1/Q8_0 blocks are kept too, as ``Checkpoint.gguf_blocks``, for ``weights="gguf"``). Both come out the same way, as a
 `Checkpoint`: an HF-form config dict and a flat ``{hf_name: tensor}`` dict, so the model code
 has one loading path and transformers can serve as its reference in tests.
 
@@ -28,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.family import FAMILIES
 from kvbatch.kernels.cpu.gguf_blocks import NATIVE_QTYPES, GGUFBlocks
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: tokenizing steps read only
@@ -61,7 +62,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # Loaded (names checked, experts fused) for the DeepSeek model; MLA attention lives there.
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+# The families declared in their own modules (engine/models/qwen3.py, phi3.py, ...).
+SUPPORTED_ARCHITECTURES.update({f.architecture: f.model_type for f in FAMILIES.values()})
 _GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Weight quantizations of HF folders that load (dequantized at load); others are refused by name.
+SUPPORTED_QUANTIZATION = ("fp8 (float8_e4m3fn, block-scaled: weight_block_size)",)
 
 # Files a tokenizer may need from an HF folder; all small text files, read eagerly.
 _TOKENIZER_FILES = (
@@ -263,13 +269,23 @@ def _load_hf_folder(
     config = _normalize_hf_config(raw_config, source, dtype)
 
     shard_files = _safetensors_files(fs, path, source)
+    block = _fp8_block_size(config, source)
     tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}  # FP8 weights and their scales, as stored, until every shard is read
     for shard in shard_files:
         for name, tensor in _read_safetensors(fs, shard, source).items():
-            tensors[name] = tensor.to(dtype)
+            if block is not None and (name.endswith("_scale_inv") or _is_fp8(tensor)):
+                quantized[name] = tensor
+            else:
+                tensors[name] = tensor.to(dtype)
+    if quantized:
+        tensors.update(_dequantize_fp8(quantized, block, dtype, source))
+    elif any(_is_float8(t) for t in tensors.values()):
+        raise ModelLoadError(f"{source}: float8 weights but no fp8 quantization_config with weight_block_size")
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)  # tied: the engine uses the embedding matrix
     tensors = _fuse_experts(tensors, source)
+    tensors = _convert_family_tensors(tensors, config, source)
     _check_tensors(tensors, config, source)
 
     return config, tensors, _hf_tokenizer_source(fs, path, source)
@@ -293,6 +309,13 @@ def _load_hf_experts(fs: fsspec.AbstractFileSystem, path: str, source: str, dtyp
     import torch
     from safetensors import SafetensorError, safe_open
 
+    if isinstance(fs, LocalFileSystem) and fs.exists(_join(path, "config.json")):
+        try:
+            raw = json.loads(fs.cat_file(_join(path, "config.json")))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raw = None  # reported below
+        if isinstance(raw, dict) and raw.get("quantization_config"):  # FP8 is dequantized by whole loads only
+            raise ModelLoadError(f"{source}: loading only some experts of a quantized checkpoint is not implemented")
     if not isinstance(fs, LocalFileSystem):
         # safetensors slices need a local file; a remote one is read whole, then filtered.
         ckpt = load_checkpoint(source, dtype)
@@ -475,6 +498,87 @@ def _normalize_hf_config(raw: dict[str, Any], source: str, dtype: torch.dtype) -
     return config
 
 
+def _convert_family_tensors(tensors: dict[str, torch.Tensor], config: dict[str, Any],
+                            source: str) -> dict[str, torch.Tensor]:
+    """A registered family's checkpoint names into the common decoder's (its ``convert_tensors``:
+    Phi-3's fused projections split), before the checks and the fingerprint."""
+    family = FAMILIES.get(config["model_type"])
+    if family is None or family.convert_tensors is None:
+        return tensors
+    try:
+        return family.convert_tensors(tensors, config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: {config['model_type']} weights do not fit the config ({_reason(exc)})") from exc
+
+
+# ---------------------------------------------------------------- FP8 block-scaled weights
+
+
+
+def _is_fp8(tensor: torch.Tensor) -> bool:
+    return str(tensor.dtype) == "torch.float8_e4m3fn"
+
+
+def _is_float8(tensor: torch.Tensor) -> bool:
+    return str(tensor.dtype).startswith("torch.float8")
+
+
+def _fp8_block_size(config: dict[str, Any], source: str) -> tuple[int, int] | None:
+    """The ``[block_n, block_k]`` of an FP8 block-scaled checkpoint; None without a
+    ``quantization_config``; any other quantization is refused in one line naming it."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "fp8":
+        raise ModelLoadError(f"{source}: unsupported quantization method {method!r}; "
+                             f"supported: {', '.join(SUPPORTED_QUANTIZATION)}")
+    fmt = quant.get("fmt", "e4m3")
+    size = quant.get("weight_block_size")
+    if fmt != "e4m3" or not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
+        raise ModelLoadError(f"{source}: fp8 quantization with fmt {fmt!r} and weight_block_size {size!r} is not "
+                             f"supported (only e4m3 with a [block_n, block_k] block size, e.g. [128, 128])")
+    return int(size[0]), int(size[1])
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An FP8 weight [N, K] times its per-block scales [ceil(N / bn), ceil(K / bk)], in fp32:
+    ``w[i, j] * scale_inv[i // bn, j // bk]`` (the dequantization of DeepSeek-V3's and Qwen3's FP8
+    checkpoints; each product of an fp8 value and an fp32 scale is exact in fp32 up to one rounding)."""
+    import torch
+
+    bn, bk = block
+    n, k = weight.shape
+    expected = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"scales of shape {tuple(scale_inv.shape)} for a [{n}, {k}] weight in "
+                         f"{bn}x{bk} blocks (expected {expected})")
+    scales = scale_inv.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.to(torch.float32) * scales
+
+
+def _dequantize_fp8(stored: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype,
+                    source: str) -> dict[str, torch.Tensor]:
+    """Every FP8 weight of ``stored`` dequantized with its ``<name>_scale_inv`` and cast to
+    ``dtype``; an FP8 weight without scales, or scales without a weight, is a load error."""
+    out: dict[str, torch.Tensor] = {}
+    scales = {name.removesuffix("_scale_inv"): t for name, t in stored.items() if name.endswith("_scale_inv")}
+    for name, weight in stored.items():
+        if name.endswith("_scale_inv"):
+            if name.removesuffix("_scale_inv") not in stored:
+                raise ModelLoadError(f"{source}: {name} scales no weight")
+            continue
+        if name not in scales:
+            raise ModelLoadError(f"{source}: FP8 weight {name} has no {name}_scale_inv")
+        if weight.dim() != 2:
+            raise ModelLoadError(f"{source}: FP8 weight {name} is not a matrix (shape {tuple(weight.shape)})")
+        try:
+            out[name] = dequantize_fp8_block(weight, scales[name], block).to(dtype)
+        except ValueError as exc:
+            raise ModelLoadError(f"{source}: {name}: {exc}") from exc
+    return out
+
+
 def _fuse_experts(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Bring every MoE layout to the names transformers 5 keeps in memory, so the engine reads one.
 
@@ -526,7 +630,8 @@ def _required_layer_tensors(config: dict[str, Any], moe: MoEConfig | None, layer
                   if config.get("q_lora_rank") else ["self_attn.q_proj.weight"])
     else:
         names += [f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")]
-    if config["model_type"] == "qwen3_moe":
+    family = FAMILIES.get(config["model_type"])
+    if config["model_type"] == "qwen3_moe" or (family is not None and family.qk_norm):
         names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     if moe is not None and moe.is_moe_layer(layer):
         names += ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

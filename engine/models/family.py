@@ -1,0 +1,47 @@
+"""Model families declared as their differences from the common (Llama) decoder, and their registry.
+
+Torch-free and importing nothing of the engine, so each family module (and ``config``) can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family that differs from the common (Llama) decoder only in what it declares here.
+
+    One module per family (``engine/models/qwen3.py``, ``phi3.py``) builds one of these and calls
+    :func:`register_family`, and ``config.py`` imports that module; the config, the checkpoint loader
+    and the factory (the common decoder, :class:`~kvbatch.engine.models.llama.LlamaModel`) then accept it.
+
+    ``architecture``/``model_type``: the HF class name and ``model_type`` of its config.json.
+    ``qk_norm``: RMSNorm over each query and key head before rotary (``self_attn.q_norm``/``k_norm``).
+    ``partial_rotary``: read ``partial_rotary_factor`` (rotary over the first part of each head).
+    ``sliding_default``: whether a stated ``sliding_window`` applies without ``use_sliding_window``.
+    ``bias_refused``: ``attention_bias`` would bias o_proj too (not implemented), so it is refused.
+    ``convert_tensors``: ``(tensors, config) -> tensors`` at load, before the fingerprint: the
+    family's checkpoint names into the common decoder's (fused projections split), on the CPU.
+    """
+
+    architecture: str
+    model_type: str
+    qk_norm: bool = False
+    partial_rotary: bool = False
+    sliding_default: bool = False
+    bias_refused: bool = False
+    convert_tensors: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+
+
+# model_type -> its Family, filled by the family modules (engine/models/config.py imports them all).
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Make ``family`` loadable: the config (``config.SUPPORTED_ARCHITECTURES``) and the checkpoint
+    loader (``weights.SUPPORTED_ARCHITECTURES``, by HF class name) read FAMILIES."""
+    FAMILIES[family.model_type] = family
+    return family
