@@ -117,6 +117,47 @@ def _store_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--store-disk-gb", type=float, default=20.0)
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def _response_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--response-cache", default=None, metavar="URI",
+                   help="exact response cache across runs (a folder, file:// or s3:// URL): reproducible rows "
+                        "(greedy, or seeded) already answered by the same engine are served from it, the rest "
+                        "are written to it (docs/response-cache.md)")
+    p.add_argument("--response-cache-verify", type=_fraction, default=0.0, metavar="FRACTION",
+                   help="with --response-cache: recompute this share of the hits (a seeded sample) and fail, "
+                        "naming the row, if one differs from its cached answer")
+
+
+def _open_response_cache(args: argparse.Namespace, llm: Any, stack: contextlib.ExitStack) -> Any:
+    """The ``--response-cache`` of ``args`` for ``llm``'s engine, closed (its writes waited for)
+    on leaving; None without the option."""
+    url = getattr(args, "response_cache", None)
+    if not url:
+        return None
+    from kvbatch.ops.decode.response_cache import ResponseCache
+
+    try:
+        cache = ResponseCache.for_llm(url, llm, verify=args.response_cache_verify)
+    except Exception as exc:  # noqa: BLE001 - an unusable cache URL is one line
+        from kvbatch.io.urls import one_line, redact
+
+        raise _CannotRun(f"cannot use the response cache at {redact(url)}: {one_line(exc, url)}") from None
+    stack.callback(cache.close)
+    return cache
+
+
+def _response_cache_text(report: Any) -> str:
+    rc = report.response_cache
+    return (f"; response cache: {rc['hits']} hits, {rc['misses']} misses, {rc['writes']} writes"
+            if rc is not None else "")
+
+
 def _result_args(p: argparse.ArgumentParser) -> None:
     """The outputs of a run that answers requests (generate, decode)."""
     p.add_argument("--output", required=True, help="result JSONL, one line per request in input order")
@@ -138,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _store_args(g, required=False)
     _spec_args(g)
     _worker_args(g)
+    _response_cache_args(g)
     g.set_defaults(func=cmd_generate)
 
     pf = sub.add_parser("prefill", help="compute and store the prompts' KV; write decode manifests")
@@ -156,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     _result_args(dc)
     _spec_args(dc)
     _worker_args(dc)
+    _response_cache_args(dc)
     dc.set_defaults(func=cmd_decode)
 
     kv = sub.add_parser("kv", help="inspect or clean a KV store")
@@ -353,9 +396,12 @@ def _run_step(bar: Any, incomplete: type[Exception], step: Callable[[], Any]) ->
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvbatch.ops.decode.generate import run_jobs
+    from kvbatch.ops.decode.response_cache import ResponseCacheMismatch
     from kvbatch.ops.jobs import IncompleteInput
     from kvbatch.ops.jobs import tokenize_requests
 
+    if args.workers > 1 and args.response_cache:
+        return _fail(_WORKERS_NO_CACHE)
     with contextlib.ExitStack() as stack:
         # Everything that can fail in a second fails before the model loads.
         outputs, requests = _open_run(args, stack, ("output", "errors", "metrics"), strict=args.strict)
@@ -365,6 +411,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return _run_worker_group(args, "generate")
         llm = _load_or_fail(args)
         _say_loaded(args, llm)
+        cache = _open_response_cache(args, llm, stack)
         bar = _progress_bar(args, "requests")
 
         def progress(done: int, rejected: int) -> None:
@@ -372,9 +419,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if rejected:
                 bar.set_postfix(rejected=rejected, refresh=False)
 
-        report, incomplete = _run_step(bar, IncompleteInput, lambda: run_jobs(
-            llm, tokenize_requests(llm, requests), outputs.output, errors_url=outputs.errors, model_name=args.model,
-            on_progress=progress))
+        try:
+            report, incomplete = _run_step(bar, IncompleteInput, lambda: run_jobs(
+                llm, tokenize_requests(llm, requests), outputs.output, errors_url=outputs.errors,
+                model_name=args.model, on_progress=progress, response_cache=cache))
+        except ResponseCacheMismatch as exc:
+            raise _CannotRun(f"{exc}; nothing was written to {args.output}") from None
         metrics = report.to_json()
         _add_store_metrics(llm, metrics)
         outputs.write_metrics(metrics, f"the results were written to {args.output}")
@@ -382,7 +432,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _fail(_incomplete_text(incomplete, args.input, report.requests - 1, args.output, "answered in"))
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; "
           f"{report.output_tokens} output tokens in {report.wall_s:.1f} s "
-          f"({metrics['output_tokens_per_s']} tok/s) -> {args.output}", file=sys.stderr)
+          f"({metrics['output_tokens_per_s']} tok/s){_response_cache_text(report)} -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
 
 
@@ -406,6 +456,10 @@ def _say_loaded(args: argparse.Namespace, llm: Any) -> None:
     the batch has started (a wrapper can wait on it before it interrupts)."""
     print(f"kvbatch: model {args.model} ({args.dtype}, context {llm.max_model_len}) loaded; "
           f"generating {args.input} -> {args.output}", file=sys.stderr, flush=True)
+
+
+_WORKERS_NO_CACHE = ("--response-cache runs in one process: it is not wired into the worker group yet; "
+                     "drop --workers (or --response-cache)")
 
 
 def _run_worker_group(args: argparse.Namespace, command: str) -> int:
@@ -512,9 +566,12 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 def cmd_decode(args: argparse.Namespace) -> int:
     from kvbatch.io.batch_output import OutputError
     from kvbatch.ops.decode.generate import run_decode
+    from kvbatch.ops.decode.response_cache import ResponseCacheMismatch
     from kvbatch.ops.prefill.manifests import ManifestMismatch
 
     if args.workers > 1:
+        if args.response_cache:
+            return _fail(_WORKERS_NO_CACHE)
         return _run_worker_group(args, "decode")
     with contextlib.ExitStack() as stack:
         try:  # outputs checked before the model loads (run_decode opens its own writers)
@@ -524,10 +581,13 @@ def cmd_decode(args: argparse.Namespace) -> int:
         except (_SamePath, OutputError) as exc:
             return _fail(str(exc))
         llm = _load_or_fail(args)
+        cache = _open_response_cache(args, llm, stack)
         bar = _progress_bar(args, "decode")
         try:
             report = run_decode(llm, args.manifests, args.output, errors_url=args.errors, model_name=args.model,
-                                on_progress=lambda done, rej: bar.update(done - bar.n))
+                                on_progress=lambda done, rej: bar.update(done - bar.n), response_cache=cache)
+        except ResponseCacheMismatch as exc:
+            return _fail(f"{exc}; nothing was written to {args.output}")
         except OutputError as exc:
             return _fail(str(exc))
         except (FileNotFoundError, PermissionError) as exc:
@@ -541,7 +601,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         outputs.write_metrics(metrics, f"the results were written to {args.output}")
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; {report.loaded_prompt_tokens} of "
           f"{report.prompt_tokens} prompt tokens loaded from the store; {report.output_tokens} output tokens "
-          f"in {report.wall_s:.1f} s -> {args.output}", file=sys.stderr)
+          f"in {report.wall_s:.1f} s{_response_cache_text(report)} -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
 
 

@@ -39,6 +39,10 @@ Decisions, each one documented because a user will eventually ask:
   output's ``model`` names that model, never the row's. A row may name another model (OpenAI
   files usually say ``"gpt-4o"``); it is kept as :attr:`ChatRequest.model` and the run warns
   once per name it was not given.
+- ``response_format``: ``text`` is the default; ``json_object`` and ``json_schema`` become
+  :attr:`SamplingParams.response_format`, one canonical JSON string per schema (sorted keys), which
+  the engine decodes under a grammar (:mod:`kvbatch.engine.text.structured`). A malformed value is
+  rejected naming the sub-field; whether a schema compiles is checked when the row is tokenized.
 - Unknown fields (a typo such as ``max_token``, or an OpenAI field we do not act on:
   ``stream``, ``user``, ``metadata``, ``presence_penalty``...) are ignored with a warning,
   logged once per field name per file with the first line that has it, and listed on the
@@ -123,6 +127,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None = off; k = the sampled token plus k alternatives
     ignore_eos: bool = False
+    # Structured outputs: the canonical JSON of response_format json_schema / json_object (None: text).
+    response_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -304,6 +310,13 @@ def parse_request_line(
     if unknown and strict:
         return RejectedRow(line_no, custom_id, unknown[0], "unknown field (strict mode rejects fields it would ignore)")
     item = _to_request(body, line_no, custom_id, prefix, default_max_tokens)
+    raw_body = obj["body"] if is_batch else obj
+    if isinstance(item, ChatRequest) and raw_body.get("response_format") is not None:
+        rf = parse_response_format(raw_body["response_format"])
+        if isinstance(rf, tuple):
+            return RejectedRow(line_no, custom_id, prefix + "response_format" + rf[0], rf[1])
+        if rf is not None:
+            item = dataclasses.replace(item, sampling=dataclasses.replace(item.sampling, response_format=rf))
     if unknown and isinstance(item, ChatRequest):
         item = dataclasses.replace(item, unknown_fields=unknown)
     return item
@@ -311,14 +324,48 @@ def parse_request_line(
 
 _ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 _BODY_FIELDS = frozenset(_ChatBody.model_fields)
+# Read by parse_response_format, not by _ChatBody (the columnar reader sends such rows per-row).
+_STRUCTURED_FIELDS = frozenset({"response_format"})
+
+
+def parse_response_format(v: Any) -> str | None | tuple[str, str]:
+    """``response_format`` as the engine's canonical string (None: plain text), or (the field
+    path below ``response_format``, the reason) when it is malformed. ``json_schema`` needs a
+    ``json_schema`` object whose ``schema`` is an object (``strict`` a boolean, default false);
+    whether the schema compiles is checked where the grammar engine is (ops.jobs)."""
+    if not isinstance(v, dict):
+        return "", f"must be an object, got {json_type(v)}"
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "json_object"}, separators=(",", ":"))
+    if kind != "json_schema":
+        return ".type", f"must be one of 'text', 'json_object', 'json_schema', got {_short(kind)}"
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        return ".json_schema", f"must be an object with a schema, got {json_type(spec)}"
+    schema, strict = spec.get("schema", {}), spec.get("strict", False)
+    if not isinstance(schema, dict):
+        return ".json_schema.schema", f"must be an object, got {json_type(schema)}"
+    if strict is None:
+        strict = False
+    if not isinstance(strict, bool):
+        return ".json_schema.strict", f"must be a boolean, got {json_type(strict)}"
+    try:
+        return json.dumps({"schema": schema, "strict": strict, "type": "json_schema"}, sort_keys=True,
+                          separators=(",", ":"), ensure_ascii=False)
+    except ValueError as e:  # NaN cannot reach here (json.loads made it), but keep the row's error a row's
+        return ".json_schema.schema", str(e)
 
 
 def _unknown_fields(obj: dict[str, Any], is_batch: bool) -> tuple[str, ...]:
     """Dotted names of the fields of a validated row that nothing reads, in the row's order."""
+    known = _BODY_FIELDS | _STRUCTURED_FIELDS
     if is_batch:
         top = [k for k in obj if k not in _ENVELOPE_FIELDS]
-        return (*top, *(f"body.{k}" for k in obj["body"] if k not in _BODY_FIELDS))
-    return tuple(k for k in obj if k != "custom_id" and k not in _BODY_FIELDS)
+        return (*top, *(f"body.{k}" for k in obj["body"] if k not in known))
+    return tuple(k for k in obj if k != "custom_id" and k not in known)
 
 
 def _to_request(

@@ -64,6 +64,21 @@ def record_request(rec: Mapping[str, Any]) -> ChatRequest:
     return ChatRequest(rec["row"], rec["custom_id"], messages, sampling, rec["model"])
 
 
+UNSUPPORTED_STRUCTURED = ("structured outputs (response_format json_schema/json_object) are not supported by the "
+                          "pipeline yet; run this file with kvbatch generate or kvbatch serve")
+
+
+def outcome_record(item: ChatRequest | RejectedRow) -> dict[str, Any]:
+    """The prompts-or-rejects row of one parsed item. The prompts table has no column for a
+    constrained ``response_format``, so such a row is refused here, naming the field, rather
+    than answered in free text."""
+    if isinstance(item, RejectedRow):
+        return reject_record(item)
+    if item.sampling.response_format is not None:
+        return reject_record(RejectedRow(item.line_no, item.custom_id, "body.response_format", UNSUPPORTED_STRUCTURED))
+    return request_record(item)
+
+
 def reject_record(r: RejectedRow) -> dict[str, Any]:
     return {"row": r.line_no, "custom_id": r.custom_id, "field": r.field, "reason": r.reason}
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.text.structured import schema_error
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 from kvbatch.io.batch_requests import ChatRequest, InputStreamError, RejectedRow, reject
 from kvbatch.ops.shards.prompt_tokens import CachedChatEncoder
@@ -58,6 +59,10 @@ def tokenize_request(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len
     rebuilt it from the checkpoint's tokenizer source gives exactly the same answer."""
     if isinstance(item, RejectedRow):
         return Rejected(index, item)
+    if item.sampling.response_format is not None:  # a schema the grammar engine refuses: this row's 400
+        problem = schema_error(item.sampling.response_format)
+        if problem is not None:
+            return Rejected(index, reject(item, "body.response_format.json_schema.schema", problem))
     ids = prompt_ids(tokenizer, max_model_len, item)
     if isinstance(ids, RejectedRow):
         return Rejected(index, ids)

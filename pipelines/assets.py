@@ -426,6 +426,9 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
     # Each rank's part files, committed every checkpoint_rows results; a retry resumes from them.
     parts_url = day.shard("decode_parts", shard, "")
     piped = decode_cluster.launcher != "in_process"
+    if piped and kv_store.response_cache:
+        raise dg.Failure(f"kv_store.response_cache is not wired into the {decode_cluster.launcher!r} decode launcher "
+                         f"yet: use decode_cluster.launcher 'in_process', or unset response_cache")
     if piped:
         spec = {"engine_spec": model.engine_spec().to_json(),
                 "kv_store": kv_store.store_config(day.root, opts).model_dump(), "manifests_url": manifests,
@@ -436,8 +439,14 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
     else:
         llm = model.load(_kv(object_store, model, kv_store), decode=True)
         progress = ProgressMeter("decode", _row_count(day.shard("shards", shard), opts), context.log.info)
-        stats = decode_shard(llm, manifests, results_url, stats_url=stats_url, parts_url=parts_url,
-                             checkpoint_rows=decode_cluster.checkpoint_rows, storage_options=opts, progress=progress)
+        cache = kv_store.open_response_cache(object_store.url, opts, llm)
+        try:
+            stats = decode_shard(llm, manifests, results_url, stats_url=stats_url, parts_url=parts_url,
+                                 checkpoint_rows=decode_cluster.checkpoint_rows, storage_options=opts,
+                                 progress=progress, response_cache=cache)
+        finally:
+            if cache is not None:
+                cache.close()
     results = read_table(results_url, storage_options=opts)
     problems = _result_problems(results, read_table(day.shard("shards", shard), storage_options=opts))
     if piped:  # the worker's rank 0 reported the materialization through Pipes
@@ -454,6 +463,9 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
         **{k: stats[k] for k in ("ttft_s_p50", "tpot_s_p50") if stats.get(k) is not None},
         "results_url": dg.MetadataValue.path(results_url),
         "decode_world_size": decode_cluster.world_size,
+        # The response cache's rows served, looked up and not found, and written (when it is on).
+        **({f"response_cache_{k}": stats["response_cache"][k] for k in ("hits", "misses", "writes")}
+           if "response_cache" in stats else {}),
         "results_preview": _results_preview(results),
     })
     yield from _decode_checks(problems)

@@ -137,6 +137,7 @@ class RunSummary:
     output_tokens: int = 0
     wall_s: float = 0.0
     error: str | None = None
+    response_cache: dict[str, Any] | None = None  # the response cache's counters, when it is on
 
 
 def _with_cached_tokens(line: dict[str, Any], cached: int) -> dict[str, Any]:
@@ -157,10 +158,13 @@ def run_batch_parts(
     storage_options: Mapping[str, Any] | None = None,
     cancel_poll_s: float = 0.5,
     is_cancelled: Callable[[], bool] | None = None,
+    response_cache: Any = None,
 ) -> RunSummary:
     """Answer every row of ``input_url`` not yet in a committed part of ``work_url``, committing a
     part each time ``chunk_rows`` more rows are finished in order; stop early (keeping every
-    finished row) when the server asks to cancel. Writes ``done.json`` last and returns it."""
+    finished row) when the server asks to cancel. Writes ``done.json`` last and returns it.
+    ``response_cache``: a :class:`~kvbatch.ops.decode.response_cache.ResponseCache` (its counters:
+    ``summary.response_cache``)."""
     from kvbatch.ops.decode.generate import result_draft_tokens, result_logprobs
     from kvbatch.ops.decode.report import BatchReport
     from kvbatch.ops.decode.loop import DecodeLoop, Refused
@@ -199,7 +203,7 @@ def run_batch_parts(
 
     report = BatchReport.start(llm)
     loop = DecodeLoop(llm, tokenize_requests(llm, read_requests(input_url, storage_options=opts)), report,
-                      skip=lambda job: job.index < resume)
+                      skip=lambda job: job.index < resume, response_cache=response_cache)
     last_check = time.monotonic()
     cancelled = stop()
     if not cancelled:
@@ -208,7 +212,8 @@ def run_batch_parts(
                 lines[outcome.index] = error_line(outcome.row)
                 continue
             job, result = outcome.job, outcome.result
-            cached = result.num_cached_tokens + result.num_loaded_tokens
+            # A row the response cache answered computed no prompt token at all.
+            cached = len(result.prompt_token_ids) if outcome.cached else result.num_cached_tokens + result.num_loaded_tokens
             lines[job.index] = _with_cached_tokens(result_line(
                 job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
                 prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
@@ -236,6 +241,7 @@ def run_batch_parts(
     else:
         assert not lines, "every fed row was answered and written"
     summary.rows = summary.succeeded + summary.failed
+    summary.response_cache = report.response_cache
     summary.wall_s = round(time.monotonic() - started, 3)
     _write_json(_join(work_url, DONE), asdict(summary), opts)
     return summary
@@ -269,8 +275,13 @@ def batch_api_run(context: dg.OpExecutionContext, config: BatchApiRunConfig, mod
         # loaded, not recomputed, and counted in the answer's cached_tokens.
         store = kv_store.open(object_store.url, object_store.storage_options(), model.engine_spec())
         llm = model.load(store, decode=True)
-        summary = run_batch_parts(llm, config.input_url, config.work_url, model_name=model.model,
-                                  chunk_rows=config.chunk_rows, storage_options=opts)
+        cache = kv_store.open_response_cache(object_store.url, object_store.storage_options(), llm)
+        try:
+            summary = run_batch_parts(llm, config.input_url, config.work_url, model_name=model.model,
+                                      chunk_rows=config.chunk_rows, storage_options=opts, response_cache=cache)
+        finally:
+            if cache is not None:
+                cache.close()
     except Exception as exc:
         write_failed(config.work_url, exc, opts)
         raise
@@ -280,7 +291,9 @@ def batch_api_run(context: dg.OpExecutionContext, config: BatchApiRunConfig, mod
         "status": summary.status, "requests_succeeded": summary.succeeded, "requests_failed": summary.failed,
         "resumed_from_row": summary.resumed_from, "prompt_tokens": summary.prompt_tokens,
         "cached_prompt_tokens": summary.cached_tokens, "output_tokens": summary.output_tokens,
-        "wall_s": summary.wall_s})
+        "wall_s": summary.wall_s,
+        **({f"response_cache_{k}": summary.response_cache[k] for k in ("hits", "misses", "writes")}
+           if summary.response_cache else {})})
 
 
 @dg.job(name=BATCH_JOB, executor_def=dg.in_process_executor,

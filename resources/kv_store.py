@@ -22,6 +22,11 @@ class KVStoreResource(dg.ConfigurableResource):
     disk_gb: float = Field(default=20.0, gt=0, description="disk tier budget")
     ttl_hours: float | None = Field(default=None, gt=0, description="durable blocks expire after this")
     max_gb: float | None = Field(default=None, gt=0, description="durable tier size cap")
+    response_cache: str | None = Field(
+        default=None, description="exact response cache across runs (docs/response-cache.md): a URL, or "
+                                  "'default' for <object store url>/responses; none = off")
+    response_cache_verify: float = Field(default=0.0, ge=0, le=1,
+                                         description="share of response cache hits recomputed and compared")
 
     @model_validator(mode="after")
     def _check(self) -> "KVStoreResource":
@@ -40,6 +45,19 @@ class KVStoreResource(dg.ConfigurableResource):
             ttl_s=self.ttl_hours * 3600 if self.ttl_hours else None,
             max_bytes=int(self.max_gb * GB) if self.max_gb else None,
             storage_options=dict(storage_options) if same else {})
+
+    def open_response_cache(self, default_url: str, storage_options: dict[str, Any], llm: Any) -> Any:
+        """The response cache for ``llm``'s engine, or None when ``response_cache`` is unset; the
+        object store's credentials when it is on the same kind of store."""
+        if not self.response_cache:
+            return None
+        from kvbatch.ops.decode.response_cache import ResponseCache
+
+        url = default_url.rstrip("/") + "/responses" if self.response_cache == "default" else self.response_cache
+        same = (url.split("://", 1)[0] if "://" in url else "file") == \
+               (default_url.split("://", 1)[0] if "://" in default_url else "file")
+        return ResponseCache.for_llm(url, llm, verify=self.response_cache_verify,
+                                     storage_options=dict(storage_options) if same else {})
 
     def open(self, default_url: str, storage_options: dict[str, Any], engine_spec: Any) -> Any:
         """The store, checking blocks against ``engine_spec``'s KV fingerprint (the one builder's)."""

@@ -19,6 +19,7 @@ from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_check
 from kvbatch.engine.runtime.block_hash import chain_keys, kv_layout_dtype, root_key
 from kvbatch.engine.runtime.block_manager import BlockManager
 from kvbatch.engine.runtime.engine_config import DTYPE_NAMES, EngineConfig, default_dtype_name, resolve_device
+from kvbatch.engine.runtime.grammar_mask import apply_token_bitmask, fill_token_bitmask
 from kvbatch.engine.runtime.kv_connector import BlockStore, KVConnector
 from kvbatch.engine.runtime.model_runner import ModelRunner
 from kvbatch.engine.runtime.sampler import (
@@ -35,6 +36,7 @@ from kvbatch.engine.speculative.controller import SpecConfig, SpecController
 from kvbatch.engine.speculative.drafters import DraftRequest, build_drafter
 from kvbatch.engine.speculative.verifier import VerifyRow, verify_batch
 from kvbatch.engine.text.stop_checker import StopChecker
+from kvbatch.engine.text.structured import GrammarCompiler
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 
 DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
@@ -88,6 +90,9 @@ class Result:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_target_steps: int = 0
+    # Why the request ended without an answer (finish_reason "error"): a response_format whose
+    # schema cannot compile, or whose grammar allows no token at some step. None otherwise.
+    error: str | None = None
 
 
 class LLM:
@@ -159,6 +164,7 @@ class LLM:
         self.stats = {"steps": 0, "prompt_tokens": 0, "computed_prompt_tokens": 0, "output_tokens": 0,
                       "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_target_steps": 0,
                       "draft_s": 0.0, "step_s": 0.0}
+        self.grammars: GrammarCompiler | None = None  # structured outputs: built at the first such request
         self.spec: SpecController | None = None
         self.drafter = None
         if speculative is not None:
@@ -212,10 +218,21 @@ class LLM:
         seq = Sequence(self._next_seq_id, request.request_id, ids, p, generator=gen,
                        prefill_only=request.prefill_only)
         self._next_seq_id += 1
+        if p.response_format is not None:
+            seq.matcher, seq.error = self._grammar_matcher(p.response_format)
         self._stops[seq.seq_id] = StopChecker(self.tokenizer, p.stop)
         self.scheduler.add(seq)
         self.stats["prompt_tokens"] += len(ids)
         return seq
+
+    def _grammar_matcher(self, response_format: str) -> tuple[object | None, str | None]:
+        """A constrained request's matcher (its schema compiled once per engine), or why not."""
+        if self.tokenizer is None:
+            return None, "response_format needs a model with a tokenizer"
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.tokenizer.vocab_size,
+                                            sorted(self.eos_token_ids))
+        return self.grammars.matcher(response_format)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[Result]:
@@ -223,6 +240,9 @@ class LLM:
         t0 = time.perf_counter()
         if self.spec is not None:
             self.spec.plan(self.scheduler.running, self.max_model_len, self.drafter.outlook)
+            for seq in self.scheduler.running:  # constrained requests do not draft (no rollback needed)
+                if seq.sampling.response_format is not None:
+                    seq.num_lookahead = 0
         step = self.scheduler.schedule()
         if not step:
             return []
@@ -274,7 +294,7 @@ class LLM:
                 s.seq.finish_time = now
                 self._finish(s.seq, "prefilled")
                 finished.append(self._result(s.seq))
-            elif self.spec is not None and s.seq.num_output_tokens > 0:
+            elif self.spec is not None and s.seq.num_output_tokens > 0 and s.seq.sampling.response_format is None:
                 verified.append(i)
             else:
                 plain.append(i)
@@ -310,6 +330,8 @@ class LLM:
             rows = logits if wanted == list(range(logits.shape[0])) else logits.index_select(
                 0, host_to_device(torch.tensor(wanted, dtype=torch.long), logits.device))
             entries = [sampled[i] for i in plain]
+            if any(s.seq.sampling.response_format is not None for s in entries):
+                rows = self._constrain(rows, entries)
             ids = sample_on_device(rows, [s.seq.sampling for s in entries], [s.seq.generator for s in entries])
             at_ids = rb.add(ids)
             for row, s in enumerate(entries):
@@ -339,7 +361,30 @@ class LLM:
                 self._apply_verdict(seq, tokens, accepted, logprobs(seq, tokens, rows), now, finished)
         if plain:
             for s, tok in zip(entries, host[at_ids]):
-                self._emit(s.seq, [int(tok)], logprobs(s.seq, [int(tok)], 1), now, finished)
+                lp = logprobs(s.seq, [int(tok)], 1)
+                if s.seq.error is not None:  # its mask allowed nothing (or it never had a grammar)
+                    self._fail(s.seq, now, finished)
+                    continue
+                self._emit(s.seq, [int(tok)], lp, now, finished)
+
+    def _constrain(self, rows: torch.Tensor, entries: list) -> torch.Tensor:
+        """``rows`` with each constrained entry's grammar mask applied (tensor ops over the whole
+        batch; only the bitmask's filling is per row, in llguidance). A constrained row whose mask
+        allows nothing gets ``seq.error`` and an open mask: it is ended, not sampled."""
+        vocab = self.grammars.vocab_size if self.grammars is not None else rows.shape[1]
+        bitmask, empty = fill_token_bitmask([s.seq.matcher if s.seq.error is None else None for s in entries],
+                                            vocab, rows.shape[1])
+        for i in empty:
+            seq = entries[i].seq
+            seq.error = (f"response_format: the grammar allows no token after {seq.num_output_tokens} output "
+                         f"tokens ({seq.matcher.get_error() or 'no token of this model continues it'})")
+        return apply_token_bitmask(rows, bitmask)
+
+    def _fail(self, seq: Sequence, now: float, finished: list[Result]) -> None:
+        """End a request with its ``seq.error`` (finish_reason ``error``); the batch goes on."""
+        seq.finish_time = now
+        self._finish(seq, "error")
+        finished.append(self._result(seq))
 
     def _save_blocks(self, blocks: list[tuple[str, int]]) -> None:
         """Write blocks through to the KV store. The connector copies them out of the cache
@@ -390,6 +435,10 @@ class LLM:
         """Append tokens one by one (``logprobs[i]``: token i's entry, when asked for), stopping
         at the first that ends the request; True when it finished."""
         for i, tok in enumerate(tokens):
+            if seq.matcher is not None and not seq.matcher.consume_token(tok):
+                seq.error = f"response_format: token {tok} was refused by the grammar ({seq.matcher.get_error()})"
+                self._fail(seq, now, finished)
+                return True
             seq.token_ids.append(tok)
             self.stats["output_tokens"] += 1
             if seq.first_token_time is None:
@@ -467,6 +516,7 @@ class LLM:
             spec_draft_tokens=seq.spec_draft_tokens,
             spec_accepted_tokens=seq.spec_accepted_tokens,
             spec_target_steps=seq.spec_target_steps,
+            error=seq.error,
         )
 
     def prompt_block_keys(self, prompt_token_ids: list[int]) -> list[str]:

@@ -121,7 +121,8 @@ class ModelRunner:
         ids, batch, order = self.build(items)
         # Only argmaxes will be read from this step's logits (LLM samples greedy rows by argmax, and
         # the verifier keeps a greedy request's drafts while they are the argmax)
-        batch.greedy_only = all(s.seq.sampling.greedy and s.seq.sampling.logprobs is None for s in step if s.samples)
+        batch.greedy_only = all(s.seq.sampling.greedy and s.seq.sampling.logprobs is None
+                                and s.seq.sampling.response_format is None for s in step if s.samples)
         return ids, batch, [step[i] for i in order if items[i].num_logits]
 
     def build(self, items: list[WorkItem]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:

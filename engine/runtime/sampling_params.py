@@ -12,6 +12,8 @@ class SamplingParams:
     ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0`` switch those filters off.
     ``seed`` makes the request's draws reproducible whatever else shares its batch.
     ``logprobs``: None for none, k >= 0 for the chosen token's log-probability plus the top k.
+    ``response_format``: the canonical JSON of a constrained format (json_schema, json_object):
+    every token is sampled under the grammar's mask.
     """
 
     max_tokens: int = 256
@@ -24,6 +26,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    # Structured outputs: the canonical response format (kvbatch.engine.text.structured), or None.
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         # The edges (io.batch_requests) validate user input with row-level errors; these

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,10 @@ class Sequence:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_target_steps: int = 0
+    # Structured outputs: the grammar's matcher (llguidance), fed every emitted token; why the
+    # request ended in error (a schema that cannot compile, a mask that allows nothing).
+    matcher: Any = None
+    error: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -117,6 +117,10 @@ class ChatTokenizer:
 
     # ------------------------------------------------------------ text
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (the grammar engine builds its own from it)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

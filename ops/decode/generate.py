@@ -67,8 +67,10 @@ def run_jobs(
     model_name: str = "kvbatch",
     storage_options: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    response_cache: Any = None,
 ) -> BatchReport:
     """Run the jobs through ``llm``, writing one output line per job in index order.
+    ``response_cache``: a :class:`~kvbatch.ops.decode.response_cache.ResponseCache`.
 
     ``output_url`` and ``errors_url`` are URLs, or writers the caller already opened (the
     CLI opens its outputs before loading the model, so an unwritable one fails first); this
@@ -81,7 +83,7 @@ def run_jobs(
         errors_cm: Any = errors_url
     else:
         errors_cm = JsonlWriter(errors_url, storage_options=storage_options) if errors_url else nullcontext()
-    loop = DecodeLoop(llm, jobs, report, model_name=model_name)
+    loop = DecodeLoop(llm, jobs, report, model_name=model_name, response_cache=response_cache)
     with out, errors_cm as errors:
         for outcome in loop:
             if isinstance(outcome, Refused):
@@ -113,6 +115,7 @@ def run_batch(
     storage_options: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     strict: bool = False,
+    response_cache: Any = None,
 ) -> BatchReport:
     """Run every request of ``input_url`` through ``llm``; write ``output_url`` (and the errors).
 
@@ -123,7 +126,7 @@ def run_batch(
     """
     jobs = tokenize_requests(llm, read_requests(input_url, storage_options=storage_options, strict=strict))
     return run_jobs(llm, jobs, output_url, errors_url=errors_url, model_name=model_name,
-                    storage_options=storage_options, on_progress=on_progress)
+                    storage_options=storage_options, on_progress=on_progress, response_cache=response_cache)
 
 
 def run_decode(
@@ -135,8 +138,9 @@ def run_decode(
     model_name: str = "kvbatch",
     storage_options: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    response_cache: Any = None,
 ) -> BatchReport:
     """Generate from manifests, loading each prompt's stored blocks instead of recomputing them."""
     jobs = manifest_jobs(llm, read_manifests(manifests_url, storage_options))
     return run_jobs(llm, jobs, output_url, errors_url=errors_url, model_name=model_name,
-                    storage_options=storage_options, on_progress=on_progress)
+                    storage_options=storage_options, on_progress=on_progress, response_cache=response_cache)

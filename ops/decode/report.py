@@ -38,6 +38,8 @@ class BatchReport:
     spec_enabled: bool = False
     draft_s: float = 0.0
     step_s: float = 0.0
+    # The response cache's counters (ops/decode/response_cache.py), when the run had one.
+    response_cache: dict[str, Any] | None = None
     _since: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), repr=False)
 
     @classmethod
@@ -68,6 +70,11 @@ class BatchReport:
         if result.tpot_s is not None:
             self.tpot_s.append(result.tpot_s)
 
+    def add_cached(self, result: Result) -> None:
+        """A row answered from the response cache: it succeeded, at no engine time or tokens
+        (the tokens it served are in ``response_cache``)."""
+        self.succeeded += 1
+
     def to_json(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
@@ -88,6 +95,7 @@ class BatchReport:
             "tpot_s_p95": percentile(self.tpot_s, 95),
             "preemptions": self.preemptions,
             **(self._spec_json() if self.spec_enabled else {}),
+            **({"response_cache": self.response_cache} if self.response_cache is not None else {}),
         }
 
     def _spec_json(self) -> dict[str, Any]:

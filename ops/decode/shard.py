@@ -75,13 +75,16 @@ def decode_rank(
     world_size: int = 1,
     checkpoint_rows: int = DEFAULT_CHECKPOINT_ROWS,
     progress: ProgressMeter | None = None,
+    response_cache: Any = None,
 ) -> dict[str, Any]:
     """Generate the requests of a shard's manifests that belong to ``rank`` (the i-th request goes
     to rank ``i mod world_size``) and are in no committed part yet, loading the stored prompt KV;
     commit this rank's results as part files every ``checkpoint_rows`` results
     (:mod:`kvbatch.ops.decode.checkpoint`). Returns this rank's stats (:func:`decode_stats`, with
     ``resumed_rows``: requests skipped because an earlier run had committed them).
-    ``progress`` advances by a row and its output tokens as each request finishes."""
+    ``progress`` advances by a row and its output tokens as each request finishes.
+    ``response_cache``: a :class:`~kvbatch.ops.decode.response_cache.ResponseCache`; its counters
+    go into the stats (``response_cache``)."""
     report = BatchReport.start(llm)
     done = done_indexes(parts_url, storage_options)
     writer = PartWriter(parts_url, RESULTS_SCHEMA, rank, key, checkpoint_rows, storage_options, attempt)
@@ -103,7 +106,7 @@ def decode_rank(
 
     jobs = manifest_jobs(llm, read_manifests(manifests_url, dict(storage_options or {})))
     # Rejected rows (manifests written by `kvbatch prefill` may hold some) are counted, not written.
-    for outcome in DecodeLoop(llm, jobs, report, skip=skip):
+    for outcome in DecodeLoop(llm, jobs, report, skip=skip, response_cache=response_cache):
         if isinstance(outcome, Refused):
             continue
         job, result = outcome.job, outcome.result
@@ -169,6 +172,9 @@ def merge_stats(final: list[dict[str, Any]], earlier: list[dict[str, Any]], ttft
     connectors = [s["connector"] for s in every if "connector" in s]
     if connectors:
         out["connector"] = _sum_numbers(connectors)
+    caches = [s["response_cache"] for s in every if "response_cache" in s]
+    if caches:
+        out["response_cache"] = _sum_numbers(caches)
     specs = [s["speculative"] for s in every if "speculative" in s]
     if specs:
         out["speculative"] = _merge_speculative(specs)
@@ -256,6 +262,7 @@ def decode_shard(
     checkpoint_rows: int = DEFAULT_CHECKPOINT_ROWS,
     storage_options: Mapping[str, Any] | None = None,
     progress: ProgressMeter | None = None,
+    response_cache: Any = None,
 ) -> dict[str, Any]:
     """Generate every request of a shard's manifests, loading the stored prompt KV, committing a
     part every ``checkpoint_rows`` results into ``parts_url`` (default: a dot folder beside the
@@ -263,5 +270,6 @@ def decode_shard(
     parts_url = parts_url or default_parts_url(results_url)
     key = start_decode(manifests_url, parts_url, storage_options)
     stats = decode_rank(llm, manifests_url, parts_url, key=key, attempt=uuid.uuid4().hex[:12],
-                        storage_options=storage_options, checkpoint_rows=checkpoint_rows, progress=progress)
+                        storage_options=storage_options, checkpoint_rows=checkpoint_rows, progress=progress,
+                        response_cache=response_cache)
     return commit_parts([stats], parts_url, results_url, stats_url=stats_url, storage_options=storage_options)

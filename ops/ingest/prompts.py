@@ -55,8 +55,7 @@ from kvbatch.io.batch_requests import (
 from kvbatch.io.prompt_table import (
     PROMPTS_SCHEMA,
     REJECTS_SCHEMA,
-    reject_record,
-    request_record,
+    outcome_record,
 )
 from kvbatch.io.request_columns import parse_block
 
@@ -311,7 +310,7 @@ def _outcomes_columnar(url: str, outcomes: TableStream, ids: IdSpill, default_ma
                      for i in slow]
             for item in items:
                 warn_unknown_fields(url, item, warned)
-            records = [reject_record(i) if isinstance(i, RejectedRow) else request_record(i) for i in items]
+            records = [outcome_record(i) for i in items]
             block = pa.concat_tables([block, pa.Table.from_pylist(records, OUTCOME_SCHEMA)])
             block = block.take(pc.sort_indices(block.column("row")))
         outcomes.add_table(block)
@@ -357,7 +356,7 @@ def ingest(
                 for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
                                          storage_options=storage_options, check_duplicates=False):
                     report.rows += 1
-                    outcomes.add(reject_record(item) if isinstance(item, RejectedRow) else request_record(item))
+                    outcomes.add(outcome_record(item))
                     if item.custom_id is not None:
                         ids.add(item.line_no, item.custom_id)
         except BaseException:

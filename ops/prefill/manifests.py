@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvbatch.engine.runtime.llm import LLM
 from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.engine.text.structured import schema_error
 from kvbatch.io.batch_requests import (
     INT64_MAX,
     INT64_MIN,
@@ -115,6 +116,9 @@ _Count = Annotated[int, Field(ge=0, le=_INT32_MAX)]
 _Id = Annotated[Text, Field(min_length=1)]
 
 
+_MAX_RESPONSE_FORMAT = 1 << 20  # bytes of a response format's canonical JSON
+
+
 class _Sampling(BaseModel):
     """The engine's SamplingParams as prefill wrote them (dataclasses.asdict); the bounds are
     those io.batch_requests puts on the request fields they came from."""
@@ -130,6 +134,9 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int]  # range checked against the vocabulary: one message for every bad id
     logprobs: int | None = Field(ge=0, le=MAX_TOP_LOGPROBS)
     ignore_eos: bool
+    # The canonical JSON of a constrained format (structured outputs), checked again below: a
+    # line altered after prefill must not reach the grammar engine unchecked.
+    response_format: str | None = Field(default=None, max_length=_MAX_RESPONSE_FORMAT)
 
 
 class _Head(BaseModel):
@@ -253,6 +260,8 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
         problem = _check_block_keys(llm, j.block_keys, ids)
     if problem is None and j.block_locations is not None:
         problem = _use_locations(llm, j.block_keys, j.block_locations, item.line)
+    if problem is None and j.sampling.response_format is not None:
+        problem = _format_problem(j.sampling.response_format)
     if problem is not None:
         return _bad(position, item.line, m, *problem)
     sp = j.sampling.model_dump()
@@ -262,6 +271,15 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
     except ValueError as exc:  # the engine's own guard; the schema above should have said so first
         return _bad(position, item.line, m, "sampling", str(exc))
     return Job(position, j.custom_id, j.line_no, list(ids), sampling, j.request_model)
+
+
+def _format_problem(response_format: str) -> tuple[str, str] | None:
+    """Why a manifest's response format cannot be compiled (named like the request field), or None."""
+    try:
+        why = schema_error(response_format)
+    except Exception as exc:  # noqa: BLE001 - any malformed format is this line's problem, never the run's
+        why = f"not a response format: {type(exc).__name__}: {exc}"
+    return None if why is None else ("sampling.response_format", why)
 
 
 def _out_of_vocab(ids: list[int], vocab: int, field: str) -> tuple[str, str] | None:

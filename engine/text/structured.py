@@ -1,0 +1,148 @@
+"""Structured outputs: a request's ``response_format`` as an llguidance grammar, compiled once
+per schema and handed to each constrained sequence as its own matcher. Torch-free (the
+tokenizing steps check schemas here without loading torch); the mask itself is applied in
+:mod:`kvbatch.engine.runtime.grammar_mask`.
+
+A response format travels through the engine as one canonical JSON string (sorted keys, no
+spaces; :func:`kvbatch.io.batch_requests.parse_response_format` makes it), so equal schemas are equal strings and the
+compiled grammars are cached by that string's SHA-256: three schemas over ten million rows
+compile three times.
+
+- ``{"type": "json_object"}``: any JSON object.
+- ``{"type": "json_schema", "schema": ..., "strict": true}``: exactly the schema; a keyword
+  llguidance does not implement is an error (the row is refused, naming it).
+- ``strict: false``: the schema too, but unimplemented keywords are ignored (llguidance's
+  ``lenient`` mode), as OpenAI's non-strict mode promises no more than best effort.
+
+JSON is generated without insignificant whitespace (``whitespace_flexible: false``), so a model
+cannot spin forever on spaces between tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+
+COMPILE_TIME_LIMIT_S = 2.0  # a schema whose grammar takes longer to build is refused, per row
+# llguidance's own resource limits bound the work a hostile schema can cause (fuel, sizes).
+_LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
+           "max_grammar_size": 500_000, "max_lexer_states": 250_000}
+_JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
+CACHE_SIZE = 256  # distinct schemas kept compiled per engine
+
+
+def format_key(response_format: str) -> str:
+    return hashlib.sha256(response_format.encode("utf-8")).hexdigest()
+
+
+def grammar_of(response_format: str) -> str:
+    """The llguidance grammar of a canonical response format; ValueError names what is wrong."""
+    rf = json.loads(response_format)
+    if rf["type"] == "json_object":
+        schema: Any = {"type": "object"}
+        options = dict(_JSON_DEFAULTS)
+    elif rf["type"] == "json_schema":
+        schema = rf["schema"]
+        options = dict(_JSON_DEFAULTS, lenient=not rf["strict"])
+    else:
+        raise ValueError(f"unknown response_format type {rf['type']!r}")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**_LIMITS)
+
+
+def _schema_problem(message: str) -> str:
+    return "the JSON schema cannot be compiled: " + " ".join(message.split())[:500]
+
+
+_checked: OrderedDict[str, str] = OrderedDict()  # format key -> "" (valid) or the problem
+_checked_lock = threading.Lock()
+
+
+def schema_error(response_format: str) -> str | None:
+    """Why this response format cannot be compiled (a per-row 400's reason), or None. Needs no
+    tokenizer; results are cached by the format's hash, so a file of a million rows with three
+    schemas validates three times."""
+    key = format_key(response_format)
+    with _checked_lock:
+        if key in _checked:
+            _checked.move_to_end(key)
+            return _checked[key] or None
+    t0 = time.perf_counter()
+    try:
+        problem = llguidance.LLMatcher.validate_grammar(grammar_of(response_format), limits=_limits())
+    except ValueError as exc:
+        problem = str(exc) or "invalid schema"
+    elapsed = time.perf_counter() - t0
+    if not problem and elapsed > COMPILE_TIME_LIMIT_S:
+        problem = f"compiling it took {elapsed:.1f}s, over the {COMPILE_TIME_LIMIT_S:g}s limit"
+    reason = _schema_problem(problem) if problem else ""
+    with _checked_lock:
+        _checked[key] = reason
+        while len(_checked) > CACHE_SIZE * 16:
+            _checked.popitem(last=False)
+    return reason or None
+
+
+class GrammarCompiler:
+    """One engine's compiled grammars, by schema hash, and the llguidance tokenizer they use.
+
+    :meth:`matcher` hands each constrained sequence a copy of the schema's compiled matcher
+    (``deep_copy`` of a cached prototype: microseconds), or the reason there is none.
+    ``compiles`` counts grammar constructions (tests pin the cache with it)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
+        self.compiles = 0
+
+    @property
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        if self._lltok is None:  # ~0.2 s for a 49k vocabulary: built at the first constrained request
+            self._lltok = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                 eos_token=self.eos_token_ids)
+        return self._lltok
+
+    def matcher(self, response_format: str) -> tuple[llguidance.LLMatcher | None, str | None]:
+        """A fresh matcher for one sequence, or (None, the reason the schema cannot be used)."""
+        key = format_key(response_format)
+        proto = self._cache.get(key)
+        if proto is None:
+            proto = self._compile(response_format)
+            self._cache[key] = proto
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        if isinstance(proto, str):
+            return None, proto
+        return proto.deep_copy(), None
+
+    def _compile(self, response_format: str) -> llguidance.LLMatcher | str:
+        self.compiles += 1
+        t0 = time.perf_counter()
+        try:
+            grammar = grammar_of(response_format)
+        except ValueError as exc:
+            return _schema_problem(str(exc))
+        m = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=_limits())
+        elapsed = time.perf_counter() - t0
+        if m.is_error():
+            return _schema_problem(m.get_error())
+        if elapsed > COMPILE_TIME_LIMIT_S:
+            return _schema_problem(f"compiling it took {elapsed:.1f}s, over the {COMPILE_TIME_LIMIT_S:g}s limit")
+        return m

@@ -1,0 +1,365 @@
+"""The exact response cache across runs (ops/decode/response_cache.py, docs/response-cache.md):
+a second run is served from it bit for bit; every rule of the key; corruption is a miss; verify
+mode catches a wrong-but-valid entry; the cache on S3."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbatch.cli.main import main
+from kvbatch.engine.runtime.sampling_params import SamplingParams
+from kvbatch.ops.decode.response_cache import decode_entry, encode_entry, row_key
+from tests.tiny_models import build_tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> Path:
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), max_positions=96)
+
+
+@pytest.fixture(scope="module")
+def other_chat(tmp_path_factory) -> Path:
+    return build_tiny_chat_model(tmp_path_factory.mktemp("other_chat"), seed=1, max_positions=96)
+
+
+def _row(cid: str, content: str, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": content}], "max_tokens": 6, **body}}
+
+
+GREEDY = [_row(f"g{i}", f"Hello number {i}", temperature=0) for i in range(6)]
+LOGPROBS = [_row("lp", "Tell me more", temperature=0, logprobs=True, top_logprobs=2)]
+SEEDED = [_row("s", "Pick a word", temperature=0.9, seed=7)]
+UNSEEDED = [_row("u", "Pick a word", temperature=0.9)]
+BAD = [_row("bad", "x", temperature=-1)]
+ROWS = GREEDY + LOGPROBS + SEEDED + UNSEEDED + BAD
+REUSABLE = len(GREEDY) + len(LOGPROBS) + len(SEEDED)
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _run(model: Path, tmp_path: Path, name: str, rows: list[dict], cache: str | None, *extra: str,
+         deterministic: bool = True) -> tuple[int, list[dict], dict]:
+    src = _write(tmp_path / f"{name}.in.jsonl", rows)
+    out, metrics = tmp_path / f"{name}.out.jsonl", tmp_path / f"{name}.metrics.json"
+    args = ["generate", "--model", str(model), "--input", str(src), "--output", str(out), "--metrics", str(metrics),
+            "--no-progress", *(["--deterministic"] if deterministic else []), *(["--response-cache", cache] if cache else []), *extra]
+    code = main(args)
+    lines = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    return code, lines, json.loads(metrics.read_text()) if metrics.exists() else {}
+
+
+def _answers(lines: list[dict]) -> dict[str, str]:
+    """Each line as bytes, less the one field that is the wall clock (``created``)."""
+    out = {}
+    for line in lines:
+        if line["response"]["status_code"] == 200:
+            line = json.loads(json.dumps(line))
+            del line["response"]["body"]["created"]
+        out[line["custom_id"]] = json.dumps(line, sort_keys=True)
+    return out
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted(cache.rglob("*.json"))
+
+
+def test_second_run_is_all_hits_and_equals_a_fresh_run_bit_for_bit(tiny_chat, tmp_path):
+    cache = tmp_path / "cache"
+    code1, first, m1 = _run(tiny_chat, tmp_path, "first", ROWS, str(cache))
+    assert code1 == 1  # the bad row
+    assert m1["response_cache"]["hits"] == 0
+    assert m1["response_cache"]["misses"] == REUSABLE
+    assert m1["response_cache"]["writes"] == REUSABLE
+    assert m1["response_cache"]["not_reusable"] == 1
+    # Errors and unseeded sampled rows are never stored.
+    assert len(_entries(cache)) == REUSABLE
+    code2, second, m2 = _run(tiny_chat, tmp_path, "second", ROWS, str(cache))
+    rc = m2["response_cache"]
+    assert code2 == 1
+    assert (rc["hits"], rc["misses"], rc["writes"], rc["not_reusable"]) == (REUSABLE, 0, 0, 1)
+    assert rc["requests"] == {"GET": REUSABLE}  # one GET per reusable row, no PUT
+    assert m2["succeeded"] == m1["succeeded"] and m2["rejected"] == m1["rejected"] == 1
+    # Only the unseeded row ran in the engine.
+    u = next(x for x in second if x["custom_id"] == "u")
+    assert m2["output_tokens"] == u["response"]["body"]["usage"]["completion_tokens"]
+    a1, a2 = _answers(first), _answers(second)
+    fresh = _answers(_run(tiny_chat, tmp_path, "fresh", ROWS, None)[1])
+    reusable = [r["custom_id"] for r in GREEDY + LOGPROBS + SEEDED]
+    for cid in reusable + ["bad"]:
+        assert a2[cid] == a1[cid] == fresh[cid], cid
+    lp = json.loads(a2["lp"])["response"]["body"]["choices"][0]["logprobs"]
+    assert lp is not None and lp["content"] and len(lp["content"][0]["top_logprobs"]) == 2
+
+
+def test_every_rule_of_the_key_misses(tiny_chat, other_chat, tmp_path):
+    cache = str(tmp_path / "cache")
+    rows = GREEDY[:2] + SEEDED
+    assert _run(tiny_chat, tmp_path, "warm", rows, cache)[0] == 0
+    code, _, m = _run(tiny_chat, tmp_path, "same", rows, cache)
+    assert code == 0 and m["response_cache"]["hits"] == 3
+
+    def misses(name: str, rows: list[dict], model: Path = tiny_chat, *extra: str, deterministic: bool = True) -> dict:
+        code, _, m = _run(model, tmp_path, name, rows, cache, *extra, deterministic=deterministic)
+        assert code == 0, name
+        rc = m["response_cache"]
+        assert rc["hits"] == 0 and rc["misses"] == len(rows), (name, rc)
+        return rc
+
+    def changed(row: dict, **body) -> dict:
+        return {**row, "body": {**row["body"], **body}}
+
+    # A changed sampling field, a changed max_tokens, a stop string, another seed: misses.
+    misses("top_p", [changed(r, top_p=0.5) for r in rows])
+    misses("max_tokens", [changed(r, max_tokens=5) for r in rows])
+    misses("stop", [changed(r, stop=["zz"]) for r in rows])
+    misses("seed", [changed(SEEDED[0], seed=8)])
+    misses("logprobs", [changed(r, logprobs=True) for r in rows])
+    # Other weights (another tiny model, same tokenizer) and another weight format: misses.
+    misses("other_weights", rows, other_chat)
+    # Batch-invariant numerics are part of the key; int8 weights run without them, so the
+    # full-weight entries they must not hit are written without them too.
+    misses("not_deterministic", rows, deterministic=False)
+    code, _, m = _run(tiny_chat, tmp_path, "full_again", rows, cache, deterministic=False)
+    assert code == 0 and m["response_cache"]["hits"] == 3
+    misses("int8", rows, tiny_chat, "--weights", "int8", deterministic=False)
+
+
+def test_every_sampling_field_is_in_the_key_and_so_is_a_new_one():
+    base = SamplingParams(max_tokens=8, temperature=0.0, seed=1)
+    key = row_key("engine", [1, 2, 3], base)
+    other = {"max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 2,
+             "stop": ("x",), "stop_token_ids": (7,), "logprobs": 1, "ignore_eos": True}
+    for f in dataclasses.fields(SamplingParams):
+        # A field added since (structured outputs' response_format): another value of its kind.
+        if f.name in other:
+            value = other[f.name]
+        elif f.default is None:
+            value = '{"type": "json_object"}'
+        else:
+            value = (not f.default) if isinstance(f.default, bool) else f.default + 1
+        assert row_key("engine", [1, 2, 3], dataclasses.replace(base, **{f.name: value})) != key, f.name
+    assert row_key("engine", [1, 2, 4], base) != key
+    assert row_key("engine2", [1, 2, 3], base) != key
+    # temperature 0 and 0.0 are one value; the key is stable across processes (no hash seeds).
+    assert row_key("engine", [1, 2, 3], dataclasses.replace(base, temperature=0)) == key
+
+    @dataclasses.dataclass(frozen=True)
+    class WithGrammar(SamplingParams):  # a field another engineer adds (structured outputs)
+        grammar: str | None = None
+
+    g1 = row_key("engine", [1, 2, 3], WithGrammar(max_tokens=8, temperature=0.0, seed=1, grammar="a"))
+    g2 = row_key("engine", [1, 2, 3], WithGrammar(max_tokens=8, temperature=0.0, seed=1, grammar="b"))
+    assert g1 is not None and g2 is not None and g1 != g2
+    # A field value with no canonical form makes the row uncacheable, never a key that ignores it.
+    assert row_key("engine", [1], WithGrammar(temperature=0.0, grammar=object())) is None  # type: ignore[arg-type]
+    # Sampled rows without a seed are never keyed.
+    assert row_key("engine", [1], SamplingParams(temperature=0.7)) is None
+
+
+def test_an_unseeded_sampled_row_never_hits(tiny_chat, tmp_path):
+    cache = tmp_path / "cache"
+    for name in ("a", "b"):
+        code, _, m = _run(tiny_chat, tmp_path, name, UNSEEDED, str(cache))
+        assert code == 0
+        rc = m["response_cache"]
+        assert (rc["hits"], rc["misses"], rc["writes"], rc["not_reusable"]) == (0, 0, 0, 1)
+        assert rc["requests"] == {}
+    assert _entries(cache) == []
+
+
+def test_corrupt_and_truncated_entries_are_misses_recomputed(tiny_chat, tmp_path):
+    cache = tmp_path / "cache"
+    rows = GREEDY[:4]
+    _, first, _ = _run(tiny_chat, tmp_path, "first", rows, str(cache))
+    entries = _entries(cache)
+    assert len(entries) == 4
+    data = entries[0].read_bytes()
+    mid = len(data) // 2
+    entries[0].write_bytes(data[:mid] + bytes([data[mid] ^ 0x01]) + data[mid + 1:])  # one flipped bit
+    entries[1].write_bytes(entries[1].read_bytes()[:40])  # cut short
+    code, second, m = _run(tiny_chat, tmp_path, "second", rows, str(cache))
+    rc = m["response_cache"]
+    assert code == 0
+    assert (rc["hits"], rc["misses"], rc["corrupt"], rc["writes"]) == (2, 2, 2, 2)
+    assert _answers(second) == _answers(first)
+    # The corrupt entries were replaced: the next run is all hits.
+    rc = _run(tiny_chat, tmp_path, "third", rows, str(cache))[2]["response_cache"]
+    assert (rc["hits"], rc["misses"], rc["corrupt"]) == (4, 0, 0)
+
+
+def test_verify_mode_catches_a_wrong_but_valid_entry(tiny_chat, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    rows = GREEDY[:3]
+    _, first, _ = _run(tiny_chat, tmp_path, "first", rows, str(cache))
+    # A clean cache verifies.
+    code, _, m = _run(tiny_chat, tmp_path, "clean", rows, str(cache), "--response-cache-verify", "1")
+    assert code == 0 and m["response_cache"]["verified"] == 3 and m["response_cache"]["hits"] == 3
+    # Tamper with one entry and give it a valid checksum: only a recomputation can tell.
+    path = _entries(cache)[0]
+    doc = json.loads(path.read_bytes())
+    body = {**doc["body"], "text": doc["body"]["text"] + " (tampered)"}
+    path.write_bytes(encode_entry(doc["key"], body))
+    assert decode_entry(doc["key"], path.read_bytes()) == body
+    candidates = _cid_of(first, doc["body"]["text"])  # the row(s) whose answer it holds
+    capsys.readouterr()
+    code, lines, _ = _run(tiny_chat, tmp_path, "verify", rows, str(cache), "--response-cache-verify", "1")
+    err = capsys.readouterr().err
+    assert code == 2
+    assert any(f"custom_id {cid!r}" in err for cid in candidates), err
+    assert "differs from its recomputation" in err and "(tampered)" in err
+    assert lines == []  # nothing committed
+    # Without verify the same tampered entry would have been served; after the failure it holds
+    # the recomputed answer again.
+    code, lines, m = _run(tiny_chat, tmp_path, "after", rows, str(cache), "--response-cache-verify", "1")
+    assert code == 0 and m["response_cache"]["verified"] == 3
+    assert _answers(lines) == _answers(first)
+
+
+def _cid_of(lines: list[dict], text: str) -> set[str]:
+    return {x["custom_id"] for x in lines if x["response"]["body"]["choices"][0]["message"]["content"] == text}
+
+
+def test_decode_takes_the_cache_too(tiny_chat, tmp_path):
+    store = (tmp_path / "kv").as_uri()
+    src = _write(tmp_path / "in.jsonl", GREEDY[:3])
+    manifests = tmp_path / "m.jsonl"
+    common = ["--model", str(tiny_chat), "--store", store, "--deterministic", "--no-progress"]
+    assert main(["prefill", *common, "--input", str(src), "--manifests", str(manifests)]) == 0
+    outs = []
+    for name in ("d1", "d2"):
+        out, metrics = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        assert main(["decode", *common, "--manifests", str(manifests), "--output", str(out), "--metrics", str(metrics),
+                     "--response-cache", str(tmp_path / "cache")]) == 0
+        outs.append(_answers([json.loads(x) for x in out.read_text().splitlines()]))
+        rc = json.loads(metrics.read_text())["response_cache"]
+        assert (rc["hits"], rc["misses"]) == ((0, 3) if name == "d1" else (3, 0))
+    assert outs[0] == outs[1]
+
+
+def test_workers_refuse_the_cache(tiny_chat, tmp_path, capsys):
+    src = _write(tmp_path / "in.jsonl", GREEDY[:1])
+    code = main(["generate", "--model", str(tiny_chat), "--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+                 "--workers", "2", "--response-cache", str(tmp_path / "cache"), "--no-progress"])
+    assert code == 2
+    assert "--response-cache runs in one process" in capsys.readouterr().err
+
+
+def test_the_cache_on_s3(tiny_chat, tmp_path, s3, s3_endpoint, monkeypatch):
+    import s3fs
+
+    url, _, fs = s3
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        cache = url.rsplit("/", 1)[0] + "/responses"
+        rows = GREEDY[:3] + SEEDED
+        _, first, m1 = _run(tiny_chat, tmp_path, "first", rows, cache)
+        assert m1["response_cache"]["writes"] == 4 and m1["response_cache"]["requests"] == {"GET": 4, "PUT": 4}
+        stored = [p for p in fs.find(cache.removeprefix("s3://")) if p.endswith(".json")]
+        assert len(stored) == 4
+        # A corrupt object on S3 is a miss too, and is replaced.
+        fs.pipe_file(stored[0], fs.cat_file(stored[0])[:-5])
+        code, second, m2 = _run(tiny_chat, tmp_path, "second", rows, cache)
+        rc = m2["response_cache"]
+        assert code == 0 and (rc["hits"], rc["misses"], rc["corrupt"], rc["writes"]) == (3, 1, 1, 1)
+        assert _answers(second) == _answers(first)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
+    """``kv_store.response_cache`` on the decode_results asset: a second materialization of the
+    shard is served from the cache, its results equal, its metadata counting hits/misses/writes."""
+    import dagster as dg
+    import pyarrow.parquet as pq
+
+    from kvbatch.pipelines.assets import decode_results, prefill_kv, prompt_shards, prompts
+    from kvbatch.pipelines.layout import DayLayout
+    from kvbatch.pipelines.partitions import date_shard_key
+    from kvbatch.resources import (
+        DecodeClusterResource,
+        KVStoreResource,
+        ModelResource,
+        ObjectStoreResource,
+        PricingResource,
+    )
+
+    date = "2026-11-29"
+    tiny = build_tiny_chat_model(tmp_path / "tiny", max_positions=96)
+    data = tmp_path / "requests.jsonl"
+    data.write_text("".join(json.dumps({"custom_id": f"q{i}", "messages": [{"role": "user", "content": f"Say {i}."}],
+                                        "max_tokens": 3, "temperature": 0}) + "\n" for i in range(4)))
+    root = tmp_path / "data"
+    resources = {
+        "object_store": ObjectStoreResource(url=str(root)),
+        "model": ModelResource(model=str(tiny), max_batch=8),
+        "kv_store": KVStoreResource(memory_gb=0, response_cache="default"),
+        "pricing": PricingResource(),
+        "decode_cluster": DecodeClusterResource(),
+        "pipes_subprocess_client": dg.PipesSubprocessClient(),
+    }
+    config = {"ops": {"prompts": {"config": {"url": str(data)}}}}
+    assert dg.materialize([prompts, prompt_shards], resources=resources, partition_key=date, run_config=config).success
+    key = date_shard_key(date, "0000")
+    assert dg.materialize([prefill_kv], resources=resources, partition_key=key, selection=[prefill_kv]).success
+    day = DayLayout(str(root), date)
+    rows = pq.read_table(day.shard("shards", "0000")).num_rows
+    seen = []
+    for _ in range(2):
+        res = dg.materialize([decode_results], resources=resources, partition_key=key, selection=[decode_results])
+        assert res.success
+        meta = {k: v.value for k, v in res.asset_materializations_for_node("decode_results")[0].metadata.items()}
+        seen.append((meta["response_cache_hits"], meta["response_cache_misses"], meta["response_cache_writes"]))
+        results = pq.read_table(day.shard("results", "0000")).sort_by("custom_id")
+        seen.append(results.select(["custom_id", "text", "output_token_ids", "finish_reason"]).to_pylist())
+    assert seen[0] == (0, rows, rows) and seen[2] == (rows, 0, 0)
+    assert seen[1] == seen[3]
+    assert list((root / "responses").rglob("*.json"))
+
+
+def test_a_served_batch_takes_the_cache(tiny_chat, tmp_path):
+    """``kvbatch serve``'s batch run (``run_batch_parts``) with a cache: a second batch of the
+    same file is all hits, its lines the same, its summary (done.json) counting them."""
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.ops.decode.response_cache import ResponseCache
+    from kvbatch.ops.engine_build import build_llm
+    from kvbatch.pipelines.batch_api import read_part_lines, run_batch_parts
+
+    llm = build_llm(EngineSpec(model=str(tiny_chat), deterministic=True))
+    src = _write(tmp_path / "in.jsonl", GREEDY[:3] + BAD)
+    got = []
+    for name in ("b1", "b2"):
+        cache = ResponseCache.for_llm(str(tmp_path / "cache"), llm)
+        summary = run_batch_parts(llm, str(src), str(tmp_path / name), model_name="tiny", response_cache=cache)
+        cache.close()
+        rc = summary.response_cache
+        got.append(((rc["hits"], rc["misses"], rc["writes"]), summary.succeeded, summary.failed))
+        done = json.loads((tmp_path / name / "done.json").read_text())
+        assert done["response_cache"]["hits"] == rc["hits"]
+    assert got == [((0, 3, 3), 3, 1), ((3, 0, 0), 3, 1)]
+    first, second = _lines(tmp_path / "b1", read_part_lines), _lines(tmp_path / "b2", read_part_lines)
+    for line in second:  # a served answer computed no prompt token: all of them are cached_tokens
+        if line["error"] is None:
+            usage = line["response"]["body"]["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+    for line in first + second:
+        if line["error"] is None:
+            del line["response"]["body"]["usage"]["prompt_tokens_details"]
+    assert _answers(first) == _answers(second)
+
+
+def _lines(work: Path, read_part_lines) -> list[dict]:
+    from kvbatch.pipelines.batch_api import list_parts
+
+    return [json.loads(line) for p in list_parts(str(work), {}) for line in read_part_lines(str(work), p, {})]

@@ -1,0 +1,313 @@
+"""Structured outputs: ``response_format`` json_schema (strict and not) and json_object decoded
+under llguidance's grammar masks, on a tiny random chat model that speaks SmolLM2's tokenizer.
+
+Random weights mean the model has no idea what JSON is: every valid answer below is the mask's
+doing. Pinned: every row parses and validates (greedy and seeded sampling), a schema that cannot
+compile (or compiles too slowly) is a per-row 400 naming the problem while the other rows
+succeed, the mask is exactly as wide as the logits, a mask that allows nothing ends its row
+with an error (no NaN, the batch goes on), compiled grammars are cached by schema, constrained
+rows never draft under speculative decoding, and ``kvbatch generate`` honours it end to end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import jsonschema
+import pytest
+import torch
+
+from kvbatch.cli.main import main
+from kvbatch.engine import LLM, GenerationRequest, SamplingParams
+from kvbatch.engine.runtime.grammar_mask import apply_token_bitmask, fill_token_bitmask
+from kvbatch.engine.speculative.controller import SpecConfig
+from kvbatch.engine.text import structured
+from kvbatch.io.batch_requests import ChatRequest, RejectedRow, parse_request_line, parse_response_format
+from kvbatch.io.prompt_table import outcome_record
+from kvbatch.ops.decode.loop import Answered, DecodeLoop, Refused
+from kvbatch.ops.decode.report import BatchReport
+from kvbatch.ops.jobs import Job
+from tests.tiny_models import build_tiny_chat_model
+
+SCHEMAS = {
+    "enum": {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+             "required": ["label"], "additionalProperties": False},
+    "int_range": {"type": "object", "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5}},
+                  "required": ["stars"], "additionalProperties": False},
+    "array_bounds": {"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"], "additionalProperties": False},
+    "bool_number": {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                     "score": {"type": "integer", "minimum": -9, "maximum": 9}},
+                    "required": ["ok", "score"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+                   "required": ["name", "age"], "additionalProperties": False},
+        "kind": {"enum": ["a", "b"]}}, "required": ["person", "kind"], "additionalProperties": False},
+}
+MESSAGES = [{"role": "user", "content": "Classify: the food was great."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> Path:
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat_structured"), max_positions=512)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat) -> LLM:
+    return LLM(str(tiny_chat))
+
+
+def _schema_format(schema: dict, strict: bool = True) -> str:
+    rf = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                        "strict": strict}})
+    assert isinstance(rf, str)
+    return rf
+
+
+def _req(rid: str, rf: str | None, temperature: float = 0.0, seed: int | None = None, max_tokens: int = 96):
+    return GenerationRequest(rid, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                                 response_format=rf), messages=MESSAGES)
+
+
+def test_schema_rows_parse_and_validate_greedy_and_sampled(llm):
+    reqs, expect = [], {}
+    for name, schema in SCHEMAS.items():
+        for strict in (True, False):
+            for temperature, seed in ((0.0, None), (1.0, 7)):
+                rid = f"{name}-{strict}-{temperature}"
+                reqs.append(_req(rid, _schema_format(schema, strict), temperature, seed))
+                expect[rid] = schema
+    reqs.append(_req("free", None, max_tokens=8))
+    for r in llm.generate(reqs):
+        if r.request_id == "free":
+            assert r.error is None and r.finish_reason == "length"
+            continue
+        assert r.error is None and r.finish_reason == "stop", (r.request_id, r.text)
+        jsonschema.validate(json.loads(r.text), expect[r.request_id])
+
+
+def test_json_object_rows_are_json_objects(llm):
+    """A random model wanders inside strings, so some seeded rows hit max_tokens; every token of
+    every row is still one the grammar accepts, and every row that ends is a JSON object."""
+    rf = parse_response_format({"type": "json_object"})
+    results = llm.generate([_req(f"s{s}", rf, temperature=1.0, seed=s, max_tokens=48) for s in range(8)])
+    lltok = llm.grammars.lltokenizer
+    stopped = 0
+    for r in results:
+        assert r.error is None
+        m = llguidance.LLMatcher(lltok, structured.grammar_of(rf), log_level=0)
+        body = r.output_token_ids[:-1] if r.finish_reason == "stop" else r.output_token_ids
+        assert m.consume_tokens(body), r.text
+        if r.finish_reason == "stop":
+            stopped += 1
+            assert isinstance(json.loads(r.text), dict)
+    assert stopped >= 1
+
+
+def test_grammar_cache_compiles_once_per_schema(tiny_chat):
+    llm = LLM(str(tiny_chat))
+    formats = [_schema_format(SCHEMAS[n]) for n in ("enum", "int_range", "bool_number")]
+    for _ in range(2):  # a second batch with the same schemas compiles nothing
+        results = llm.generate([_req(f"r{i}", formats[i % 3], max_tokens=32) for i in range(12)])
+        assert all(r.error is None for r in results)
+    assert llm.grammars.compiles == 3
+
+
+def test_uncompilable_schema_is_a_row_error_and_other_rows_succeed(llm):
+    bad = _schema_format({"type": "frobnicate"})
+    problem = structured.schema_error(bad)
+    assert problem is not None and "cannot be compiled" in problem and "frobnicate" in problem
+    assert structured.schema_error(_schema_format(SCHEMAS["enum"])) is None
+    # The engine's own backstop (rows that skipped the tokenizing step's check): a per-row error.
+    results = {r.request_id: r for r in llm.generate([_req("bad", bad), _req("good", _schema_format(SCHEMAS["enum"])),
+                                                      _req("free", None, max_tokens=4)])}
+    assert results["bad"].finish_reason == "error" and "frobnicate" in results["bad"].error
+    assert results["good"].error is None and json.loads(results["good"].text)["label"]
+    assert results["free"].error is None
+
+
+def test_strict_refuses_unimplemented_keywords_and_non_strict_ignores_them():
+    schema = {"type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}}
+    assert structured.schema_error(_schema_format(schema, strict=True)) is not None
+    assert structured.schema_error(_schema_format(schema, strict=False)) is None
+
+
+def test_slow_compile_is_refused(monkeypatch):
+    assert structured.COMPILE_TIME_LIMIT_S == 2.0
+    monkeypatch.setattr(structured, "COMPILE_TIME_LIMIT_S", 0.0)
+    problem = structured.schema_error(_schema_format({"type": "object", "properties": {"slow": {"type": "integer"}}}))
+    assert problem is not None and "over the 0s limit" in problem
+
+
+def test_mask_is_as_wide_as_the_logits():
+    tok_vocab = 70  # three words, the last one partial
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 5  # row 0 allows token 5
+    bitmask[1, 2] = 1 << 4  # row 1 allows token 68 only
+    wide = torch.zeros(2, 128)
+    wide[:, 96:] = 1e9  # ids past the tokenizer's vocabulary (a padded embedding) would win
+    out = apply_token_bitmask(wide, bitmask)
+    assert out.argmax(1).tolist() == [5, 68]
+    assert torch.isinf(out[:, 96:]).all()
+    narrow = apply_token_bitmask(torch.zeros(2, 64), bitmask)  # bits past the logits are dropped
+    assert narrow.shape == (2, 64) and torch.isfinite(narrow[0, 5]) and torch.isinf(narrow[1]).all()
+    assert tok_vocab <= 3 * 32
+
+
+def test_vocab_wider_than_tokenizer_never_samples_extra_ids(tiny_chat, monkeypatch):
+    llm = LLM(str(tiny_chat))
+    real = llm.runner.execute
+    extra = 64
+
+    def wider(step):  # the model's vocabulary padded past the tokenizer's, the extra ids favoured
+        logits, sampled = real(step)
+        pad = torch.full((logits.shape[0], extra), 1e4, dtype=logits.dtype, device=logits.device)
+        return torch.cat([logits, pad], dim=1), sampled
+
+    monkeypatch.setattr(llm.runner, "execute", wider)
+    rf = _schema_format(SCHEMAS["nested"])
+    for r in llm.generate([_req("g", rf), _req("s", rf, temperature=1.0, seed=3)]):
+        assert r.error is None and max(r.output_token_ids) < llm.tokenizer.vocab_size
+        jsonschema.validate(json.loads(r.text), SCHEMAS["nested"])
+
+
+def test_mask_that_allows_nothing_ends_the_row_with_an_error(tiny_chat, monkeypatch):
+    llm = LLM(str(tiny_chat))
+    real = llm.runner.execute
+
+    def narrow(step):  # a model vocabulary of 100 ids: no token that starts a JSON object ('{' is 107)
+        logits, sampled = real(step)
+        return logits[:, :100].contiguous(), sampled
+
+    monkeypatch.setattr(llm.runner, "execute", narrow)
+    rf = _schema_format(SCHEMAS["enum"])
+    results = {r.request_id: r for r in llm.generate([_req("g", rf), _req("s", rf, temperature=1.0, seed=1),
+                                                      _req("free", None, max_tokens=5)])}
+    for rid in ("g", "s"):
+        assert results[rid].finish_reason == "error" and "allows no token" in results[rid].error
+        assert results[rid].output_token_ids == []
+    assert results["free"].error is None and len(results["free"].output_token_ids) == 5
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_decode_loop_turns_a_grammar_error_into_a_rejected_row(tiny_chat, monkeypatch, tmp_path, with_cache):
+    """Every answering path runs the decode loop: a row the grammar ended is a per-row 400
+    (field ``body.response_format``) in its place, counted as rejected; the other rows answer.
+    With the response cache too (the refused row is not stored)."""
+    llm = LLM(str(tiny_chat))
+    real = llm.runner.execute
+    def narrow(step):
+        logits, sampled = real(step)
+        return logits[:, :100].contiguous(), sampled
+
+    monkeypatch.setattr(llm.runner, "execute", narrow)
+    prompt = llm.tokenizer.encode_chat(MESSAGES)
+    jobs = [Job(0, "c", 1, prompt, SamplingParams(max_tokens=8, temperature=0.0,
+                                                  response_format=_schema_format(SCHEMAS["enum"]))),
+            Job(1, "f", 2, prompt, SamplingParams(max_tokens=3, temperature=0.0))]
+    report = BatchReport()
+    cache = None
+    if with_cache:
+        from kvbatch.ops.decode.response_cache import ResponseCache
+
+        cache = ResponseCache.for_llm(str(tmp_path / "responses"), llm)
+    loop = DecodeLoop(llm, jobs, report, response_cache=cache) if cache is not None else DecodeLoop(llm, jobs, report)
+    out = {(o.job.index if isinstance(o, Answered) else o.index): o for o in loop}
+    assert isinstance(out[0], Refused) and out[0].row.field == "body.response_format"
+    assert out[0].row.custom_id == "c" and "allows no token" in out[0].row.reason
+    assert isinstance(out[1], Answered) and out[1].result.error is None
+    assert report.rejected == 1 and report.rejects_by_field == {"body.response_format": 1}
+
+
+def test_fill_reports_empty_rows_and_reopens_them(llm):
+    rf = _schema_format(SCHEMAS["enum"])
+    m, err = llm._grammar_matcher(rf)
+    assert err is None and m is not None
+    bitmask, empty = fill_token_bitmask([m, None], llm.grammars.vocab_size, 100)
+    assert empty == [0] and (bitmask == -1).all()
+    bitmask, empty = fill_token_bitmask([m, None], llm.grammars.vocab_size, llm.grammars.vocab_size)
+    assert empty == [] and (bitmask[1] == -1).all() and (bitmask[0] != -1).any()
+
+
+def test_speculative_decoding_skips_drafting_for_constrained_rows(tiny_chat):
+    llm = LLM(str(tiny_chat), speculative=SpecConfig("ngram", max_len=4, adaptive=False))
+    rf = _schema_format(SCHEMAS["array_bounds"])
+    results = {r.request_id: r for r in llm.generate([_req("c", rf), _req("cs", rf, temperature=1.0, seed=2),
+                                                      _req("free", None, max_tokens=24)])}
+    for rid in ("c", "cs"):
+        assert results[rid].error is None and results[rid].spec_draft_tokens == 0
+        jsonschema.validate(json.loads(results[rid].text), SCHEMAS["array_bounds"])
+    assert results["free"].error is None
+
+
+def test_response_format_parsing():
+    def line(rf):
+        return json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": MESSAGES, "response_format": rf}}).encode()
+
+    text = parse_request_line(line({"type": "text"}), 1)
+    assert isinstance(text, ChatRequest) and text.sampling.response_format is None and not text.unknown_fields
+    obj = parse_request_line(line({"type": "json_object"}), 1, strict=True)  # a known field, even under --strict
+    assert isinstance(obj, ChatRequest) and json.loads(obj.sampling.response_format) == {"type": "json_object"}
+    a = parse_request_line(line({"type": "json_schema", "json_schema": {"name": "a", "strict": True,
+                                                                        "schema": {"type": "object", "required": []}}}), 1)
+    b = parse_request_line(line({"type": "json_schema", "json_schema": {"schema": {"required": [], "type": "object"},
+                                                                        "strict": True, "name": "b"}}), 1)
+    assert a.sampling.response_format == b.sampling.response_format  # one spelling per schema: one cache key
+    for rf, field in (({"type": "yaml"}, "body.response_format.type"),
+                      ({"type": "json_schema"}, "body.response_format.json_schema"),
+                      ({"type": "json_schema", "json_schema": {"schema": []}}, "body.response_format.json_schema.schema"),
+                      ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}},
+                       "body.response_format.json_schema.strict"),
+                      ("json", "body.response_format")):
+        got = parse_request_line(line(rf), 1)
+        assert isinstance(got, RejectedRow) and got.field == field, (rf, got)
+
+
+def test_pipeline_ingest_refuses_constrained_rows_instead_of_dropping_the_format():
+    row = parse_request_line(json.dumps({"custom_id": "x", "messages": MESSAGES,
+                                         "response_format": {"type": "json_object"}}).encode(), 1)
+    rec = outcome_record(row)
+    assert rec["field"] == "body.response_format" and "kvbatch generate" in rec["reason"]
+
+
+def test_generate_end_to_end_mixes_constrained_and_free_rows(tiny_chat, tmp_path):
+    def row(cid, **body):
+        body = {"model": "gpt-4o-mini", "messages": MESSAGES, "max_tokens": 96, "temperature": 0, **body}
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+    def schema_rf(schema, strict=True):
+        return {"type": "json_schema", "json_schema": {"name": "out", "strict": strict, "schema": schema}}
+
+    lines = [
+        row("enum", response_format=schema_rf(SCHEMAS["enum"])),
+        row("free", max_tokens=6),
+        row("nested", response_format=schema_rf(SCHEMAS["nested"], strict=False)),
+        row("bad", response_format=schema_rf({"type": "frobnicate"})),
+        row("sampled", temperature=1.0, seed=11, response_format=schema_rf(SCHEMAS["bool_number"])),
+        row("obj", temperature=1.0, seed=1, max_tokens=48, response_format={"type": "json_object"}),
+        row("text", max_tokens=4, response_format={"type": "text"}),
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    code = main(["generate", "--model", str(tiny_chat), "--input", str(src), "--output", str(out), "--no-progress",
+                 "--strict"])
+    got = {o["custom_id"]: o for o in map(json.loads, out.read_text().splitlines())}
+    assert code == 1 and list(got) == ["enum", "free", "nested", "bad", "sampled", "obj", "text"]
+    assert got["bad"]["response"]["status_code"] == 400
+    assert got["bad"]["error"]["field"] == "body.response_format.json_schema.schema"
+    assert "the JSON schema cannot be compiled: Invalid type: frobnicate" in got["bad"]["error"]["message"]
+    for cid, schema in (("enum", SCHEMAS["enum"]), ("nested", SCHEMAS["nested"]), ("sampled", SCHEMAS["bool_number"])):
+        choice = got[cid]["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        content = choice["message"]["content"]
+        jsonschema.validate(json.loads(content), schema)
+        assert json.dumps(json.loads(content), separators=(",", ":"), ensure_ascii=False) == content  # no spaces
+    obj = got["obj"]["response"]["body"]["choices"][0]
+    assert obj["finish_reason"] == "length" or isinstance(json.loads(obj["message"]["content"]), dict)
+    for cid in ("free", "text"):
+        assert got[cid]["error"] is None
