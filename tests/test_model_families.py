@@ -17,7 +17,8 @@ from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
 from kvbatch.engine.models.family import FAMILIES
 from kvbatch.engine.models.rope import partial_rotary_rows
-from kvbatch.engine.models.weights import ModelLoadError, dequantize_fp8_block, load_checkpoint
+from kvbatch.engine.models.fp8 import dequantize_fp8_block
+from kvbatch.engine.models.weights import ModelLoadError, load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams

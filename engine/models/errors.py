@@ -7,3 +7,7 @@ Their own module so that every configuration module can raise them without impor
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or one of its options is not implemented."""
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint cannot be used; the message names the path and the problem on one line."""

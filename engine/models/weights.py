@@ -27,8 +27,9 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from kvbatch.engine.models.config import MoEConfig
-from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.errors import ModelLoadError, UnsupportedModelError
 from kvbatch.engine.models.family import FAMILIES
+from kvbatch.engine.models.fp8 import dequantize_fp8_weights, fp8_block_size, is_float8, is_fp8
 from kvbatch.kernels.cpu.gguf_blocks import NATIVE_QTYPES, GGUFBlocks
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: tokenizing steps read only
@@ -66,8 +67,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 SUPPORTED_ARCHITECTURES.update({f.architecture: f.model_type for f in FAMILIES.values()})
 _GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
-# Weight quantizations of HF folders that load (dequantized at load); others are refused by name.
-SUPPORTED_QUANTIZATION = ("fp8 (float8_e4m3fn, block-scaled: weight_block_size)",)
 
 # Files a tokenizer may need from an HF folder; all small text files, read eagerly.
 _TOKENIZER_FILES = (
@@ -115,10 +114,6 @@ _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", 
 _MIXTRAL_BLOCK_RE = re.compile(
     r"^(model\.layers\.\d+)\.block_sparse_moe\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
 _T = TypeVar("_T")
-
-
-class ModelLoadError(RuntimeError):
-    """A checkpoint cannot be used; the message names the path and the problem on one line."""
 
 
 @dataclass(frozen=True)
@@ -269,18 +264,18 @@ def _load_hf_folder(
     config = _normalize_hf_config(raw_config, source, dtype)
 
     shard_files = _safetensors_files(fs, path, source)
-    block = _fp8_block_size(config, source)
+    block = fp8_block_size(config, source)
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, torch.Tensor] = {}  # FP8 weights and their scales, as stored, until every shard is read
     for shard in shard_files:
         for name, tensor in _read_safetensors(fs, shard, source).items():
-            if block is not None and (name.endswith("_scale_inv") or _is_fp8(tensor)):
+            if block is not None and (name.endswith("_scale_inv") or is_fp8(tensor)):
                 quantized[name] = tensor
             else:
                 tensors[name] = tensor.to(dtype)
     if quantized:
-        tensors.update(_dequantize_fp8(quantized, block, dtype, source))
-    elif any(_is_float8(t) for t in tensors.values()):
+        tensors.update(dequantize_fp8_weights(quantized, block, dtype, source))
+    elif any(is_float8(t) for t in tensors.values()):
         raise ModelLoadError(f"{source}: float8 weights but no fp8 quantization_config with weight_block_size")
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)  # tied: the engine uses the embedding matrix
@@ -509,74 +504,6 @@ def _convert_family_tensors(tensors: dict[str, torch.Tensor], config: dict[str, 
         return family.convert_tensors(tensors, config)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: {config['model_type']} weights do not fit the config ({_reason(exc)})") from exc
-
-
-# ---------------------------------------------------------------- FP8 block-scaled weights
-
-
-
-def _is_fp8(tensor: torch.Tensor) -> bool:
-    return str(tensor.dtype) == "torch.float8_e4m3fn"
-
-
-def _is_float8(tensor: torch.Tensor) -> bool:
-    return str(tensor.dtype).startswith("torch.float8")
-
-
-def _fp8_block_size(config: dict[str, Any], source: str) -> tuple[int, int] | None:
-    """The ``[block_n, block_k]`` of an FP8 block-scaled checkpoint; None without a
-    ``quantization_config``; any other quantization is refused in one line naming it."""
-    quant = config.get("quantization_config")
-    if not quant:
-        return None
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method != "fp8":
-        raise ModelLoadError(f"{source}: unsupported quantization method {method!r}; "
-                             f"supported: {', '.join(SUPPORTED_QUANTIZATION)}")
-    fmt = quant.get("fmt", "e4m3")
-    size = quant.get("weight_block_size")
-    if fmt != "e4m3" or not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
-        raise ModelLoadError(f"{source}: fp8 quantization with fmt {fmt!r} and weight_block_size {size!r} is not "
-                             f"supported (only e4m3 with a [block_n, block_k] block size, e.g. [128, 128])")
-    return int(size[0]), int(size[1])
-
-
-def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """An FP8 weight [N, K] times its per-block scales [ceil(N / bn), ceil(K / bk)], in fp32:
-    ``w[i, j] * scale_inv[i // bn, j // bk]`` (the dequantization of DeepSeek-V3's and Qwen3's FP8
-    checkpoints; each product of an fp8 value and an fp32 scale is exact in fp32 up to one rounding)."""
-    import torch
-
-    bn, bk = block
-    n, k = weight.shape
-    expected = (-(-n // bn), -(-k // bk))
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"scales of shape {tuple(scale_inv.shape)} for a [{n}, {k}] weight in "
-                         f"{bn}x{bk} blocks (expected {expected})")
-    scales = scale_inv.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return weight.to(torch.float32) * scales
-
-
-def _dequantize_fp8(stored: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype,
-                    source: str) -> dict[str, torch.Tensor]:
-    """Every FP8 weight of ``stored`` dequantized with its ``<name>_scale_inv`` and cast to
-    ``dtype``; an FP8 weight without scales, or scales without a weight, is a load error."""
-    out: dict[str, torch.Tensor] = {}
-    scales = {name.removesuffix("_scale_inv"): t for name, t in stored.items() if name.endswith("_scale_inv")}
-    for name, weight in stored.items():
-        if name.endswith("_scale_inv"):
-            if name.removesuffix("_scale_inv") not in stored:
-                raise ModelLoadError(f"{source}: {name} scales no weight")
-            continue
-        if name not in scales:
-            raise ModelLoadError(f"{source}: FP8 weight {name} has no {name}_scale_inv")
-        if weight.dim() != 2:
-            raise ModelLoadError(f"{source}: FP8 weight {name} is not a matrix (shape {tuple(weight.shape)})")
-        try:
-            out[name] = dequantize_fp8_block(weight, scales[name], block).to(dtype)
-        except ValueError as exc:
-            raise ModelLoadError(f"{source}: {name}: {exc}") from exc
-    return out
 
 
 def _fuse_experts(tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
