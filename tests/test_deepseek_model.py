@@ -21,14 +21,14 @@ from kvbatch.engine.runtime.kv_connector import KVConnector
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.model_runner import ModelRunner
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
+from kvbatch.io.kvstore.store import KVStore
 from kvbatch.io.kvstore.tiers import MemoryTier
 from kvbatch.kernels.reference_mla import (
     mla_decode_attention,
     mla_prefill_attention,
     store_mla_kv,
 )
-from kvbatch.engine.spec import EngineSpec
+from tests.kv_roundtrip import fp32_store, store_round_trip
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_deepseek import VOCAB, build_tiny_deepseek, deepseek_config
 
@@ -266,7 +266,7 @@ def test_reference_mla_matches_unabsorbed_attention(case):
 
 
 def _store(ckpt, url: str) -> KVStore:
-    return KVStore.from_config(KVStoreConfig(url=url, memory_bytes=0), EngineSpec(dtype="fp32", block_size=4).kv_fingerprint(ckpt.fingerprint))
+    return fp32_store(ckpt, url, 4)
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe"])
@@ -275,26 +275,13 @@ def test_kv_store_roundtrip_of_compressed_blocks(tiny, tmp_path, variant):
     ckpt = load_checkpoint(str(folder))
     # Batch-invariant where the model allows it (dense): loaded KV then matches computed KV to the bit.
     cfg = dict(block_size=4, num_blocks=128, batch_invariant=variant == "dense", max_num_seqs=8)
-    g = torch.Generator().manual_seed(7)
-    system = torch.randint(3, VOCAB, (26,), generator=g).tolist()
-    prompts = {f"q{i}": system + torch.randint(3, VOCAB, (n,), generator=g).tolist() for i, n in enumerate([3, 9, 5])}
-
-    def requests(**kw):
-        return [GenerationRequest(rid, _greedy(6), prompt_token_ids=p, **kw) for rid, p in prompts.items()]
-
-    reference = {r.request_id: r.output_token_ids for r in LLM(ckpt, engine_config=EngineConfig(**cfg)).generate(
-        requests())}
-
     url = (tmp_path / "kv").as_uri()
-    prefill = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=_store(ckpt, url))
-    prefill.generate(requests(prefill_only=True))
-    prefill.connector.flush()  # the segment is written at the end of a prefill job (or by size, or time)
+    trip = store_round_trip(ckpt, url, VOCAB, **cfg)
+    prompts, prefill, decoder = trip.prompts, trip.prefill, trip.decoder
     written = prefill.connector.stats.blocks_written
     assert written > 0
 
-    decoder = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=_store(ckpt, url))  # another worker
-    decoded = {r.request_id: r.output_token_ids for r in decoder.generate(requests())}
-    assert decoded == reference
+    assert trip.decoded == trip.reference
     total = sum(len(p) for p in prompts.values())
     assert decoder.connector.stats.blocks_loaded > 0
     assert decoder.stats["computed_prompt_tokens"] < total - 4 * 6  # the shared system prompt was loaded

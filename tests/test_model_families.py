@@ -22,9 +22,8 @@ from kvbatch.engine.models.weights import ModelLoadError, load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.engine.spec import EngineSpec
-from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
 from tests.logit_capture import assert_logits_match, capture_logits
+from tests.kv_roundtrip import store_round_trip
 from tests.tiny_models import VOCAB
 
 torch.set_num_threads(1)
@@ -159,32 +158,15 @@ def test_unknown_architecture_names_the_supported_list(tmp_path):
     assert "\n" not in str(info.value)
 
 
-def _store(ckpt, url: str) -> KVStore:
-    return KVStore.from_config(KVStoreConfig(url=url, memory_bytes=0),
-                               EngineSpec(dtype="fp32", block_size=4).kv_fingerprint(ckpt.fingerprint))
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 def test_decode_from_the_kv_store_equals_in_process_generate(tmp_path, arch):
     build_tiny_family(arch, tmp_path / "m")
     ckpt = load_checkpoint(str(tmp_path / "m"))
     cfg = dict(block_size=4, num_blocks=128, batch_invariant=True, max_num_seqs=8)
-    g = torch.Generator().manual_seed(7)
-    system = torch.randint(3, VOCAB, (26,), generator=g).tolist()
-    prompts = {f"q{i}": system + torch.randint(3, VOCAB, (n,), generator=g).tolist() for i, n in enumerate([3, 9, 5])}
-
-    def requests(**kw):
-        return [GenerationRequest(rid, _greedy(6), prompt_token_ids=p, **kw) for rid, p in prompts.items()]
-
-    reference = {r.request_id: r.output_token_ids for r in LLM(ckpt, engine_config=EngineConfig(**cfg)).generate(
-        requests())}
-    url = (tmp_path / "kv").as_uri()
-    prefill = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=_store(ckpt, url))
-    prefill.generate(requests(prefill_only=True))
-    prefill.connector.flush()
-    assert prefill.connector.stats.blocks_written > 0
-    decoder = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=_store(ckpt, url))
-    assert {r.request_id: r.output_token_ids for r in decoder.generate(requests())} == reference
+    trip = store_round_trip(ckpt, (tmp_path / "kv").as_uri(), VOCAB, **cfg)
+    prompts, reference, requests, decoder = trip.prompts, trip.reference, trip.requests, trip.decoder
+    assert trip.prefill.connector.stats.blocks_written > 0
+    assert trip.decoded == reference
     assert decoder.connector.stats.blocks_loaded > 0
     assert decoder.stats["computed_prompt_tokens"] < sum(len(p) for p in prompts.values()) - 4 * 6
     # prefix caching inside one engine: the second pass over the same prompts reuses the system prompt
@@ -249,12 +231,9 @@ def _reference_dequant(q: torch.Tensor, scales: torch.Tensor, block: list[int]) 
     return out
 
 
-def build_fp8(arch: str, folder: Path, block: list[int] = FP8_BLOCK, method: str = "fp8"):
-    """A tiny ``arch`` model with every projection stored as FP8 with per-block scales; returns the
-    transformers model holding the dequantized fp32 weights (the reference) and the dequantized
-    tensors by name."""
-    ref = build_tiny_family(arch, folder)
-    state = load_file(folder / "model.safetensors")
+def _quantize_state(state: dict[str, torch.Tensor], block: list[int]) -> tuple[dict, dict]:
+    """(the checkpoint as published, every projection FP8 with its ``_scale_inv``; the projections
+    dequantized by the reference) for a state dict."""
     stored, dequantized = {}, {}
     for name, t in state.items():
         if name.endswith("proj.weight"):
@@ -263,6 +242,15 @@ def build_fp8(arch: str, folder: Path, block: list[int] = FP8_BLOCK, method: str
             dequantized[name] = _reference_dequant(q, s, block)
         else:
             stored[name] = t
+    return stored, dequantized
+
+
+def build_fp8(arch: str, folder: Path, block: list[int] = FP8_BLOCK, method: str = "fp8"):
+    """A tiny ``arch`` model with every projection stored as FP8 with per-block scales; returns the
+    transformers model holding the dequantized fp32 weights (the reference) and the dequantized
+    tensors by name."""
+    ref = build_tiny_family(arch, folder)
+    stored, dequantized = _quantize_state(load_file(folder / "model.safetensors"), block)
     save_file(stored, folder / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": method, "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -349,14 +337,8 @@ def test_fp8_moe_checkpoint_in_the_hub_layout(tmp_path):
     build_tiny_moe("qwen3_moe", fp8)
     state = load_file(fp8 / "model.safetensors")
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in state
-    stored, dequantized = {}, {}
-    for name, t in state.items():
-        if name.endswith("proj.weight"):
-            q, s = _quantize_blocks(t.float(), FP8_BLOCK)
-            stored[name], stored[name + "_scale_inv"] = q, s
-            dequantized[name] = _reference_dequant(q, s, FP8_BLOCK)
-        else:
-            stored[name] = dequantized[name] = t
+    stored, dequantized = _quantize_state(state, FP8_BLOCK)
+    dequantized = {**state, **dequantized}  # the fp32 folder: every other tensor as stored
     plain.mkdir()
     save_file(dequantized, plain / "model.safetensors", metadata={"format": "pt"})
     (plain / "config.json").write_text((fp8 / "config.json").read_text())

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -100,16 +101,14 @@ class Server:
         return openai.OpenAI(api_key=key, base_url=self.base_url, max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("serve")
+def serve_tiny_model(base: Path, **env: str) -> Iterator[Server]:
+    """`kvbatch serve` over a tiny chat model under ``base`` (its Dagster home, model folder and
+    log there), with ``env`` on top of this process's environment; stopped on leaving."""
     (base / "dagster_home").mkdir()
     model = base / "tiny_chat"
     model.mkdir()
-    env = dict(os.environ, KVBATCH_ROOT=str(base / "root"), KVBATCH_MODEL=str(model),
-               DAGSTER_HOME=str(base / "dagster_home"), KVBATCH_API_KEYS=f"{KEY_A}, sha256:"
-               + hashlib.sha256(KEY_B.encode()).hexdigest(), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    srv = Server(env, base / "server.log")
+    srv = Server(dict(os.environ, KVBATCH_MODEL=str(model), DAGSTER_HOME=str(base / "dagster_home"),
+                      HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env), base / "server.log")
     srv.spawn()  # the server and its worker import while the model is built (the worker loads it per batch)
     try:
         build_tiny_chat_model(model, max_positions=128)
@@ -117,6 +116,13 @@ def server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("serve")
+    yield from serve_tiny_model(base, KVBATCH_ROOT=str(base / "root"), KVBATCH_API_KEYS=f"{KEY_A}, sha256:"
+                                + hashlib.sha256(KEY_B.encode()).hexdigest())
 
 
 @pytest.fixture(scope="module")

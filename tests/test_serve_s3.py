@@ -198,27 +198,13 @@ def s3_server(tmp_path_factory, s3_endpoint):
 
     import s3fs
 
-    from tests.test_serve import KEY_A, Server
-    from tests.tiny_models import build_tiny_chat_model
+    from tests.test_serve import KEY_A, serve_tiny_model
 
     bucket = f"serve-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=s3_endpoint).mkdir(bucket)
-    base = tmp_path_factory.mktemp("serve_s3")
-    (base / "dagster_home").mkdir()
-    model = base / "tiny_chat"
-    model.mkdir()
-    env = dict(os.environ, KVBATCH_ROOT=f"s3://{bucket}/kvbatch", KVBATCH_S3_ENDPOINT_URL=s3_endpoint,
-               AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", KVBATCH_MODEL=str(model),
-               DAGSTER_HOME=str(base / "dagster_home"), KVBATCH_API_KEYS=KEY_A, HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")
-    srv = Server(env, base / "server.log")
-    srv.spawn()
-    try:
-        build_tiny_chat_model(model, max_positions=128)
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serve_tiny_model(tmp_path_factory.mktemp("serve_s3"), KVBATCH_ROOT=f"s3://{bucket}/kvbatch",
+                                KVBATCH_S3_ENDPOINT_URL=s3_endpoint, AWS_ACCESS_KEY_ID="testing",
+                                AWS_SECRET_ACCESS_KEY="testing", KVBATCH_API_KEYS=KEY_A)
 
 
 def _wait_done(client: openai.OpenAI, batch_id: str, seen: list, limit_s: float = 240):

@@ -169,12 +169,10 @@ def merge_stats(final: list[dict[str, Any]], earlier: list[dict[str, Any]], ttft
     merged.wall_s = sum(walls.values())
     merged.ttft_s, merged.tpot_s = list(ttft_s), list(tpot_s)
     out = merged.to_json()
-    connectors = [s["connector"] for s in every if "connector" in s]
-    if connectors:
-        out["connector"] = _sum_numbers(connectors)
-    caches = [s["response_cache"] for s in every if "response_cache" in s]
-    if caches:
-        out["response_cache"] = _sum_numbers(caches)
+    for counters in ("connector", "response_cache"):  # per-run counters: summed over every run and rank
+        docs = [s[counters] for s in every if counters in s]
+        if docs:
+            out[counters] = _sum_numbers(docs)
     specs = [s["speculative"] for s in every if "speculative" in s]
     if specs:
         out["speculative"] = _merge_speculative(specs)

@@ -156,8 +156,8 @@ class RowTokenizer:
         fingerprint a model never seen before). The block keys are rooted as the engine's are
         (:meth:`~kvbatch.engine.spec.EngineSpec.kv_root_key`: weights, dtype, weight format, block size)."""
         identity = model_identity(spec.model)
-        ec = spec.engine_config()
-        return cls(kept_tokenizer_source(spec.model), ec.max_model_len or identity.max_position_embeddings,
+        # An engine built from a spec takes the model's whole context window (EngineSpec sets no other).
+        return cls(kept_tokenizer_source(spec.model), identity.max_position_embeddings,
                    spec.kv_root_key(identity.fingerprint), spec.block_size)
 
     def build(self) -> CachedChatEncoder:
