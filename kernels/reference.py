@@ -250,7 +250,7 @@ def _decode_group(index: torch.Tensor | None, tables: torch.Tensor, lens: torch.
     if bool((lens == longest).all()):  # one length (always at batch 1): attend over exactly it, no mask
         return DecodeGroup(index, blocks, width, longest, None)
     keys = width * block_size
-    mask = (torch.arange(keys)[None, :] < lens[:, None].long())[:, None, None, :]
+    mask = (torch.arange(keys, device=lens.device)[None, :] < lens[:, None].long())[:, None, None, :]
     return DecodeGroup(index, blocks, width, keys, mask)
 
 
@@ -373,7 +373,8 @@ def plan_prefill(block_tables: torch.Tensor, cu_query_lens: torch.Tensor, contex
         if n_new == 0 or s in done:
             continue
         slots = gather_slots(block_tables[s : s + 1], n_ctx, block_size)[0]
-        mask = None if n_new == n_ctx else torch.ones(n_new, n_ctx, dtype=torch.bool).tril(n_ctx - n_new)
+        mask = (None if n_new == n_ctx
+                else torch.ones(n_new, n_ctx, dtype=torch.bool, device=block_tables.device).tril(n_ctx - n_new))
         long.append(LongChunk(cu[s], cu[s + 1], slots, mask))
     return PrefillPlan(groups, long)
 
@@ -384,13 +385,16 @@ def _short_chunk_group(block_tables: torch.Tensor, cu: list[int], lens: list[int
     n = [cu[s + 1] - cu[s] for s in seqs]
     qmax = max(n)
     width = -(-max(lens[s] for s in seqs) // block_size)
-    idx = torch.tensor(seqs, dtype=torch.long)
+    dev = block_tables.device  # every index and mask lives where the cache and the queries do
+    idx = torch.tensor(seqs, dtype=torch.long, device=dev)
     blocks = block_tables.index_select(0, idx)[:, :width].reshape(-1).long()
-    rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in seqs])
-    pad_pos = torch.cat([torch.arange(i * qmax, i * qmax + m) for i, m in enumerate(n)])
-    ctx = torch.tensor([lens[s] for s in seqs])
-    q_pos = ctx[:, None] - torch.tensor(n)[:, None] + torch.arange(qmax)[None, :]  # [S, qmax]
-    mask = torch.arange(width * block_size)[None, None, :] <= q_pos[:, :, None]  # padded rows see key 0 at least
+    rows = torch.tensor([r for s in seqs for r in range(cu[s], cu[s + 1])], dtype=torch.long, device=dev)
+    pad_pos = torch.tensor([i * qmax + j for i, m in enumerate(n) for j in range(m)], dtype=torch.long, device=dev)
+    # [S, qmax]: the position of each padded query row (worked out on the host, one copy)
+    q_pos = torch.tensor([[lens[s] - m + j for j in range(qmax)] for s, m in zip(seqs, n)], dtype=torch.long,
+                         device=dev)
+    # padded rows see key 0 at least
+    mask = torch.arange(width * block_size, device=dev)[None, None, :] <= q_pos[:, :, None]
     return ShortChunkGroup(rows, pad_pos, blocks, mask.repeat(1, group, 1)[:, None], S, qmax)
 
 
@@ -501,9 +505,10 @@ def invariant_attention(
     out = torch.empty_like(q)
     single = [i for i, c in enumerate(counts_l) if c == 1]
     if single:
-        rows = torch.tensor([starts[i] for i in single])
+        rows = torch.tensor([starts[i] for i in single], device=q.device)
+        at = torch.tensor(single, device=seqs.device)
         out[rows] = _invariant_attention(q.index_select(0, rows), k_cache, v_cache, block_tables,
-                                         seqs[single], [1] * len(single), list(range(len(single))),
+                                         seqs.index_select(0, at), [1] * len(single), list(range(len(single))),
                                          positions.index_select(0, rows), scale)
     for i, c in enumerate(counts_l):
         if c > 1:
@@ -549,14 +554,14 @@ def _invariant_attention(
     NG = max(n_groups)
     # Query rows [S, Hkv, NG * R, D], padded with zeros; row positions (-1 = padding).
     rows = q.new_zeros(S, Hkv, NG * R, D)
-    row_pos = torch.full((S, NG * R), -1, dtype=torch.long)
+    row_pos = torch.full((S, NG * R), -1, dtype=torch.long, device=q.device)
     for i, (st, c) in enumerate(zip(starts, counts)):
         qs = q[st:st + c].view(c, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, c * G, D)
         rows[i, :, : c * G] = qs
         row_pos[i, : c * G] = positions[st:st + c].repeat_interleave(G)
     rows = rows.view(S, Hkv, NG, 1, R, D).to(k.dtype)
     scores = torch.matmul(rows, k_tiles.view(S, Hkv, 1, nt, TILE, D).transpose(-1, -2)) * scale
-    key_pos = torch.arange(L).view(nt, TILE)
+    key_pos = torch.arange(L, device=q.device).view(nt, TILE)
     valid = key_pos.view(1, 1, nt, 1, TILE) <= row_pos.view(S, NG, 1, R, 1)  # [S, NG, nt, R, TILE]
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
     m = scores.amax(-1, keepdim=True)  # [S, Hkv, NG, nt, R, 1]

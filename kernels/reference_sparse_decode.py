@@ -41,8 +41,9 @@ def sorted_slots(block_tables: torch.Tensor, context_lens: torch.Tensor, block_s
     """The cache slot of every context token, sequence after sequence, ascending within each
     (attention does not depend on the order of its keys, and a CSR row's columns are sorted)."""
     lens = context_lens.long()
-    seq = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    pos = torch.arange(seq.numel()) - (torch.cumsum(lens, 0) - lens).index_select(0, seq)
+    dev = lens.device
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), lens)
+    pos = torch.arange(seq.numel(), device=dev) - (torch.cumsum(lens, 0) - lens).index_select(0, seq)
     slots = block_tables.long()[seq, pos // block_size] * block_size + pos % block_size
     if slots.numel() == 0:
         return slots
@@ -56,21 +57,22 @@ def plan(slots: torch.Tensor, context_lens: torch.Tensor, num_heads: int, num_kv
     (``num_blocks * block_size * num_kv_heads``); query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)``."""
     lens = context_lens.long()
+    dev = lens.device
     B = lens.numel()
     row_lens = lens.repeat_interleave(num_heads)  # row b * Hq + h: sequence b, query head h
-    crow = torch.zeros(B * num_heads + 1, dtype=torch.int64)
+    crow = torch.zeros(B * num_heads + 1, dtype=torch.int64, device=dev)
     torch.cumsum(row_lens, 0, out=crow[1:])
     nnz = int(crow[-1])
-    row_of = torch.repeat_interleave(torch.arange(B * num_heads), row_lens, output_size=nnz)
+    row_of = torch.repeat_interleave(torch.arange(B * num_heads, device=dev), row_lens, output_size=nnz)
     # Each value's token: its sequence's first token plus its place in the row.
     first_token = (torch.cumsum(lens, 0) - lens).repeat_interleave(num_heads)
-    token = torch.arange(nnz) + (first_token - crow[:-1]).index_select(0, row_of)
-    kv_head = (torch.arange(num_heads) // (num_heads // num_kv_heads)).repeat(B).index_select(0, row_of)
+    token = torch.arange(nnz, device=dev) + (first_token - crow[:-1]).index_select(0, row_of)
+    kv_head = (torch.arange(num_heads, device=dev) // (num_heads // num_kv_heads)).repeat(B).index_select(0, row_of)
     cols = slots.index_select(0, token) * num_kv_heads + kv_head
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the three ops used are pinned by tests
         warnings.simplefilter("ignore")
-        pattern = torch.sparse_csr_tensor(crow, cols, torch.zeros(nnz, dtype=dtype), (B * num_heads, cache_rows),
-                                          check_invariants=False)
+        pattern = torch.sparse_csr_tensor(crow, cols, torch.zeros(nnz, dtype=dtype, device=dev),
+                                          (B * num_heads, cache_rows), check_invariants=False)
     return SparseDecode(pattern, cols, crow, row_lens, row_of)
 
 
@@ -90,7 +92,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sp:
                                         alpha=scale).values()
     # Each row's max (scatter_reduce measured about twice as fast as segment_reduce here; a max
     # is exact in any order).
-    top = torch.full((B * Hq,), float("-inf"), dtype=scores.dtype).scatter_reduce_(0, sp.row_of, scores, "amax")
+    top = torch.full((B * Hq,), float("-inf"), dtype=scores.dtype, device=scores.device).scatter_reduce_(
+        0, sp.row_of, scores, "amax")
     weights = scores.sub_(top.index_select(0, sp.row_of)).exp_()
     total = torch.segment_reduce(weights, "sum", lengths=sp.row_lens)
     out = F.embedding_bag(sp.cols, v_rows, sp.crow, mode="sum", per_sample_weights=weights,

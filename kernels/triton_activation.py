@@ -25,7 +25,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+SILU_BLOCK = 1024  # output columns per program at most
+
+
+def silu_block(inter: int, block: int = SILU_BLOCK) -> int:
+    """Output columns per program for rows of ``inter`` outputs (``block`` at most)."""
+    return min(block, max(16, triton.next_power_of_2(inter)))
+
+
+def silu_and_mul(x: torch.Tensor, *, block: int = SILU_BLOCK, num_warps: int = 4) -> torch.Tensor:
     """Triton twin of :func:`reference.silu_and_mul` (same argument and result)."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: the last axis holds gate and up halves, got odd width {x.shape[-1]}")
@@ -37,7 +45,7 @@ def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> t
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     o2 = out.view(-1, inter)
-    block = min(block, max(16, triton.next_power_of_2(inter)))
+    block = silu_block(inter, block)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
         x2, o2, inter, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=num_warps)
     return out

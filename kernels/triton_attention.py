@@ -6,7 +6,12 @@ lookup per key, so any block size works) and run an online softmax in fp32.
 Decode is split over the context ("flash decoding"): program ``(b, kv_head, part)`` handles
 ``partition_size`` keys of sequence ``b`` for all the query heads that share ``kv_head`` (the
 GQA group becomes the rows of one ``tl.dot``), so each K/V byte is read once per step. When
-there is more than one partition a second, small kernel merges the partial results.
+there is more than one partition a second, small kernel merges the partial results. The grid is
+sized for the longest context the launch may see; a program whose partition starts past its own
+sequence's end returns at once, and the merge reads only the partitions below a sequence's
+length, so short sequences in a long batch (or in a CUDA graph captured for a longer context)
+cost little more than their own keys. ``partition_size`` defaults to
+:func:`decode_partition_size` of the longest context, the batch and the KV heads.
 
 Prefill runs one program per (tile of ``block_m`` new tokens, sequence, query head) and stops
 at the causal diagonal of the tile.
@@ -72,6 +77,8 @@ def _paged_decode_kernel(
     ctx = tl.load(context_lens_ptr + b).to(tl.int32)
     start = part * PARTITION_SIZE
     if SPLIT:
+        if start >= ctx:  # past this sequence's end: nothing to do (the merge never reads this partition)
+            return
         end = tl.minimum(start + PARTITION_SIZE, ctx)
     else:  # one program per (sequence, KV head) covers the whole context
         end = ctx
@@ -136,6 +143,7 @@ def _paged_decode_merge_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + b).to(tl.int32)
+    # Only the partitions holding keys: those past the end returned without writing anything.
     n_parts = tl.minimum(tl.cdiv(ctx, PARTITION_SIZE), num_partitions)
     base = (b * num_q_heads + h) * num_partitions
     offs_d = tl.arange(0, BLOCK_D)
@@ -242,9 +250,83 @@ except ImportError:  # pragma: no cover - a Triton without an interpreter
     INTERPRETED = False
 
 
-def _numerics(cache_dtype: torch.dtype) -> tuple[bool, str]:
+# Launch choices, one function each, so that the launchers and benchmarks/gpu_compile.py (which
+# compiles every configuration the engine can launch for sm_90 on a CPU) read the same rule.
+
+# Keys per decode program that decode_partition_size picks from (each is one compiled variant).
+DECODE_PARTITION_SIZES = (256, 512, 1024, 2048)
+# Programs a decode launch should have to fill a GPU: 4 per SM of an H100 (132 SMs; an H200 has
+# as many).
+DECODE_TARGET_PROGRAMS = 4 * 132
+
+
+def decode_partition_size(max_context: int, batch: int = 1, num_kv_heads: int = 1,
+                          target_programs: int = DECODE_TARGET_PROGRAMS) -> int:
+    """Keys per program of the paged decode kernel for a launch over ``batch`` sequences of up
+    to ``max_context`` keys and ``num_kv_heads`` KV heads: the largest of
+    :data:`DECODE_PARTITION_SIZES` whose grid, ``batch * num_kv_heads * ceil(max_context /
+    size)`` programs, still reaches ``target_programs``, else the smallest. Large partitions
+    mean fewer partial results to merge (none when one partition holds the context); small ones
+    put more of the GPU to work on few, long sequences. A pure function of its arguments (the
+    CUDA graphs and the sm_90 compile enumeration call it with the shapes they launch)."""
+    if max_context < 0 or batch < 1 or num_kv_heads < 1 or target_programs < 1:
+        raise ValueError(f"decode_partition_size: max_context ({max_context}) must be >= 0 and batch ({batch}), "
+                         f"num_kv_heads ({num_kv_heads}), target_programs ({target_programs}) >= 1")
+    for size in reversed(DECODE_PARTITION_SIZES):
+        if batch * num_kv_heads * triton.cdiv(max(max_context, 1), size) >= target_programs:
+            return size
+    return DECODE_PARTITION_SIZES[0]
+
+
+def block_d(width: int) -> int:
+    """The tile width covering a row of ``width`` numbers: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(width))
+
+
+def decode_tiles(head_dim: int, group: int, *, interpreted: bool = INTERPRETED) -> dict[str, int]:
+    """The paged decode kernel's tile and launch: ``block_d``, ``group_pad`` (the GQA group as
+    ``tl.dot`` rows, at least 16), ``block_n`` (keys per step), ``num_warps``, ``num_stages``.
+    Heads wider than 128 take half the keys per step to keep the K/V tiles in shared memory."""
+    bd = block_d(head_dim)
+    return dict(block_d=bd, group_pad=max(16, triton.next_power_of_2(group)),
+                block_n=16 if interpreted else (64 if bd <= 128 else 32), num_warps=4, num_stages=2)
+
+
+def split_plan(max_context_len: int, partition_size: int, block_n: int) -> tuple[int, int]:
+    """(keys per partition, a multiple of ``block_n``; partitions the longest context needs)."""
+    partition_size = triton.cdiv(max(partition_size, block_n), block_n) * block_n
+    return partition_size, triton.cdiv(max_context_len, partition_size)
+
+
+def merge_block_p(num_partitions: int) -> int:
+    """Partitions the merge kernel combines per step."""
+    return min(16, triton.next_power_of_2(num_partitions))
+
+
+def prefill_tiles(head_dim: int, elem_bytes: int, *, interpreted: bool = INTERPRETED) -> dict[str, int]:
+    """The prefill kernel's tile and launch: ``block_d``, ``block_m`` (new tokens per program),
+    ``block_n`` (keys per step), ``num_warps``, ``num_stages``.
+
+    Up to 256 wide rows take 64 x 64 (x 32 above 128) tiles in two stages. MLA prefill's
+    576-wide latent rows (``block_d`` 1024) needed 256 KiB of shared memory that way (measured by
+    ``benchmarks/gpu_compile.py`` for sm_90, bf16), more than an SM's 227 KiB: they take 32 new
+    tokens and 16 keys per step in one stage over 8 warps (97 KiB), and fp32 rows (whose dots
+    run on the FMA units, through more shared memory) 16 and 16 over 4 warps (192 KiB). The tile
+    changes only how the work is cut, not the arithmetic of any one score or output.
+    """
+    bd = block_d(head_dim)
+    if interpreted:
+        return dict(block_d=bd, block_m=16, block_n=16, num_warps=4, num_stages=2)
+    if bd <= 256:
+        return dict(block_d=bd, block_m=64, block_n=64 if bd <= 128 else 32, num_warps=4, num_stages=2)
+    if elem_bytes <= 2:
+        return dict(block_d=bd, block_m=32, block_n=16, num_warps=8, num_stages=1)
+    return dict(block_d=bd, block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def _numerics(cache_dtype: torch.dtype, *, interpreted: bool = INTERPRETED) -> tuple[bool, str]:
     """(compute in fp32, tl.dot input precision) for a cache dtype."""
-    if INTERPRETED or cache_dtype == torch.float32:
+    if interpreted or cache_dtype == torch.float32:
         return True, "ieee"
     return False, "tf32"  # unused for 16-bit inputs: the dot runs in the cache dtype
 
@@ -273,10 +355,10 @@ def paged_decode_attention(
     slots: torch.Tensor | None = None,
     *,
     max_context_len: int | None = None,
-    partition_size: int = 512,
+    partition_size: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`reference.paged_decode_attention` (same arguments and result).
 
@@ -284,8 +366,9 @@ def paged_decode_attention(
     ``block_tables`` in the kernel), but its width, the longest context, sizes the grid.
     Otherwise ``max_context_len`` does, or else the block-table capacity
     ``block_tables.shape[1] * block_size``: no host sync either way. Partitions past a
-    sequence's end do nothing. ``partition_size`` keys per program (rounded up to a multiple
-    of ``block_n``); one partition skips the merge kernel.
+    sequence's end return at once. ``partition_size`` keys per program (rounded up to a
+    multiple of ``block_n``; by default :func:`decode_partition_size` of that longest context,
+    the batch and the KV heads); one partition skips the merge kernel.
     """
     Hq, Hkv, D = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
@@ -297,9 +380,10 @@ def paged_decode_attention(
         return out.zero_()
     compute_f32, precision = _numerics(k_cache.dtype)
     group = Hq // Hkv
-    block_d = max(16, triton.next_power_of_2(D))
-    if block_n is None:
-        block_n = 16 if INTERPRETED else (64 if block_d <= 128 else 32)
+    tiles = decode_tiles(D, group)
+    block_n = block_n or tiles["block_n"]
+    if partition_size is None:
+        partition_size = decode_partition_size(max_context_len, B, Hkv)
     partition_size, num_partitions, split, (part_acc, part_max, part_sum) = _partitions(
         out, max_context_len, partition_size, block_n, D)
     _paged_decode_kernel[(B, Hkv, num_partitions)](
@@ -308,14 +392,14 @@ def paged_decode_attention(
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         num_partitions, Hq,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=D, BLOCK_D=block_d,
+        GROUP=group, GROUP_PAD=tiles["group_pad"],
+        HEAD_DIM=D, BLOCK_D=tiles["block_d"],
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION_SIZE=partition_size,
         SPLIT=split, COMPUTE_F32=compute_f32, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"],
     )
     if split:
-        _merge_partitions(part_acc, part_max, part_sum, context_lens, out, partition_size, block_d)
+        _merge_partitions(part_acc, part_max, part_sum, context_lens, out, partition_size, tiles["block_d"])
     return out
 
 
@@ -326,8 +410,7 @@ def _partitions(out: torch.Tensor, max_context_len: int, partition_size: int, bl
     and the fp32 partial results (``out`` itself, untouched, when not splitting). ``out`` is
     [B, H, width]."""
     B, H = out.shape[0], out.shape[1]
-    partition_size = triton.cdiv(max(partition_size, block_n), block_n) * block_n
-    num_partitions = triton.cdiv(max_context_len, partition_size)
+    partition_size, num_partitions = split_plan(max_context_len, partition_size, block_n)
     split = num_partitions > 1
     if not split:
         return partition_size, num_partitions, split, (out, out, out)
@@ -344,7 +427,7 @@ def _merge_partitions(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: 
         part_acc, part_max, part_sum, context_lens, out,
         *out.stride(), num_partitions, H,
         HEAD_DIM=out.shape[2], BLOCK_D=block_d, PARTITION_SIZE=partition_size,
-        BLOCK_P=min(16, triton.next_power_of_2(num_partitions)),
+        BLOCK_P=merge_block_p(num_partitions),
         num_warps=4,
     )
 
@@ -361,8 +444,8 @@ def prefill_attention(
     max_query_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`reference.prefill_attention` (same arguments and result).
 
@@ -382,19 +465,17 @@ def prefill_attention(
     if max_query_len == 0:
         return out
     compute_f32, precision = _numerics(k_cache.dtype)
-    block_d = max(16, triton.next_power_of_2(D))
-    if block_m is None:
-        block_m = 16 if INTERPRETED else 64
-    if block_n is None:
-        block_n = 16 if INTERPRETED else (64 if block_d <= 128 else 32)
+    tiles = prefill_tiles(D, k_cache.element_size())
+    block_m = block_m or tiles["block_m"]
+    block_n = block_n or tiles["block_n"]
     grid = (triton.cdiv(max_query_len, block_m), S, Hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, out,
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d,
+        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=tiles["block_d"],
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         COMPUTE_F32=compute_f32, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"],
     )
     return out

@@ -22,7 +22,19 @@ import triton
 import triton.language as tl
 
 from kvbatch.kernels.triton_attention import (_LOG2E, _NEG_BIG, INTERPRETED, _merge_partitions, _numerics,
-                                              _partitions)
+                                              _partitions, block_d)
+
+MLA_PARTITION_SIZE = 1024  # cache rows per decode program when the context is split
+
+
+def mla_decode_tiles(kv_lora_rank: int, rope_dim: int, *, interpreted: bool = INTERPRETED) -> dict[str, int]:
+    """The MLA decode kernel's tile and launch (the launcher's choice; ``benchmarks/gpu_compile.py``
+    compiles what it returns): ``block_c``/``block_r`` (latent and rope widths), ``block_h``
+    (query heads per program), ``block_n`` (cache rows per step; 16 above a 512-wide latent),
+    ``num_warps``, ``num_stages``."""
+    bc = block_d(kv_lora_rank)
+    return dict(block_c=bc, block_r=block_d(rope_dim) if rope_dim else 16, block_h=16,
+                block_n=16 if interpreted else (32 if bc <= 512 else 16), num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -115,11 +127,11 @@ def mla_decode_attention(
     scale: float,
     *,
     max_context_len: int | None = None,
-    partition_size: int = 1024,
+    partition_size: int = MLA_PARTITION_SIZE,
     block_h: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`reference_mla.mla_decode_attention` (same arguments and result;
     the reference's ``workspace`` is not needed).
@@ -145,12 +157,10 @@ def mla_decode_attention(
     if max_context_len == 0:
         return out.zero_()
     compute_f32, precision = _numerics(kv_cache.dtype)
-    block_c = max(16, triton.next_power_of_2(C))
-    block_r = max(16, triton.next_power_of_2(R)) if R else 16
-    if block_h is None:
-        block_h = 16
-    if block_n is None:
-        block_n = 16 if INTERPRETED else (32 if block_c <= 512 else 16)
+    tiles = mla_decode_tiles(C, R)
+    block_c, block_r = tiles["block_c"], tiles["block_r"]
+    block_h = block_h or tiles["block_h"]
+    block_n = block_n or tiles["block_n"]
     partition_size, num_partitions, split, (part_acc, part_max, part_sum) = _partitions(
         out, max_context_len, partition_size, block_n, C)
     kv = kv_cache[:, :, 0]  # [num_blocks, block_size, C + R], a view
@@ -163,7 +173,7 @@ def mla_decode_attention(
         C=C, R=R, BLOCK_C=block_c, BLOCK_R=block_r,
         BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION_SIZE=partition_size,
         SPLIT=split, COMPUTE_F32=compute_f32, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"],
     )
     if split:
         _merge_partitions(part_acc, part_max, part_sum, context_lens, out, partition_size, block_c)

@@ -177,10 +177,11 @@ def _moe_sum_kernel(
     tl.store(out_ptr + t * stride_ot + offs * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(num_pairs: int, num_experts: int, elem_bytes: int) -> dict[str, int]:
-    """Tile sizes: small row blocks when each expert sees few rows (decode), bigger tiles for
-    prefill; 4-byte weights get fewer pipeline stages to fit shared memory."""
-    if INTERPRETED:
+def moe_tiles(num_pairs: int, num_experts: int, elem_bytes: int, *, interpreted: bool = INTERPRETED) -> dict[str, int]:
+    """Tile sizes of both GEMMs: small row blocks when each expert sees few rows (decode), bigger
+    tiles for prefill; 4-byte weights get fewer pipeline stages to fit shared memory.
+    ``benchmarks/gpu_compile.py`` compiles every tile this returns."""
+    if interpreted:
         return dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
     rows_per_expert = num_pairs / max(num_experts, 1)
     if rows_per_expert <= 4:
@@ -192,6 +193,11 @@ def _config(num_pairs: int, num_experts: int, elem_bytes: int) -> dict[str, int]
     if elem_bytes >= 4:
         cfg["num_stages"] = 2
     return cfg
+
+
+def sum_block_h(hidden: int) -> int:
+    """Columns per program of the kernel that adds each token's ``k`` expert rows."""
+    return min(1024, max(16, triton.next_power_of_2(hidden)))
 
 
 def fused_moe(
@@ -224,7 +230,7 @@ def fused_moe(
         return out
     if k == 0 or E == 0 or I == 0:
         return out.zero_()
-    cfg = _config(T * k, E, w_gate_up.element_size())
+    cfg = moe_tiles(T * k, E, w_gate_up.element_size())
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
                         ("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
@@ -252,7 +258,7 @@ def fused_moe(
         TOP_K=k, BLOCK_M=BM, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         COMPUTE_F32=compute_f32, DOT_PRECISION=precision, **launch,
     )
-    block_h = min(1024, max(16, triton.next_power_of_2(H)))
+    block_h = sum_block_h(H)
     _moe_sum_kernel[(T, triton.cdiv(H, block_h))](
         y, topk_ids, out, H, E,
         *y.stride(), *topk_ids.stride(), *out.stride(),

@@ -34,6 +34,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_launch(hidden: int) -> dict[str, int]:
+    """The kernel's row tile (``block``, the row padded to a power of two) and ``num_warps``
+    (one per 512 numbers, 1 to 16); ``benchmarks/gpu_compile.py`` compiles what this returns."""
+    block = triton.next_power_of_2(hidden)
+    return dict(block=block, num_warps=min(16, max(1, block // 512)))
+
+
 def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
     """``t`` as [rows, hidden] with a unit stride along hidden (a view where possible)."""
     t2 = t.reshape(-1, hidden)
@@ -61,9 +68,10 @@ def rms_norm(
     r2 = x2 if residual is None else _rows(residual, hidden)
     o2 = out.view(-1, hidden)
     n2 = x2 if residual is None else new_res.view(-1, hidden)  # without a residual: only its dtype is read
-    block = triton.next_power_of_2(hidden)
+    launch = rms_norm_launch(hidden)
+    block = launch["block"]
     if num_warps is None:
-        num_warps = min(16, max(1, block // 512))
+        num_warps = launch["num_warps"]
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, o2, n2,
         x2.stride(0), r2.stride(0), o2.stride(0), n2.stride(0),

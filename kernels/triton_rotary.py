@@ -45,6 +45,14 @@ def _rotary_kernel(
     _rotate(k_ptr, stride_kt, stride_kh, stride_kd, t, num_k_heads, cos, sin, HALF, BLOCK_HK, BLOCK_HALF)
 
 
+def rotary_blocks(head_dim: int, num_q_heads: int, num_k_heads: int) -> dict[str, int]:
+    """The kernel's constexprs for [T, Hq, D] queries and [T, Hkv, D] keys: ``HALF``, and the
+    power-of-two tiles ``BLOCK_HALF``, ``BLOCK_HQ``, ``BLOCK_HK``."""
+    half = head_dim // 2
+    return dict(HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+                BLOCK_HK=triton.next_power_of_2(num_k_heads))
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     *, num_warps: int = 4,
@@ -60,12 +68,9 @@ def apply_rotary(
         raise ValueError(f"positions: expected shape ({T},), got {tuple(positions.shape)}")
     if T == 0:
         return q, k
-    half = D // 2
     _rotary_kernel[(T,)](
         q, k, positions, cos_sin,
         *q.stride(), *k.stride(), cos_sin.stride(0), Hq, k.shape[1],
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        num_warps=num_warps,
+        **rotary_blocks(D, Hq, k.shape[1]), num_warps=num_warps,
     )
     return q, k

@@ -37,6 +37,11 @@ def _store_kv_kernel(
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def store_kv_blocks(num_heads: int, head_dim: int) -> dict[str, int]:
+    """The kernel's [heads, head dim] tile for one token: ``BLOCK_H``, ``BLOCK_D`` (powers of two)."""
+    return dict(BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -61,6 +66,5 @@ def store_kv(
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         Hkv, D, k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=num_warps,
+        **store_kv_blocks(Hkv, D), num_warps=num_warps,
     )

@@ -94,13 +94,27 @@ def _spec_recover_kernel(
     tl.store(out_ptr + n, tl.where(use_residual, idx_r, idx_p).to(tl.int64))
 
 
+SPEC_ACCEPT_BLOCK_N = 64  # requests per accept program
+SPEC_RECOVER_BLOCK_V = 1024  # vocabulary entries per recover step at most
+
+
+def accept_block_k(num_drafts: int) -> int:
+    """Draft columns the accept kernel compares at once (at least 2)."""
+    return max(2, triton.next_power_of_2(num_drafts))
+
+
+def recover_block_v(vocab: int, block_v: int = SPEC_RECOVER_BLOCK_V) -> int:
+    """Vocabulary entries per step of the recover kernel (``block_v`` at most)."""
+    return min(block_v, max(16, triton.next_power_of_2(vocab)))
+
+
 def spec_accept(
     p_draft_token: torch.Tensor,
     q_draft_token: torch.Tensor,
     uniforms: torch.Tensor,
     num_drafts: torch.Tensor,
     *,
-    block_n: int = 64,
+    block_n: int = SPEC_ACCEPT_BLOCK_N,
 ) -> torch.Tensor:
     """Triton twin of :func:`reference_verify.spec_accept` (same arguments and result)."""
     N, K = p_draft_token.shape
@@ -112,7 +126,7 @@ def spec_accept(
     _spec_accept_kernel[(triton.cdiv(N, block_n),)](
         p_draft_token, q_draft_token, uniforms, num_drafts, out, N, K,
         *p_draft_token.stride(), *q_draft_token.stride(), *uniforms.stride(),
-        BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(K)),
+        BLOCK_N=block_n, BLOCK_K=accept_block_k(K),
     )
     return out
 
@@ -125,7 +139,7 @@ def spec_recover(
     num_drafts: torch.Tensor,
     noise: torch.Tensor,
     *,
-    block_v: int = 1024,
+    block_v: int = SPEC_RECOVER_BLOCK_V,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Triton twin of :func:`reference_verify.spec_recover` (same arguments and result)."""
@@ -141,7 +155,7 @@ def spec_recover(
         target_probs, q, tokens, num_accepted, num_drafts, noise, out,
         V, K,
         *target_probs.stride(), *q.stride(), *tokens.stride(), *noise.stride(),
-        HAS_Q=has_q, BLOCK_V=min(block_v, max(16, triton.next_power_of_2(V))),
+        HAS_Q=has_q, BLOCK_V=recover_block_v(V, block_v),
         num_warps=num_warps,
     )
     return out

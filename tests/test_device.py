@@ -161,6 +161,29 @@ def test_warmup_pass_runs_a_full_step_budget(tiny_llama):
     assert scratch == 10 * llm.block_bytes  # 40 tokens in blocks of 4
 
 
+def test_warmup_pass_runs_a_full_decode_step_and_frees_its_scratch(tiny_llama, monkeypatch):
+    """The KV budget is measured after the widest decode step too (max_num_seqs rows at the longest
+    context), and the scratch cache is freed although the model still holds views of it: otherwise
+    the cache is sized from memory the scratch still takes."""
+    from kvbatch.engine.runtime.model_runner import ModelRunner
+
+    llm = LLM(str(tiny_llama), engine_config=EngineConfig(block_size=4, num_blocks=8, device="cpu"))
+    steps, runners = [], []
+    real_run = ModelRunner.run
+
+    def spy(self, items, *args, **kwargs):
+        steps.append([(len(i.tokens), i.start) for i in items])
+        runners.append(self)
+        return real_run(self, items, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "run", spy)
+    cuda_graphs.warmup_pass(llm.model, 40, 4, 8, llm.dtype, decode_rows=6, context_len=30)
+    assert steps == [[(40, 0)], [(1, 29)] * 6]  # the prefill, then 6 rows decoding at position 29
+    # Released (what release frees is tests/test_device_placement.py's, on an emulated GPU: on the
+    # CPU the cache may live in a huge-page arena that is not freed piecewise).
+    assert runners[0].released
+
+
 def test_step_uploader_on_cpu_packs_every_array():
     up = StepUploader(torch.device("cpu"))
     a, b, c = up.upload([[1, 2, 3], [], [7]])

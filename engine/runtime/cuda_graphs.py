@@ -1,17 +1,21 @@
 """CUDA-only parts of the runner: the KV cache sized from device memory after a warm-up pass, and
-decode steps replayed from CUDA graphs captured per batch-size bucket.
+decode steps replayed from CUDA graphs captured per (batch size, context length) bucket.
 
 Kept apart from :mod:`kvbatch.engine.runtime.model_runner` so the eager path stays readable and
 everything here is guarded: a model or kernel that cannot be captured (the reference kernels,
 expert parallelism, batch-invariant mode) runs eagerly, with one warning, never wrongly.
 
-Graphs. After the cache exists, one graph per bucket (1, 2, 4, 8, ... up to ``max_num_seqs``) is
-captured over static input tensors sized for the largest bucket, in one shared memory pool
-(largest first, so the smaller ones reuse its memory). The decode kernels' grids depend only on
-the batch and the block-table width, which is fixed at ``ceil(max_model_len / block_size)``, never
-on sequence lengths, so one capture serves every step of that batch size. A step of ``n`` decode
-rows copies its inputs into the first ``n`` static rows, pads the rest (slot -1: nothing is
-written; context 1 over block 0: read and discarded) and replays the smallest bucket >= ``n``.
+Graphs. After the cache exists, one graph per bucket pair is captured over static input tensors
+sized for the largest, in one shared memory pool (largest first, so the smaller ones reuse its
+memory): batch buckets 1, 2, 4, 8, ... up to ``max_num_seqs``, times block-table widths for
+contexts of 512, 1024, 2048, ... tokens up to ``max_model_len`` (:func:`context_widths`). The
+decode kernels' grids depend only on the batch and the block-table width (the width sizes the
+split over the context, see :func:`kvbatch.kernels.triton_attention.decode_partition_size`),
+never on sequence lengths, so one capture serves every step that fits it; a graph captured only
+for ``max_model_len`` would make every short context launch the programs of the longest. A step of
+``n`` decode rows whose longest context needs ``w`` blocks copies its inputs into the first ``n``
+static rows, pads the rest (slot -1: nothing is written; context 1 over block 0: read and
+discarded) and replays the smallest pair covering ``(n, w)`` (:func:`pick_bucket`).
 """
 
 from __future__ import annotations
@@ -43,22 +47,58 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+SMALLEST_CONTEXT_BUCKET = 512  # tokens; below it the decode kernels' grids barely shrink further
+
+
+def context_widths(max_model_len: int, block_size: int, smallest: int = SMALLEST_CONTEXT_BUCKET) -> list[int]:
+    """Block-table widths of the context buckets: ``smallest``, twice that, ... tokens while below
+    ``max_model_len``, and ``max_model_len`` itself, each in blocks of ``block_size`` (ascending,
+    without repeats). A context needing ``w`` blocks gets a table under ``max(first, 2 w)`` wide."""
+    if max_model_len < 1 or block_size < 1 or smallest < 1:
+        raise ValueError(f"context_widths: max_model_len ({max_model_len}), block_size ({block_size}) and "
+                         f"smallest ({smallest}) must be >= 1")
+    tokens = []
+    t = smallest
+    while t < max_model_len:
+        tokens.append(t)
+        t *= 2
+    tokens.append(max_model_len)
+    return sorted({math.ceil(t / block_size) for t in tokens})
+
+
+def pick_bucket(n: int, width: int, batch_buckets: list[int], widths: list[int]) -> tuple[int, int] | None:
+    """The captured (batch, width) pair for ``n`` rows whose longest block table is ``width``
+    blocks: the smallest batch bucket >= ``n`` and the smallest width >= ``width`` (both lists
+    ascending, every pair captured, so that pair is the least covering one in both), or None."""
+    b, w = bucket_for(n, batch_buckets), bucket_for(width, widths)
+    return None if b is None or w is None else (b, w)
+
+
+def needed_width(starts: list[int], block_size: int) -> int:
+    """Blocks the longest row of a decode step reads: a row writing position ``p`` has ``p + 1``
+    tokens of context (its table may hold blocks reserved past them; the kernels never read those)."""
+    return max(math.ceil((p + 1) / block_size) for p in starts)
+
+
 def warmup_tokens(ec: EngineConfig, max_model_len: int) -> int:
     """Tokens of the warm-up pass: a full step budget, within the context window."""
     return max(1, min(ec.max_num_batched_tokens, max_model_len - 1))
 
 
-def warmup_pass(model: Any, tokens: int, block_size: int, num_logits: int, dtype: torch.dtype) -> int:
-    """One prefill of ``tokens`` tokens through ``model`` over a scratch cache of its own (the
-    largest activation footprint a step can have); returns the scratch cache's bytes."""
-    from kvbatch.engine.runtime.model_runner import ModelRunner, WorkItem
+def warmup_pass(model: Any, tokens: int, block_size: int, num_logits: int, dtype: torch.dtype,
+                decode_rows: int = 0, context_len: int = 0) -> int:
+    """The largest steps the engine can schedule, through ``model`` over a scratch cache of its own:
+    one prefill of ``tokens`` tokens, then one decode step of ``decode_rows`` sequences
+    ``context_len`` tokens long (``ModelRunner.warm_up``); returns the scratch cache's bytes. The
+    scratch memory is released before returning (``ModelRunner.release``: dropping the runner is
+    not enough, the model keeps views of the last cache it ran over), so the KV cache is sized
+    from what is really left."""
+    from kvbatch.engine.runtime.model_runner import ModelRunner
 
-    blocks = math.ceil(tokens / block_size)
-    runner = ModelRunner(model, blocks, block_size, dtype)
-    item = WorkItem([0] * tokens, 0, list(range(blocks)), num_logits=max(1, min(tokens, num_logits)))
-    runner.run([item])
+    runner = ModelRunner(model, math.ceil(tokens / block_size), block_size, dtype)
+    runner.warm_up(tokens, num_logits, decode_rows, context_len)
     nbytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    del runner
+    runner.release()
     return nbytes
 
 
@@ -71,7 +111,8 @@ def blocks_after_warmup(model: Any, ec: EngineConfig, bytes_per_block: int, dtyp
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev)
-    scratch = warmup_pass(model, warmup_tokens(ec, max_model_len), ec.block_size, ec.max_num_seqs, dtype)
+    scratch = warmup_pass(model, warmup_tokens(ec, max_model_len), ec.block_size, ec.max_num_seqs, dtype,
+                          decode_rows=ec.max_num_seqs, context_len=max_model_len)
     torch.cuda.synchronize(dev)
     peak = max(0, torch.cuda.max_memory_allocated(dev) - before - scratch)
     torch.cuda.empty_cache()
@@ -119,27 +160,30 @@ def graphs_unsupported(runner: Any) -> str | None:
 
 
 class CudaGraphRunner:
-    """Decode-only steps replayed from graphs captured per batch bucket (module docstring)."""
+    """Decode-only steps replayed from graphs captured per (batch, width) bucket (module docstring)."""
 
-    def __init__(self, runner: Any, buckets: list[int], width: int) -> None:
+    def __init__(self, runner: Any, buckets: list[int], widths: list[int]) -> None:
         dev = runner.device
         B = buckets[-1]
         self.buckets = buckets
-        self.width = width
+        self.widths = widths
+        self.width = widths[-1]
         self.ids = torch.zeros(B, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(B, dtype=torch.int64, device=dev)
         self.slots = torch.full((B,), PAD_SLOT, dtype=torch.int64, device=dev)
-        self.tables = torch.zeros((B, width), dtype=torch.int32, device=dev)
+        # One flat buffer: bucket (b, w) reads its first b * w entries as a contiguous [b, w] table.
+        self.tables = torch.zeros(B * self.width, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.rows = torch.arange(B, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
-        self.last_bucket = 0
+        self.last_bucket = (0, 0)
 
-    def _batch(self, b: int) -> ForwardBatch:
+    def _batch(self, b: int, w: int) -> ForwardBatch:
         dev = self.ids.device
         return ForwardBatch(positions=self.positions[:b], slot_mapping=self.slots[:b], num_decode=b,
-                            decode_block_tables=self.tables[:b], decode_context_lens=self.context_lens[:b],
+                            decode_block_tables=self.tables[:b * w].view(b, w),
+                            decode_context_lens=self.context_lens[:b],
                             prefill_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=dev),
                             prefill_cu_query_lens=torch.zeros(1, dtype=torch.int32, device=dev),
                             prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
@@ -154,13 +198,13 @@ class CudaGraphRunner:
         if why is not None:
             warnings.warn(f"CUDA graphs off: {why}; decode runs eagerly", stacklevel=2)
             return None
-        width = math.ceil(max_model_len / runner.block_size)
-        self = cls(runner, batch_buckets(max_num_seqs), width)
+        self = cls(runner, batch_buckets(max_num_seqs), context_widths(max_model_len, runner.block_size))
         model, cache = runner.model, runner.kv_cache
         pool = torch.cuda.graph_pool_handle()
         try:
-            for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its pool
-                batch = self._batch(b)
+            # The largest first: the smaller ones reuse its pool.
+            for b, w in sorted(((b, w) for b in self.buckets for w in self.widths), reverse=True):
+                batch = self._batch(b, w)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
@@ -170,7 +214,7 @@ class CudaGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     out = model.forward(self.ids[:b], batch, cache)
-                self.graphs[b] = (graph, out)
+                self.graphs[(b, w)] = (graph, out)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager, said once
             warnings.warn(f"CUDA graphs off: capture failed ({type(exc).__name__}: {exc}); decode runs eagerly",
                           stacklevel=2)
@@ -180,27 +224,29 @@ class CudaGraphRunner:
 
     def try_execute(self, runner: Any, step: list[Any]) -> tuple[torch.Tensor, list[Any]] | None:
         """Replay the graph for a decode-only ``step`` (every entry one new token, sampled, no
-        drafts) whose tables fit; None otherwise (the caller runs it eagerly)."""
+        drafts) whose contexts fit; None otherwise (the caller runs it eagerly)."""
         if not step or any(s.num_new_tokens != 1 or s.num_spec or not s.samples for s in step):
             return None
-        b = bucket_for(len(step), self.buckets)
-        tables = [s.seq.block_table for s in step]
-        if b is None or max(len(t) for t in tables) > self.width:
-            return None
+        bs = runner.block_size
         starts = [s.seq.num_computed_tokens for s in step]
-        inputs = pad_decode_inputs([s.seq.token_ids[p] for s, p in zip(step, starts)], starts, tables, b,
-                                   self.width, runner.block_size)
+        picked = pick_bucket(len(step), needed_width(starts, bs), self.buckets, self.widths)
+        if picked is None:
+            return None
+        b, w = picked
+        # Only the blocks the context reads: blocks reserved past it would not fit a narrower table.
+        tables = [s.seq.block_table[:math.ceil((p + 1) / bs)] for s, p in zip(step, starts)]
+        inputs = pad_decode_inputs([s.seq.token_ids[p] for s, p in zip(step, starts)], starts, tables, b, w, bs)
         ids, positions, slots, flat_tables, ctx = runner.uploader.upload(
             [inputs.ids, inputs.positions, inputs.slots, inputs.tables, inputs.context_lens])
         self.ids[:b].copy_(ids)
         self.positions[:b].copy_(positions)
         self.slots[:b].copy_(slots)
-        self.tables[:b].copy_(flat_tables.view(b, self.width))
+        self.tables[:b * w].copy_(flat_tables)
         self.context_lens[:b].copy_(ctx)
-        graph, out = self.graphs[b]
+        graph, out = self.graphs[(b, w)]
         graph.replay()
         self.replays += 1
-        self.last_bucket = b
+        self.last_bucket = (b, w)
         return out[:len(step)].clone(), list(step)
 
     @torch.inference_mode()
@@ -208,9 +254,9 @@ class CudaGraphRunner:
         """The last replayed bucket run again both ways over the same static inputs: (graph
         replay, eager forward). Equal bit for bit when capture is sound. Both rewrite the same
         K/V into the same slots, so the cache is left as it was."""
-        b = self.last_bucket
-        graph, out = self.graphs[b]
+        b, w = self.last_bucket
+        graph, out = self.graphs[(b, w)]
         graph.replay()
         replayed = out.clone()
-        eager = runner.model.forward(self.ids[:b], self._batch(b), runner.kv_cache)
+        eager = runner.model.forward(self.ids[:b], self._batch(b, w), runner.kv_cache)
         return replayed, eager

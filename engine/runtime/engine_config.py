@@ -19,7 +19,7 @@ DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 # The engine's numerics version: bump it with any change to kernels, the sampler or the decode
 # step that can change a request's output tokens or logprobs. It is part of every response cache
 # key (ops/decode/response_cache.py), so a changed engine never serves answers of the old one.
-NUMERICS_VERSION = 1
+NUMERICS_VERSION = 2
 
 # The weight and cache dtypes by the names the CLI and configs accept -> torch's name for each.
 # Kept torch-free: a tokenizing step needs the name (it is part of every KV key), not torch.

@@ -6,7 +6,9 @@ The runner owns the KV cache tensor and never sees the block manager: everything
 The cache and every step tensor live on the model's device. A step's integer arrays (ids,
 positions, slot mapping, block tables, context lengths, logits rows) are packed on the host into
 one buffer (pinned, reused, on CUDA) and moved with one non-blocking copy (:class:`StepUploader`);
-the device never waits on the host and the host never reads the device here.
+the device never waits on the host and the host never reads the device here. The reference decode
+attention's gather workspace exists only where the reference kernels run (the Triton kernels read
+the cache in place). ``tests/test_device_placement.py`` runs the runner on an emulated GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 
 from kvbatch.engine.models.llama import ForwardBatch, LlamaModel
 from kvbatch.engine.runtime.scheduler import ScheduledSeq
+from kvbatch.kernels import dispatch as K
+from kvbatch.kernels.reference import DECODE_GROUP
 
 
 class StepUploader:
@@ -90,6 +94,12 @@ class ModelRunner:
         self.kv_cache = (arena.zeros(shape, kv_dtype) if arena is not None and self.device.type == "cpu"
                          else torch.zeros(shape, dtype=kv_dtype, device=self.device))
         self.graphs = None  # a CudaGraphRunner once captured (LLM does it on CUDA, unless eager)
+        self.released = False
+
+    def gathers(self) -> bool:
+        """Whether decode attention gathers blocks into the workspace: the reference kernels do;
+        the Triton kernels read the cache in place, so on their path no workspace is allocated."""
+        return K.backend(self.kv_cache) == "reference"
 
     def _workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V gather buffers for the reference decode attention, kept across steps and grown
@@ -99,6 +109,35 @@ class ModelRunner:
             kw = {"dtype": self.kv_cache.dtype, "device": self.device}
             self._ws = (torch.zeros(shape, **kw), torch.zeros(shape, **kw))
         return self._ws
+
+    def warm_up(self, tokens: int, num_logits: int, decode_rows: int = 0, context_len: int = 0) -> None:
+        """Run the largest steps the engine can schedule over this runner's (scratch) cache, for a
+        caller that measures their memory peak (``cuda_graphs.blocks_after_warmup``): one prefill of
+        ``tokens`` tokens wanting ``num_logits`` logits rows, then one decode step of
+        ``decode_rows`` sequences ``context_len`` tokens long (on the reference path that is the
+        workspace at its widest and attention over the longest contexts). Block tables cycle
+        through the cache's blocks, however few: only the memory of the step is of interest."""
+        blocks = self.kv_cache.shape[2]
+
+        def table(n: int) -> list[int]:
+            return [i % blocks for i in range(-(-n // self.block_size))]
+
+        self.run([WorkItem([0] * tokens, 0, table(tokens), num_logits=max(1, min(tokens, num_logits)))])
+        if decode_rows > 0 and context_len > 0:
+            self.run([WorkItem([0], context_len - 1, table(context_len), num_logits=1) for _ in range(decode_rows)])
+
+    def release(self) -> None:
+        """Free the cache's and the workspace's memory now, whoever still holds views of them (the
+        model keeps per-layer views of the last cache it ran over until it runs over another): a
+        warm-up's scratch runner must leave nothing behind when the KV cache is then sized from
+        the memory left. Memory shared with other tensors (a CPU huge-page arena) is left alone.
+        The runner cannot run afterwards."""
+        for t in (self.kv_cache, *(self._ws or ())):
+            storage = t.untyped_storage()
+            if storage.resizable() and storage.nbytes() == t.numel() * t.element_size():
+                storage.resize_(0)
+        self._ws = None
+        self.released = True
 
     @staticmethod
     def bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -128,6 +167,8 @@ class ModelRunner:
     def build(self, items: list[WorkItem]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Tensors for one forward pass over ``items``; returns ids, the batch and the item
         order (decode-first) in which their logits rows come back."""
+        if self.released:
+            raise RuntimeError("this model runner's KV cache was released (ModelRunner.release): it cannot run")
         bs = self.block_size
         decode = [i for i, it in enumerate(items) if len(it.tokens) == 1]
         prefill = [i for i, it in enumerate(items) if len(it.tokens) > 1]
@@ -176,8 +217,10 @@ class ModelRunner:
             logits_rows=up[3],
             max_query_len=max((len(items[i].tokens) for i in prefill), default=0),
         )
-        if decode:
-            batch.decode_workspace = self._workspace(batch.decode_block_tables.numel())
+        if decode and self.gathers():
+            # The reference attends over at most DECODE_GROUP rows at a time (decode and MLA alike):
+            # a larger batch needs no larger workspace.
+            batch.decode_workspace = self._workspace(min(len(decode), DECODE_GROUP) * decode_width)
         if invariant:
             batch.block_tables = up[9].to(i32).view(len(order), all_width)
             batch.seq_index = up[10]
