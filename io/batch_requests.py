@@ -43,9 +43,15 @@ Decisions, each one documented because a user will eventually ask:
   :attr:`SamplingParams.response_format`, one canonical JSON string per schema (sorted keys), which
   the engine decodes under a grammar (:mod:`kvbatch.engine.text.structured`). A malformed value is
   rejected naming the sub-field; whether a schema compiles is checked when the row is tokenized.
-- Unknown fields (a typo such as ``max_token``, or an OpenAI field we do not act on:
-  ``stream``, ``user``, ``metadata``, ``presence_penalty``...) are ignored with a warning,
-  logged once per field name per file with the first line that has it, and listed on the
+- OpenAI fields we do not act on are of two kinds (:data:`REFUSED_FIELDS`, :data:`IGNORED_FIELDS`;
+  docs/batch-api.md has the table of every field). One that would change the answer (``tools``,
+  ``logit_bias``, ``presence_penalty``...) is a rejected row naming it, whenever its value is not
+  the neutral one (``presence_penalty: 0``, ``tools: []``, ``tool_choice: "none"`` change nothing
+  and pass): answering as if it were absent would be a confident, wrong answer. One that changes
+  nothing in the answer (``user``, ``metadata``, ``store``, ``service_tier``...) is accepted and
+  ignored, without a warning, under ``--strict`` too.
+- Unknown fields (a typo such as ``max_token``, or a field OpenAI does not have) are ignored with
+  a warning, logged once per field name per file with the first line that has it, and listed on the
   request (:attr:`ChatRequest.unknown_fields`); with ``strict=True`` (``--strict``) such a
   row is rejected instead, naming the field. Known fields with a wrong type are always
   rejected; types are strict (no ``"0.5"`` -> 0.5, no ``true`` -> 1), since a coerced value
@@ -296,6 +302,9 @@ def parse_request_line(
         return RejectedRow(line_no, None, "custom_id", str(e))
 
     is_batch = any(k in obj for k in ("body", "method", "url"))
+    prefix = "body." if is_batch else ""
+    raw = obj.get("body") if is_batch else obj
+    refused = [(prefix + name, why) for name, why in _refused_fields(raw)] if isinstance(raw, dict) else []
     try:
         if is_batch:
             body = _BatchEnvelope.model_validate(obj).body
@@ -303,9 +312,11 @@ def parse_request_line(
             body = _ChatBody.model_validate(obj)
     except ValidationError as e:
         field, reason = describe_validation_error(e)
-        return RejectedRow(line_no, custom_id, field, reason)
+        return RejectedRow(line_no, custom_id, field, reason + "".join(f"; {f}: {why}" for f, why in refused))
+    if refused:  # every reason, the first field named
+        reason = refused[0][1] + "".join(f"; {f}: {why}" for f, why in refused[1:])
+        return RejectedRow(line_no, custom_id, refused[0][0], reason)
 
-    prefix = "body." if is_batch else ""
     unknown = _unknown_fields(obj, is_batch)
     if unknown and strict:
         return RejectedRow(line_no, custom_id, unknown[0], "unknown field (strict mode rejects fields it would ignore)")
@@ -326,6 +337,44 @@ _ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 _BODY_FIELDS = frozenset(_ChatBody.model_fields)
 # Read by parse_response_format, not by _ChatBody (the columnar reader sends such rows per-row).
 _STRUCTURED_FIELDS = frozenset({"response_format"})
+
+# OpenAI chat-completions fields that would change the answer and that kvbatch cannot honour: the
+# reason a row that sets one is refused, and the values besides null that change nothing (accepted).
+REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": ("tool calling is not supported", ([],)),
+    "tool_choice": ("tool calling is not supported", ("none",)),
+    "functions": ("function calling is not supported", ([],)),
+    "function_call": ("function calling is not supported", ("none",)),
+    "logit_bias": ("logit_bias is not supported", ({},)),
+    "presence_penalty": ("presence_penalty is not supported (only 0)", (0,)),
+    "frequency_penalty": ("frequency_penalty is not supported (only 0)", (0,)),
+    "audio": ("audio output is not supported", ()),
+    "modalities": ("only text output is supported", (["text"],)),
+    "moderation": ("moderation of the request and the answer is not supported", ()),
+    "reasoning_effort": ("reasoning_effort is not supported: the model has no such setting", ()),
+    "verbosity": ("verbosity is not supported", ()),
+    "web_search_options": ("web search is not supported", ()),
+}
+# OpenAI chat-completions fields that change nothing in the answer: accepted and ignored (no
+# warning, --strict accepts them). ``parallel_tool_calls`` only matters with ``tools`` (refused).
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention", "prompt_cache_options", "stream", "stream_options", "prediction",
+    "parallel_tool_calls",
+})
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # bool is an int to Python: ``presence_penalty: false`` is not 0 to a JSON author.
+    return value is None or any(type(value) is type(n) and value == n for n in neutral) or (
+        isinstance(value, float) and any(type(n) is int and value == n for n in neutral))
+
+
+def _refused_fields(body: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, reason) for each field of ``body``, in its order, that would change the answer and is
+    not honoured."""
+    return [(name, f"{REFUSED_FIELDS[name][0]}, got {_short(value)}") for name, value in body.items()
+            if name in REFUSED_FIELDS and not _neutral(value, REFUSED_FIELDS[name][1])]
 
 
 def parse_response_format(v: Any) -> str | None | tuple[str, str]:
@@ -361,7 +410,7 @@ def parse_response_format(v: Any) -> str | None | tuple[str, str]:
 
 def _unknown_fields(obj: dict[str, Any], is_batch: bool) -> tuple[str, ...]:
     """Dotted names of the fields of a validated row that nothing reads, in the row's order."""
-    known = _BODY_FIELDS | _STRUCTURED_FIELDS
+    known = _BODY_FIELDS | _STRUCTURED_FIELDS | IGNORED_FIELDS | frozenset(REFUSED_FIELDS)
     if is_batch:
         top = [k for k in obj if k not in _ENVELOPE_FIELDS]
         return (*top, *(f"body.{k}" for k in obj["body"] if k not in known))

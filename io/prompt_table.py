@@ -2,6 +2,14 @@
 reads it back (shards add token ids and block keys to the same columns), and the rejects table
 beside it. ``request_record`` and ``record_request`` convert between a row and a
 :class:`~kvbatch.io.batch_requests.ChatRequest` and are inverse to each other.
+
+``response_format`` (structured outputs) is the canonical JSON string of a row's constrained
+format (:func:`~kvbatch.io.batch_requests.parse_response_format`: sorted keys, no spaces, so one
+schema is one string), null for a free-text row. It is a plain string column, not a schema id and
+a side table: Parquet dictionary-encodes it, so a column chunk stores each distinct format once
+(ten million rows sharing three schemas store three strings per row group, and an index per row),
+a null costs a bit, and every reader (prefill, decode, the CLI) gets the format from the row
+itself, with nothing to join.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ PROMPTS_SCHEMA = pa.schema([
     ("stop_token_ids", pa.list_(pa.int64())),
     ("logprobs", pa.int64()),
     ("ignore_eos", pa.bool_()),
+    ("response_format", pa.string()),  # canonical JSON of json_schema / json_object; null: free text
 ])
 
 
@@ -50,7 +59,7 @@ def request_record(req: ChatRequest) -> dict[str, Any]:
     return {"row": req.line_no, "custom_id": req.custom_id, "messages": req.messages, "model": req.model,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "min_p": s.min_p, "seed": s.seed, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
-            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos}
+            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos, "response_format": s.response_format}
 
 
 def record_request(rec: Mapping[str, Any]) -> ChatRequest:
@@ -59,24 +68,14 @@ def record_request(rec: Mapping[str, Any]) -> ChatRequest:
         max_tokens=rec["max_tokens"], temperature=rec["temperature"], top_p=rec["top_p"], top_k=rec["top_k"],
         min_p=rec["min_p"], seed=rec["seed"], stop=tuple(rec["stop"] or ()),
         stop_token_ids=tuple(rec["stop_token_ids"] or ()), logprobs=rec["logprobs"],
-        ignore_eos=bool(rec["ignore_eos"]))
+        ignore_eos=bool(rec["ignore_eos"]), response_format=rec.get("response_format"))
     messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
     return ChatRequest(rec["row"], rec["custom_id"], messages, sampling, rec["model"])
 
 
-UNSUPPORTED_STRUCTURED = ("structured outputs (response_format json_schema/json_object) are not supported by the "
-                          "pipeline yet; run this file with kvbatch generate or kvbatch serve")
-
-
 def outcome_record(item: ChatRequest | RejectedRow) -> dict[str, Any]:
-    """The prompts-or-rejects row of one parsed item. The prompts table has no column for a
-    constrained ``response_format``, so such a row is refused here, naming the field, rather
-    than answered in free text."""
-    if isinstance(item, RejectedRow):
-        return reject_record(item)
-    if item.sampling.response_format is not None:
-        return reject_record(RejectedRow(item.line_no, item.custom_id, "body.response_format", UNSUPPORTED_STRUCTURED))
-    return request_record(item)
+    """The prompts-or-rejects row of one parsed item."""
+    return reject_record(item) if isinstance(item, RejectedRow) else request_record(item)
 
 
 def reject_record(r: RejectedRow) -> dict[str, Any]:

@@ -293,6 +293,9 @@ def _validate(table: pa.Table, line_nos: np.ndarray, default_max_tokens: int) ->
         "logprobs": pc.if_else(pa.array(logprobs_ok), _fill(t_ok["top_logprobs"], 0),
                                pa.nulls(len(logprobs_ok), pa.int64())),
         "ignore_eos": _fill(t_ok["ignore_eos"], False),
+        # A row with a response_format never gets here: the field is not one of this reader's
+        # columns, so the row goes to the per-row parser (which canonicalizes the format).
+        "response_format": pa.nulls(int(ok.sum()), pa.string()),
     }
     out = pa.Table.from_arrays([columns[f.name].cast(f.type) for f in PROMPTS_SCHEMA], schema=PROMPTS_SCHEMA)
     return ok, out

@@ -37,11 +37,18 @@ def _owner_dependency(keys: ApiKeys | None) -> Callable[[Request], str]:
     return owner
 
 
+# A request field this server does not act on (OpenAI's ``output_expires_after``, say) is refused,
+# never ignored: the caller would believe it took effect.
+UNSUPPORTED_FIELD = "not supported by this server (a field it does not act on is refused, not ignored)"
+
+
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     err = errors[0]
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "form")]
     field = ".".join(loc) or None
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        msg = UNSUPPORTED_FIELD
     return (f"{field}: {msg}" if field else msg), field
 
 

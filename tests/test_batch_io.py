@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from kvbatch.io.batch_output import (
     result_line,
 )
 from kvbatch.io.batch_requests import (
+    _BODY_FIELDS,
+    IGNORED_FIELDS,
+    REFUSED_FIELDS,
     ChatRequest,
     RejectedRow,
     SamplingParams,
@@ -639,3 +643,101 @@ def test_mt_bench_round_trip(tmp_path: Path) -> None:
     assert [o["custom_id"] for o in written] == [i.custom_id for i in items]
     assert [o["response"]["status_code"] for o in written].count(400) == 1
     assert len(errors.read_text().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# The request-field table of docs/batch-api.md: every OpenAI chat-completions field honoured,
+# refused (a 400 naming it) or ignored (changes nothing), held to the code
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "batch-api.md"
+
+# A value of each refused field that would change the answer (tests/test_serve.py sends these too).
+REFUSED_SAMPLES: dict[str, Any] = {
+    "n": 2,
+    "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+    "tool_choice": "required",
+    "functions": [{"name": "lookup"}],
+    "function_call": "auto",
+    "logit_bias": {"100": 5},
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1,
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "moderation": {"model": "omni-moderation-latest"},
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "web_search_options": {},
+}
+# Values an OpenAI client sends for the fields that change nothing.
+IGNORED_SAMPLES: dict[str, Any] = {
+    "user": "user-1", "metadata": {"team": "search"}, "store": True, "service_tier": "flex",
+    "safety_identifier": "hash-1", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"mode": "explicit"}, "stream": False, "stream_options": {"include_usage": True},
+    "prediction": {"type": "content", "content": "x"}, "parallel_tool_calls": True,
+}
+
+
+def request_field_table() -> dict[str, str]:
+    """{field: "honoured" | "refused" | "ignored"} as docs/batch-api.md's table says."""
+    section = DOCS.read_text().split("## Request fields", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (\w+) \|", section, re.M)
+    table = dict(rows)
+    assert len(table) == len(rows), "a field is in the table twice"
+    return table
+
+
+def test_request_field_table_is_the_code_and_covers_the_openai_request() -> None:
+    from openai.types.chat import completion_create_params as params
+
+    table = request_field_table()
+    assert set(table.values()) == {"honoured", "refused", "ignored"}
+    openai_fields = set(params.CompletionCreateParamsBase.__annotations__) | set(
+        params.CompletionCreateParamsNonStreaming.__annotations__)
+    assert openai_fields - set(table) == set()  # every field of the installed client's request
+    assert {f for f, k in table.items() if k == "refused"} == set(REFUSED_FIELDS) | {"n"} == set(REFUSED_SAMPLES)
+    assert {f for f, k in table.items() if k == "ignored"} == IGNORED_FIELDS | {"model"} == set(IGNORED_SAMPLES) | {"model"}
+    assert {f for f, k in table.items() if k == "honoured"} == (_BODY_FIELDS - {"n", "model"}) | {"response_format"}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_SAMPLES))
+def test_each_refused_field_is_a_rejected_row_naming_it(name: str) -> None:
+    got = parse_request_line(batch_line(body(**{name: REFUSED_SAMPLES[name]})), 3)
+    assert isinstance(got, RejectedRow) and (got.line_no, got.custom_id, got.field) == (3, "r1", f"body.{name}")
+    plain = parse_request_line(json.dumps({"custom_id": "p", "messages": USER, name: REFUSED_SAMPLES[name]}).encode(), 1)
+    assert isinstance(plain, RejectedRow) and plain.field == name
+
+
+def test_neutral_values_of_refused_fields_and_ignored_fields_pass_even_strict() -> None:
+    neutral = {"tools": [], "tool_choice": "none", "functions": None, "function_call": "none", "logit_bias": {},
+               "presence_penalty": 0, "frequency_penalty": 0.0, "modalities": ["text"], "audio": None, "n": 1,
+               "moderation": None, "reasoning_effort": None, "verbosity": None, "web_search_options": None}
+    plain = parse_request_line(batch_line(body()), 1)
+    for fields in (neutral, IGNORED_SAMPLES):
+        got = parse_request_line(batch_line(body(**fields)), 1, strict=True)
+        assert isinstance(got, ChatRequest) and got.unknown_fields == () and got == plain
+    assert isinstance(parse_request_line(batch_line(body(presence_penalty=False)), 1), RejectedRow)  # not 0 in JSON
+
+
+def test_several_refused_fields_give_every_reason() -> None:
+    got = parse_request_line(batch_line(body(tools=REFUSED_SAMPLES["tools"], tool_choice="required")), 1)
+    assert isinstance(got, RejectedRow) and got.field == "body.tools"
+    assert got.reason.startswith("tool calling is not supported, got [{") and "; body.tool_choice: " in got.reason
+    bad_too = parse_request_line(batch_line(body(temperature=-1, logit_bias={"1": 1})), 1)
+    assert isinstance(bad_too, RejectedRow) and bad_too.field == "body.temperature"
+    assert "; body.logit_bias: logit_bias is not supported" in bad_too.reason
+
+
+def test_ingest_refuses_the_same_fields(tmp_path: Path) -> None:
+    """The pipeline's ingest (its columnar reader sends such rows to the per-row parser) refuses what
+    the reader refuses and keeps the rows whose fields change nothing."""
+    import pyarrow.parquet as pq
+
+    from kvbatch.ops.ingest.prompts import ingest
+
+    lines = [batch_line(body(**{name: value}), custom_id=name) for name, value in REFUSED_SAMPLES.items()]
+    lines += [batch_line(body(**IGNORED_SAMPLES), custom_id="ignored"), batch_line(body(), custom_id="plain")]
+    write_lines(tmp_path / "in.jsonl", lines)
+    ingest(str(tmp_path / "in.jsonl"), str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"))
+    rejects = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert [(r["custom_id"], r["field"]) for r in rejects] == [(n, f"body.{n}") for n in REFUSED_SAMPLES]
+    assert pq.read_table(tmp_path / "p.parquet").column("custom_id").to_pylist() == ["ignored", "plain"]

@@ -170,7 +170,7 @@ def test_output_names_the_model_that_ran(tiny_chat, tmp_path, capsys):
 
 
 def test_blank_lines_are_answered_and_unknown_fields_warned_once(tiny_chat, tmp_path, capsys):
-    lines = [_row("a"), b"", b"  \t\r", _row("b", max_token=3, stream=False), _row("c", max_token=2)]
+    lines = [_row("a"), b"", b"  \t\r", _row("b", max_token=3, temprature=0), _row("c", max_token=2)]
     src = tmp_path / "in.jsonl"
     src.write_bytes(_jsonl(lines))
     out = tmp_path / "out.jsonl"
@@ -182,7 +182,7 @@ def test_blank_lines_are_answered_and_unknown_fields_warned_once(tiny_chat, tmp_
     assert all("blank line" in r["error"]["message"] for r in rows if r["error"])
     err = capsys.readouterr().err.splitlines()
     assert len([x for x in err if "'body.max_token'" in x]) == 1
-    assert len([x for x in err if "'body.stream'" in x]) == 1
+    assert len([x for x in err if "'body.temprature'" in x]) == 1
 
     strict_out = tmp_path / "strict.jsonl"
     assert _generate(tiny_chat, src, strict_out, "--strict") == 1

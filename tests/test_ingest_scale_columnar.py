@@ -156,14 +156,14 @@ MIXED = [
     _plain(1),
     b"",
     b"   ",
-    _plain(2, stream=True),
-    _batch(3, stream=False),
+    _plain(2, streem=True),
+    _batch(3, streem=False),
     b'{"custom_id": "r1", "messages": [{"role": "user", "content": "repeat"}]}',
     b"{not json",
     _plain(4) + b"\r",
     b"\xff\xfe",
     _batch(5, temperature=3.0),
-    _plain(6, user="u"),
+    _plain(6, usr="u", user="u"),
     _batch(6),
     _plain(7),
 ]
@@ -186,7 +186,7 @@ def test_ingest_columnar_tables_and_warnings_equal_the_per_row_ingest(tmp_path, 
         warnings[mode] = sorted(r.getMessage() for r in caplog.records)
     assert tables[True][0].equals(tables[False][0])
     assert tables[True][1].equals(tables[False][1])
-    assert warnings[True] == warnings[False] and len(warnings[True]) == 3  # stream, body.stream, user
+    assert warnings[True] == warnings[False] and len(warnings[True]) == 3  # streem, body.streem, usr (user: a known field that changes nothing)
 
 
 def test_block_reader_keeps_lines_across_reads(tmp_path):

@@ -230,6 +230,84 @@ def test_a_batch_runs_to_completion_like_generate(server, tiny_chat, tmp_path):
         client.files.retrieve(file_id)
 
 
+SCHEMAS = {
+    "label": {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+              "required": ["label"], "additionalProperties": False},
+    "stars": {"type": "object", "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5},
+                                               "ok": {"type": "boolean"}},
+              "required": ["stars", "ok"], "additionalProperties": False},
+}
+
+
+def _schema_format(name: str, strict: bool = True) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "strict": strict, "schema": SCHEMAS[name]}}
+
+
+@pytest.mark.slow
+def test_response_format_json_schema_through_the_official_client(server, tmp_path):
+    """A batch written for OpenAI with ``response_format`` (json_schema strict and not, greedy and
+    seeded, json_object, text) answers schema-valid JSON in ``choices[0].message.content``; a schema
+    the grammar engine cannot compile is that row's 400 in the error file, naming the field."""
+    import jsonschema
+
+    client = server.client(KEY_A)
+    lines = [
+        _row("label", content="Classify: great food", max_tokens=40, response_format=_schema_format("label")),
+        _row("stars", content="Rate it", max_tokens=40, temperature=1.0, seed=5,
+             response_format=_schema_format("stars", strict=False)),
+        _row("free", content="Rate it"),
+        _row("obj", content="Any object", max_tokens=40, response_format={"type": "json_object"}),
+        _row("text", content="Plain", response_format={"type": "text"}),
+        _row("bad", response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nope"}}}),
+    ]
+    batch = client.batches.create(input_file_id=_upload(client, tmp_path / "in.jsonl", lines),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = _wait(client, batch.id, _done)
+    assert batch.status == "completed", batch
+    out = {o["custom_id"]: o["response"]["body"]["choices"][0] for o in _lines(client, batch.output_file_id)}
+    assert list(out) == ["label", "stars", "free", "obj", "text"]
+    for cid in ("label", "stars"):
+        assert out[cid]["finish_reason"] == "stop", out[cid]
+        jsonschema.validate(json.loads(out[cid]["message"]["content"]), SCHEMAS[cid])
+    # A random model may wander inside a JSON string until max_tokens; under the grammar it still
+    # opens an object, and one that ends is one.
+    obj = out["obj"]
+    assert obj["message"]["content"].startswith("{")
+    assert obj["finish_reason"] == "length" or isinstance(json.loads(obj["message"]["content"]), dict)
+    (err,) = _lines(client, batch.error_file_id)
+    assert err["custom_id"] == "bad" and err["response"]["status_code"] == 400
+    assert err["error"]["field"] == "body.response_format.json_schema.schema"
+    assert "the JSON schema cannot be compiled" in err["error"]["message"] and "nope" in err["error"]["message"]
+
+
+@pytest.mark.slow
+def test_each_refused_request_field_is_a_400_naming_it(server, tmp_path):
+    """Every field docs/batch-api.md's table marks refused, sent through a batch with the official
+    client: that row is a 400 in the error file whose field and message name it, never an answer
+    that ignored it; a row carrying every ignored field is answered."""
+    from tests.test_batch_io import IGNORED_SAMPLES, REFUSED_SAMPLES, request_field_table
+
+    table = request_field_table()
+    refused = [name for name, kind in table.items() if kind == "refused"]
+    client = server.client(KEY_A)
+    lines = [_row(f"refused-{name}", **{name: REFUSED_SAMPLES[name]}) for name in refused]
+    lines += [_row("ignored", **IGNORED_SAMPLES), _row("tools-required", tools=REFUSED_SAMPLES["tools"],
+                                                        tool_choice="required")]
+    batch = client.batches.create(input_file_id=_upload(client, tmp_path / "in.jsonl", lines),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = _wait(client, batch.id, _done)
+    assert batch.status == "completed", batch
+    assert [o["custom_id"] for o in _lines(client, batch.output_file_id)] == ["ignored"]
+    errors = {e["custom_id"]: e for e in _lines(client, batch.error_file_id)}
+    assert list(errors) == [f"refused-{name}" for name in refused] + ["tools-required"]
+    for name in refused:
+        e = errors[f"refused-{name}"]
+        assert e["response"]["status_code"] == 400 and e["error"]["field"] == f"body.{name}"
+        assert f"body.{name}: " in e["error"]["message"]
+    both = errors["tools-required"]["error"]["message"]  # every reason, not "(and 1 more)"
+    assert "body.tools: tool calling" in both and "body.tool_choice: tool calling" in both
+
+
 @pytest.mark.slow
 def test_limits_and_bad_requests_are_clear_400s(server, tmp_path):
     client = server.client(KEY_A)
@@ -253,6 +331,10 @@ def test_limits_and_bad_requests_are_clear_400s(server, tmp_path):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="1h")
     with pytest.raises(openai.BadRequestError, match="limit must be between 1 and 100"):
         client.batches.list(limit=101)
+    with pytest.raises(openai.BadRequestError, match="output_expires_after: not supported by this server") as exc:
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 3600})
+    assert exc.value.param == "output_expires_after"
     with pytest.raises(openai.BadRequestError, match="at most 16 pairs"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
                               metadata={f"k{i}": "v" for i in range(17)})

@@ -6,7 +6,8 @@ doing. Pinned: every row parses and validates (greedy and seeded sampling), a sc
 compile (or compiles too slowly) is a per-row 400 naming the problem while the other rows
 succeed, the mask is exactly as wide as the logits, a mask that allows nothing ends its row
 with an error (no NaN, the batch goes on), compiled grammars are cached by schema, constrained
-rows never draft under speculative decoding, and ``kvbatch generate`` honours it end to end.
+rows never draft under speculative decoding, and ``kvbatch generate`` and the pipeline's stages
+(ingest, shards, prefill, decode) honour it end to end.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from kvbatch.engine.runtime.grammar_mask import apply_token_bitmask, fill_token_
 from kvbatch.engine.speculative.controller import SpecConfig
 from kvbatch.engine.text import structured
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow, parse_request_line, parse_response_format
-from kvbatch.io.prompt_table import outcome_record
 from kvbatch.ops.decode.loop import Answered, DecodeLoop, Refused
 from kvbatch.ops.decode.report import BatchReport
 from kvbatch.ops.jobs import Job
@@ -268,11 +268,51 @@ def test_response_format_parsing():
         assert isinstance(got, RejectedRow) and got.field == field, (rf, got)
 
 
-def test_pipeline_ingest_refuses_constrained_rows_instead_of_dropping_the_format():
-    row = parse_request_line(json.dumps({"custom_id": "x", "messages": MESSAGES,
-                                         "response_format": {"type": "json_object"}}).encode(), 1)
-    rec = outcome_record(row)
-    assert rec["field"] == "body.response_format" and "kvbatch generate" in rec["reason"]
+def test_ingest_rejects_uncompilable_schemas_checking_each_distinct_format_once(tmp_path, monkeypatch):
+    """The pipeline's ingest refuses a schema llguidance cannot compile (a per-row reject naming
+    ``body.response_format.json_schema.schema``), and asks the grammar engine once per distinct
+    format, not per row: 300 constrained rows over three formats compile three grammars."""
+    from collections import OrderedDict
+
+    import pyarrow.parquet as pq
+
+    from kvbatch.ops.ingest.prompts import SCHEMA_FIELD, ingest
+
+    monkeypatch.setattr(structured, "_checked", OrderedDict())  # no answer kept from another test
+    built: list[str] = []
+    real_grammar_of = structured.grammar_of
+
+    def counting_grammar_of(rf: str) -> str:
+        built.append(rf)
+        return real_grammar_of(rf)
+
+    monkeypatch.setattr(structured, "grammar_of", counting_grammar_of)
+    formats = [{"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": SCHEMAS["enum"]}},
+               {"type": "json_schema", "json_schema": {"name": "b", "schema": SCHEMAS["nested"]}},
+               {"type": "json_schema", "json_schema": {"name": "bad", "strict": True,
+                                                       "schema": {"type": "frobnicate"}}}]
+    lines = []
+    for i in range(300):
+        lines.append(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"messages": MESSAGES, "response_format": formats[i % 3]}}))
+        lines.append(json.dumps({"custom_id": f"f{i}", "messages": MESSAGES}))
+    lines += [json.dumps({"custom_id": "yaml", "messages": MESSAGES, "response_format": {"type": "yaml"}}),
+              json.dumps({"custom_id": "list", "messages": MESSAGES,
+                          "response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}})]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    report = ingest(str(src), str(tmp_path / "prompts.parquet"), str(tmp_path / "rejects.parquet"))
+    assert len(built) == 3 and len(set(built)) == 3
+    rejects = pq.read_table(tmp_path / "rejects.parquet").to_pylist()
+    malformed = {r["custom_id"]: r for r in rejects if r["custom_id"] in ("yaml", "list")}
+    assert malformed["yaml"]["field"] == "response_format.type" and "'json_schema'" in malformed["yaml"]["reason"]
+    assert malformed["list"]["field"] == "response_format.json_schema.schema"
+    bad = [r for r in rejects if r["field"] == SCHEMA_FIELD]
+    assert [r["custom_id"] for r in bad] == [f"c{i}" for i in range(2, 300, 3)]
+    assert all("the JSON schema cannot be compiled: Invalid type: frobnicate" in r["reason"] for r in bad)
+    free = [r["custom_id"] for r in pq.read_table(tmp_path / "prompts.parquet").to_pylist()
+            if r["custom_id"].startswith("f")]
+    assert free == [f"f{i}" for i in range(300)] and report.rows == 602
 
 
 def test_generate_end_to_end_mixes_constrained_and_free_rows(tiny_chat, tmp_path):
@@ -311,3 +351,103 @@ def test_generate_end_to_end_mixes_constrained_and_free_rows(tiny_chat, tmp_path
     assert obj["finish_reason"] == "length" or isinstance(json.loads(obj["message"]["content"]), dict)
     for cid in ("free", "text"):
         assert got[cid]["error"] is None
+
+
+@pytest.mark.slow
+def test_pipeline_stages_decode_constrained_rows_under_their_grammar(tiny_chat, tmp_path):
+    """A batch file written for OpenAI, constrained and free rows mixed in one shard, through the
+    pipeline's stage functions (ingest, shards, prefill, decode of the shard): the format rides in
+    the prompts and shards tables' ``response_format`` column (the canonical JSON, dictionary-encoded
+    by Parquet, null for a free row), and every constrained row's answer parses and validates."""
+    import pyarrow.parquet as pq
+
+    from kvbatch.engine.runtime.engine_config import EngineConfig
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
+    from kvbatch.io.shard_tables import read_table, shard_url
+    from kvbatch.ops.decode.shard import decode_shard
+    from kvbatch.ops.ingest.prompts import SCHEMA_FIELD, ingest
+    from kvbatch.ops.prefill.prefill import prefill_shard
+    from kvbatch.ops.shards.build import build_shards
+
+    def row(cid, rf=None, **body):
+        body = {"model": "gpt-4o-mini", "messages": MESSAGES, "max_tokens": 96, "temperature": 0, **body}
+        if rf is not None:
+            body["response_format"] = rf
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+    def schema_rf(name, strict=True):
+        return {"type": "json_schema", "json_schema": {"name": name, "strict": strict, "schema": SCHEMAS[name]}}
+
+    expect = {}
+    lines = []
+    for i, name in enumerate(SCHEMAS):
+        for strict in (True, False):
+            cid = f"{name}-{strict}"
+            lines += [row(cid, schema_rf(name, strict), **({"temperature": 1.0, "seed": i} if strict else {})),
+                      row(f"free-{cid}", max_tokens=5)]
+            expect[cid] = SCHEMAS[name]
+    lines += [row("obj", {"type": "json_object"}, max_tokens=64), row("text", {"type": "text"}, max_tokens=4),
+              row("bad", {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "frobnicate"}}})]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    prompts = str(tmp_path / "prompts.parquet")
+    report = ingest(str(src), prompts, str(tmp_path / "rejects.parquet"))
+    assert (report.valid, report.rejected) == (len(lines) - 1, 1)
+    assert report.rejects_by_field == {SCHEMA_FIELD: 1}
+    table = pq.read_table(prompts)
+    formats = dict(zip(table.column("custom_id").to_pylist(), table.column("response_format").to_pylist(),
+                       strict=True))
+    assert {cid for cid, rf in formats.items() if rf is not None} == {*expect, "obj"}
+    assert json.loads(formats["enum-True"])["schema"] == SCHEMAS["enum"]  # the canonical JSON of the format
+    group = pq.ParquetFile(prompts).metadata.row_group(0)
+    chunk = next(group.column(i) for i in range(group.num_columns) if group.column(i).path_in_schema == "response_format")
+    assert "RLE_DICTIONARY" in chunk.encodings  # each distinct format stored once per row group
+
+    llm = LLM(str(tiny_chat), engine_config=EngineConfig(batch_invariant=True, max_num_seqs=8))
+    root = str(tmp_path / "out")
+    shards = build_shards(llm, prompts, root, 1, rejects_url=str(tmp_path / "shard_rejects.parquet"))
+    assert shards.tokenized == len(lines) - 1
+    shard_table = read_table(shard_url(root, "shards", "0000"))
+    assert dict(zip(shard_table.column("custom_id").to_pylist(), shard_table.column("response_format").to_pylist(),
+                    strict=True)) == formats
+    fp = EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(llm.checkpoint.fingerprint)
+    store = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0), fp)
+    manifests = shard_url(root, "manifests", "0000", "manifests.jsonl")
+    prefill_shard(LLM(str(tiny_chat), engine_config=EngineConfig(batch_invariant=True, max_num_seqs=8),
+                      kv_store=store), shard_url(root, "shards", "0000"), manifests)
+    results_url = shard_url(root, "results", "0000")
+    stats = decode_shard(LLM(str(tiny_chat), engine_config=EngineConfig(batch_invariant=True, max_num_seqs=8),
+                             kv_store=store), manifests, results_url)
+    assert stats["succeeded"] == len(lines) - 1
+    results = {r["custom_id"]: r for r in read_table(results_url).to_pylist()}
+    for cid, schema in expect.items():
+        assert results[cid]["finish_reason"] == "stop", (cid, results[cid]["text"])
+        jsonschema.validate(json.loads(results[cid]["text"]), schema)
+    assert results["obj"]["finish_reason"] == "stop" and isinstance(json.loads(results["obj"]["text"]), dict)
+    for cid in results:  # the free rows decode as before: free text up to max_tokens
+        if cid.startswith("free-") or cid == "text":
+            assert results[cid]["finish_reason"] == "length"
+
+
+def test_ingest_parquet_response_format_column_holds_the_object_or_its_json_text(tmp_path):
+    """A Parquet dataset's ``response_format`` column: JSON text (how a table holds a schema) becomes
+    the canonical format; text that is not JSON, or a schema that cannot compile, is a reject."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kvbatch.ops.ingest.prompts import SCHEMA_FIELD, ingest
+
+    rf = {"type": "json_schema", "json_schema": {"name": "e", "strict": True, "schema": SCHEMAS["enum"]}}
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "q": ["x", "y", "z", "w"],
+                             "response_format": [json.dumps(rf), "{not json", None,
+                                                 json.dumps({"type": "json_schema",
+                                                             "json_schema": {"schema": {"type": "nope"}}})]}), src)
+    ingest(str(src), str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"),
+           columns={"custom_id": "id", "prompt": "q"})
+    prompts = {r["custom_id"]: r["response_format"] for r in pq.read_table(tmp_path / "p.parquet").to_pylist()}
+    assert prompts == {"a": _schema_format(SCHEMAS["enum"]), "c": None}
+    rejects = {r["custom_id"]: (r["field"], r["reason"]) for r in pq.read_table(tmp_path / "r.parquet").to_pylist()}
+    assert rejects["b"][0] == "response_format" and rejects["b"][1].startswith("malformed JSON")
+    assert rejects["d"][0] == SCHEMA_FIELD and "nope" in rejects["d"][1]

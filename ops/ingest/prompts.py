@@ -10,6 +10,14 @@ mapping (each row is turned into a plain chat object and goes through the same v
 both formats accept and reject exactly the same things). Every input row ends up in exactly one
 of the two outputs: ``prompts`` (valid) or ``rejects`` (row, custom_id, field, reason).
 
+Structured outputs: a constrained row (``response_format`` json_schema or json_object) whose
+schema the grammar engine cannot compile is a reject here (field
+``body.response_format.json_schema.schema``), checked once per distinct format, not per row
+(:func:`~kvbatch.engine.text.structured.schema_error` keeps its answers by the format's hash): a
+night of ten million rows sharing three schemas compiles three. Any other row goes to the prompts
+table as :func:`~kvbatch.io.prompt_table.outcome_record` writes it. A row without a format pays
+nothing: it never reaches the check, and the grammar engine is not even imported.
+
 Streaming: a dataset can be many GB, so nothing holds it whole. Rows are read one line (JSONL)
 or one record batch (Parquet) at a time. Memory is bounded by a batch, whatever the row count:
 
@@ -50,12 +58,14 @@ from kvbatch.io.batch_requests import (
     parse_request_line,
     read_line_blocks,
     read_requests,
+    reject,
     warn_unknown_fields,
 )
 from kvbatch.io.prompt_table import (
     PROMPTS_SCHEMA,
     REJECTS_SCHEMA,
     outcome_record,
+    reject_record,
 )
 from kvbatch.io.request_columns import parse_block
 
@@ -67,7 +77,23 @@ ID_SCHEMA = pa.schema([("row", pa.int64()), ("custom_id", pa.string())])
 
 # Plain chat fields a Parquet column can be mapped to (target name -> what the validator reads).
 PARQUET_TARGETS = ("custom_id", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                   "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos")
+                   "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos",
+                   "response_format")
+# The field a schema the grammar engine refuses is rejected under (as ops.jobs names it).
+SCHEMA_FIELD = "body.response_format.json_schema.schema"
+
+
+def outcome(item: ChatRequest | RejectedRow) -> dict[str, Any]:
+    """The prompts-or-rejects record of one parsed item: a constrained row whose schema cannot be
+    compiled (or compiles too slowly) is a reject naming the problem. The check is asked once per
+    distinct format (``schema_error`` keeps its answers), and only for a constrained row."""
+    if isinstance(item, ChatRequest) and item.sampling.response_format is not None:
+        from kvbatch.engine.text.structured import schema_error  # only a constrained row loads the grammar engine
+
+        problem = schema_error(item.sampling.response_format)
+        if problem is not None:
+            return reject_record(reject(item, SCHEMA_FIELD, problem))
+    return outcome_record(item)
 
 
 @dataclass
@@ -105,7 +131,8 @@ def read_parquet_requests(
     """Rows of a Parquet file as requests. ``columns`` maps a plain chat field (``custom_id``,
     ``messages``, ``max_tokens``...) to the file's column name; unmapped fields use their own
     name when the file has such a column. A ``prompt`` target takes a plain string column and
-    makes it a single user message."""
+    makes it a single user message. A ``response_format`` column holds the object, or its JSON
+    text (a string column is how most tables hold a schema)."""
     mapping = dict(columns or {})
     unknown = sorted(set(mapping) - set(PARQUET_TARGETS) - {"prompt"})
     if unknown:
@@ -130,12 +157,20 @@ def read_parquet_requests(
                 if "prompt" in obj:
                     prompt = obj.pop("prompt")
                     obj.setdefault("messages", [{"role": "user", "content": prompt}])
-                try:
-                    line = json.dumps(obj, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass")
-                except (TypeError, ValueError) as exc:
-                    item: ChatRequest | RejectedRow = RejectedRow(row_no, None, "$", f"unreadable row: {exc}")
-                else:
-                    item = parse_request_line(line, row_no, default_max_tokens=default_max_tokens)
+                item: ChatRequest | RejectedRow | None = None
+                if isinstance(obj.get("response_format"), str):
+                    try:
+                        obj["response_format"] = json.loads(obj["response_format"])
+                    except ValueError as exc:
+                        cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
+                        item = RejectedRow(row_no, cid, "response_format", f"malformed JSON: {exc}")
+                if item is None:
+                    try:
+                        line = json.dumps(obj, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass")
+                    except (TypeError, ValueError) as exc:
+                        item = RejectedRow(row_no, None, "$", f"unreadable row: {exc}")
+                    else:
+                        item = parse_request_line(line, row_no, default_max_tokens=default_max_tokens)
                 cid = item.custom_id
                 if cid is not None and check_duplicates:
                     first = seen.setdefault(cid, row_no)
@@ -310,7 +345,7 @@ def _outcomes_columnar(url: str, outcomes: TableStream, ids: IdSpill, default_ma
                      for i in slow]
             for item in items:
                 warn_unknown_fields(url, item, warned)
-            records = [outcome_record(i) for i in items]
+            records = [outcome(i) for i in items]
             block = pa.concat_tables([block, pa.Table.from_pylist(records, OUTCOME_SCHEMA)])
             block = block.take(pc.sort_indices(block.column("row")))
         outcomes.add_table(block)
@@ -356,7 +391,7 @@ def ingest(
                 for item in read_dataset(url, fmt=fmt, columns=columns, default_max_tokens=default_max_tokens,
                                          storage_options=storage_options, check_duplicates=False):
                     report.rows += 1
-                    outcomes.add(outcome_record(item))
+                    outcomes.add(outcome(item))
                     if item.custom_id is not None:
                         ids.add(item.line_no, item.custom_id)
         except BaseException:
