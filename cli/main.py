@@ -85,7 +85,9 @@ def _spec_method(text: str) -> str:
 def _spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, metavar="METHOD", type=_spec_method,
                    help="speculative decoding: ngram (prompt lookup), draft:MODEL (a smaller model with the "
-                        "same tokenizer) or early-exit:K (the model's first K layers draft)")
+                        "same tokenizer), early-exit:K (the model's first K layers draft) or suffix:ANSWERS "
+                        "(earlier runs' answers: an output JSONL or results Parquet, a file, glob or URL, "
+                        "beside prompt lookup)")
     p.add_argument("--spec-max-len", type=_positive_int, default=8, help="most tokens drafted per step")
     p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="adapt the draft length per request from its observed acceptance and stop "

@@ -43,7 +43,7 @@ from typing import Callable, Literal
 
 from kvbatch.engine.runtime.sequence import Sequence
 
-Method = Literal["ngram", "draft", "early-exit"]
+Method = Literal["ngram", "draft", "early-exit", "suffix"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class SpecConfig:
     adaptive: bool = True
     draft_model: str | None = None  # method "draft": path, URL or name of the draft checkpoint
     exit_layer: int | None = None  # method "early-exit": layers the drafter runs
+    corpus: str | None = None  # method "suffix": earlier runs' answers (a file, glob or URL)
     ngram_min: int = 1
     ngram_max: int = 8
     # Low on purpose: where a slot is nearly free (batch 1 here) even a 10% draft pays, and where
@@ -66,12 +67,16 @@ class SpecConfig:
     probe_every: int = 16
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft", "early-exit"):
-            raise ValueError(f"unknown speculative method {self.method!r} (ngram, draft:MODEL, early-exit:K)")
+        if self.method not in ("ngram", "draft", "early-exit", "suffix"):
+            raise ValueError(f"unknown speculative method {self.method!r} "
+                             "(ngram, draft:MODEL, early-exit:K, suffix:ANSWERS)")
         if self.max_len < 1:
             raise ValueError(f"spec max_len must be >= 1, got {self.max_len}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("--spec draft:MODEL needs a model")
+        if self.method == "suffix" and not self.corpus:
+            raise ValueError("--spec suffix:ANSWERS needs earlier runs' answers (an output JSONL or results "
+                             "Parquet: a file, glob or URL)")
         if self.method == "early-exit" and (self.exit_layer is None or self.exit_layer < 1):
             raise ValueError("--spec early-exit:K needs K >= 1 layers")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -81,19 +86,21 @@ class SpecConfig:
 
     @classmethod
     def parse(cls, text: str, max_len: int = 8, adaptive: bool = True) -> "SpecConfig":
-        """``ngram``, ``draft:MODEL`` or ``early-exit:K`` (the command line's ``--spec``)."""
+        """``ngram``, ``draft:MODEL``, ``early-exit:K`` or ``suffix:ANSWERS`` (the command line's ``--spec``)."""
         method, _, arg = text.partition(":")
         if method == "ngram" and not arg:
             return cls("ngram", max_len, adaptive)
         if method == "draft":
             return cls("draft", max_len, adaptive, draft_model=arg or None)
+        if method == "suffix":
+            return cls("suffix", max_len, adaptive, corpus=arg or None)
         if method == "early-exit":
             try:
                 layers = int(arg)
             except ValueError:
                 raise ValueError(f"--spec early-exit:K needs an integer K, got {arg!r}") from None
             return cls("early-exit", max_len, adaptive, exit_layer=layers)
-        raise ValueError(f"unknown --spec {text!r} (use ngram, draft:MODEL or early-exit:K)")
+        raise ValueError(f"unknown --spec {text!r} (use ngram, draft:MODEL, early-exit:K or suffix:ANSWERS)")
 
 
 @dataclass(frozen=True)

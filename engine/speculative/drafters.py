@@ -4,6 +4,8 @@
   sequence's last n tokens (longest n first) and propose what followed it. Free to run, and
   right often when the output copies from the input (summaries, edits, extraction); the
   longer the match, the likelier (its ``outlook`` tells the controller n before slots are granted).
+- :class:`SuffixDrafter` (drafts from last night): earlier runs' answers, indexed by
+  ``suffix.py``, beside prompt lookup; per request the longer match proposes.
 - :class:`EarlyExitDrafter` (self-speculation): the target's first K layers and its head. It
   writes those layers' K/V into the target's own cache slots, which the verification pass
   then overwrites, so there is no second cache to keep in sync.
@@ -33,6 +35,7 @@ from kvbatch.engine.runtime.sampler import filter_logits
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.runtime.sequence import Sequence
 from kvbatch.engine.speculative.controller import DraftOutlook
+from kvbatch.engine.speculative.suffix import CORPUS_EVIDENCE, MAX_PATTERN, SuffixIndex, read_corpus
 
 
 @dataclass
@@ -126,6 +129,56 @@ class NgramDrafter:
             return 0, []
         start = int(ends[-1]) + 1
         return n, arr[start:start + k].tolist()
+
+
+class SuffixDrafter:
+    """Drafts from earlier runs' answers (``suffix.py``) beside prompt lookup; per request, per
+    step, the longer match proposes (ties: the corpus, whose continuation is the most frequent of
+    all its occurrences). The two report their match lengths as different evidence (the corpus's
+    offset by ``CORPUS_EVIDENCE``), so the controller learns each source's acceptance apart."""
+
+    deterministic = True
+
+    def __init__(self, index: SuffixIndex, ngram: NgramDrafter, max_pattern: int = MAX_PATTERN) -> None:
+        self.index = index
+        self.ngram = ngram  # a NgramDrafter: prompt lookup over the request's own tokens
+        self.max_pattern = max_pattern
+        # seq -> (its num_tokens, tokens asked for, evidence, proposal) of the last lookup
+        self._found: dict[int, tuple[int, int, int, list[int]]] = {}
+        self.corpus_drafts = 0  # proposals that came from the corpus (the rest from the prompt)
+
+    def _lookup_once(self, seq: Sequence, k: int) -> tuple[int, list[int]]:
+        hit = self._found.get(seq.seq_id)
+        if hit is None or hit[0] != seq.num_tokens or hit[1] < k:
+            tokens = seq.token_ids
+            ngram_n, ngram_tokens = self.ngram.match(tokens, k)
+            n, lo, hi = self.index.longest_match(tokens, self.max_pattern)
+            corpus_tokens = self.index.continuation(n, lo, hi, k) if n else []
+            if corpus_tokens and n >= ngram_n:
+                hit = (seq.num_tokens, k, CORPUS_EVIDENCE + n, corpus_tokens)
+            else:
+                hit = (seq.num_tokens, k, ngram_n, ngram_tokens)
+            self._found[seq.seq_id] = hit
+        return hit[2], hit[3]
+
+    def outlook(self, seq: Sequence, max_len: int) -> DraftOutlook:
+        evidence, tokens = self._lookup_once(seq, max_len)
+        return DraftOutlook(len(tokens), evidence)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts = []
+        for r in requests:
+            evidence, tokens = self._lookup_once(r.seq, r.max_len)
+            if evidence >= CORPUS_EVIDENCE and tokens:
+                self.corpus_drafts += 1
+            drafts.append(Draft(tokens[:r.max_len]))
+        return drafts
+
+    def after_verify(self, seq: Sequence, num_tokens_before: int, accepted: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        self._found.pop(seq.seq_id, None)
 
 
 class _ModelDrafter:
@@ -320,6 +373,9 @@ def build_drafter(config, target, draft_engine=None) -> Drafter:
         return NgramDrafter(config.ngram_min, config.ngram_max)
     if config.method == "early-exit":
         return EarlyExitDrafter(target.runner, config.exit_layer, threshold)
+    if config.method == "suffix":
+        index = read_corpus(config.corpus, target.tokenizer)
+        return SuffixDrafter(index, NgramDrafter(config.ngram_min, config.ngram_max))
     if draft_engine is None:
         raise ValueError("speculative method 'draft' needs the draft model's engine")
     check_same_tokenizer(target, draft_engine)
