@@ -18,8 +18,10 @@ WORKDIR /opt/kvbatch
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md workspace.yaml ./
 COPY cli cli
+COPY defs defs
 COPY engine engine
 COPY io io
+COPY kvbatch kvbatch
 COPY kernels kernels
 COPY ops ops
 COPY pipelines pipelines

@@ -1,5 +1,9 @@
-"""The asset graph: prompts -> prompt_shards -> prefill_kv -> decode_results -> cost_metrics
-(-> cost_rollup, the day's sum, in ``rollup``).
+"""The asset graph of one pipeline: prompts -> prompt_shards -> prefill_kv -> decode_results ->
+cost_metrics (-> cost_rollup, the day's sum, in ``rollup``), each ``[<name>, asset]``.
+
+The steps are plain functions (``prompts_step``...) taking their resources by kind;
+:func:`build_assets` makes them one pipeline's assets (``factory.PipelineParts``: keys, group,
+resource keys, config defaults). Tables are under the pipeline's folder of the object store.
 
 Wiring only: each asset calls a plain-Python step in ``kvbatch.ops`` and reports metadata.
 ``prompts`` and ``prompt_shards`` are partitioned by date, the rest by date x shard (see
@@ -14,11 +18,11 @@ Wiring only: each asset calls a plain-Python step in ``kvbatch.ops`` and reports
     decode_parts/date=D/shard=XXXX/part-*.parquet              decode's checkpoints, gone once results commit
     cost_metrics/date=D/shard=XXXX/part.parquet                one row per shard
 
-A date has n shards (``prompt_shards`` chooses n from its row count) out of a fixed range of
-``KVBATCH_MAX_SHARDS`` keys: the (date, shard) assets of a shard >= n do nothing (no
-materialization, no table, the run succeeds; downstream steps are skipped) and say so in the
-log and in an observation of the asset. They are written with ``output_required=False``, and the
-two with checks as single-asset ``multi_asset(can_subset=True)``: an ``@asset`` with check specs
+A date has n shards (``prompt_shards`` chooses n from its row count and adds exactly the day's
+n (date, shard) keys, ``partitions``): a (date, shard) of a shard >= n (a key a re-sharding
+deleted, run anyway) does nothing (no materialization, no table, the run succeeds; downstream
+steps are skipped) and says so in the log and in an observation of the asset. They are written
+with ``output_required=False``, and the two with checks as single-asset ``multi_asset(can_subset=True)``: an ``@asset`` with check specs
 fails its step when it yields nothing (its check outputs stay required), while a subsettable
 one leaves the checks planned, which the UI shows as skipped.
 
@@ -29,17 +33,15 @@ rather than recorded as 0.
 """
 
 
-import inspect
-import math
 import os
-from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import dagster as dg
 from pydantic import Field
 
 from kvbatch.io.shard_tables import read_json, read_table, write_table
 from kvbatch.ops.results.metrics import ProgressMeter
+from kvbatch.ops.results.scorecard import fmt_usd
 from kvbatch.ops.shards.routing import (
     DEFAULT_MAX_ROWS_PER_SHARD,
     SHARD_COUNT_FILE,
@@ -48,13 +50,13 @@ from kvbatch.ops.shards.routing import (
     shards_for_rows,
     write_shard_count,
 )
-from kvbatch.pipelines.checks import DECODE_CHECKS, PROMPTS_CHECKS, SHARD_SLO_CHECK, SLOConfig, slo_check_result
+from kvbatch.pipelines.checks import SLOConfig, decode_checks, prompts_checks, shard_slo_check, slo_check_result
 from kvbatch.pipelines.layout import DayLayout
 from kvbatch.pipelines.partitions import (
     MAX_SHARDS,
     check_date,
     date_partitions,
-    date_shard_partitions,
+    register_day_shards,
     shard_to_date,
     split_date_shard,
 )
@@ -66,11 +68,13 @@ from kvbatch.resources import (
     PricingResource,
 )
 
+if TYPE_CHECKING:
+    from kvbatch.pipelines.factory import PipelineParts
+
 IO_RETRY = dg.RetryPolicy(max_retries=3, delay=2, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 STEP_RETRY = dg.RetryPolicy(max_retries=1, delay=5, backoff=dg.Backoff.EXPONENTIAL)
 REJECTS_SHOWN = 20
 RESULTS_SHOWN = 10
-OWNERS = ["team:kvbatch"]
 MIB = 2 ** 20
 
 
@@ -87,20 +91,6 @@ def pct(fraction: float) -> float:
 def usd(amount: float) -> float:
     """Dollars at four significant digits: cents for a night, micro-dollars for a tiny shard."""
     return float(f"{amount:.4g}")
-
-
-def fmt_usd(amount: float | None) -> str:
-    """Dollars as a person reads them: $1,234.56 from a dollar up, else four significant digits."""
-    if amount is None:
-        return "n/a"
-    if amount < 0:
-        return "-" + fmt_usd(-amount)
-    if amount >= 1:
-        return f"${amount:,.2f}"
-    if amount == 0:
-        return "$0"
-    digits = 3 - math.floor(math.log10(amount))  # four significant digits, never an exponent
-    return "$" + f"{amount:.{digits}f}".rstrip("0").rstrip(".")
 
 
 def markdown_table(header: tuple[str, ...], rows: list[tuple]) -> str:
@@ -132,14 +122,13 @@ class PromptsConfig(dg.Config):
 
 
 def dataset_url(config: PromptsConfig, date: str) -> str:
-    """The run config's URL (an ad-hoc dataset), else the nightly dataset of ``date``."""
-    if config.url:
-        return config.url
-    template = os.environ.get(NIGHTLY_DATASET_ENV)
+    """The run config's URL (an ad-hoc dataset, or the pipeline's ``input`` as its default), else
+    ``KVBATCH_NIGHTLY_DATASET``; ``{date}`` in either is the partition's date."""
+    template = config.url or os.environ.get(NIGHTLY_DATASET_ENV)
     if not template:
-        raise ValueError(f"no dataset for {date}: give ops.prompts.config.url in the run config, "
-                         f"or set {NIGHTLY_DATASET_ENV} (e.g. s3://bucket/in/{{date}}.jsonl)")
-    return template.format(date=date)
+        raise ValueError(f"no dataset for {date}: give ops.<pipeline>__prompts.config.url in the run config, the "
+                         f"pipeline's input, or set {NIGHTLY_DATASET_ENV} (e.g. s3://bucket/in/{{date}}.jsonl)")
+    return template.replace("{date}", date)
 
 
 def _day(context: dg.AssetExecutionContext, object_store: ObjectStoreResource) -> DayLayout:
@@ -183,15 +172,7 @@ def _rejects_metadata(table) -> dict[str, dg.MetadataValue]:
     return {"rejects_preview": dg.MetadataValue.table(records, schema=schema)}
 
 
-@dg.asset(
-    group_name="kvbatch",
-    partitions_def=date_partitions,
-    retry_policy=IO_RETRY,
-    check_specs=PROMPTS_CHECKS,
-    kinds={"python", "polars", "parquet"},
-    owners=OWNERS,
-)
-def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, object_store: ObjectStoreResource):
+def prompts_step(context: dg.AssetExecutionContext, config: PromptsConfig, object_store: ObjectStoreResource):
     """Every row of the day's dataset, validated and streamed (never held whole in memory): valid
     rows normalized to ``prompts/date=D/part.parquet``, the others to ``rejects/date=D/part.parquet``
     with (row, custom_id, field, reason). Nothing is dropped."""
@@ -248,9 +229,7 @@ class ShardsConfig(dg.Config):
         "min(4, CPUs); tables under 16384 rows are tokenized in-process anyway"))
 
 
-@dg.asset(group_name="kvbatch", deps=[prompts], partitions_def=date_partitions, retry_policy=IO_RETRY,
-          kinds={"python", "parquet"}, owners=OWNERS)
-def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, object_store: ObjectStoreResource,
+def prompt_shards_step(context: dg.AssetExecutionContext, config: ShardsConfig, object_store: ObjectStoreResource,
                   model: ModelResource):
     """The day's valid prompts tokenized (exactly as a sequential run would) and split by a stable
     hash of ``custom_id`` into n shards, n = ceil(valid rows / max_rows_per_shard):
@@ -270,6 +249,8 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
     # The count first, then the clean-up: a crash between them leaves higher shards that are
     # already outside the count (no-ops), and the re-run removes them.
     write_shard_count(count, day.table("shards", SHARD_COUNT_FILE), storage_options=opts)
+    # The day's (date, shard) partitions: exactly its n shards (partitions.py).
+    dropped = register_day_shards(context.instance, _pipeline(context), day.date, count.num_shards)
     stale = {t: remove_shards_from(day.root, day.folder(t), count.num_shards, storage_options=opts)
              for t in SHARD_TABLES}
     removed = sorted({k for keys in stale.values() for k in keys})
@@ -279,8 +260,11 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
     return dg.MaterializeResult(metadata={
         "dagster/row_count": report.tokenized,
         "num_shards": count.num_shards,
-        "max_rows_per_shard": count.max_rows_per_shard,
+        # The target, not a bound: hash routing puts about this many rows in a shard, some more.
+        "rows_per_shard_target": count.max_rows_per_shard,
+        "rows_largest_shard": max((int(n) for n in report.rows_by_shard.values()), default=0),
         "stale_shards_removed": len(removed),
+        "shard_partitions_removed": len(dropped),
         "prompt_tokens": report.prompt_tokens,
         "rejected_rows": report.rejected,
         "shards": table_metadata({"shard": "string", "rows": "int", "prompt_tokens": "int"}, [
@@ -293,11 +277,14 @@ def prompt_shards(context: dg.AssetExecutionContext, config: ShardsConfig, objec
     })
 
 
+def _pipeline(context: dg.AssetExecutionContext) -> str:
+    """The pipeline of a step: its asset key is ``[pipeline, asset]``."""
+    return context.asset_key.path[-2]
+
+
 def _kv(object_store: ObjectStoreResource, model: ModelResource, kv_store: KVStoreResource):
-    return kv_store.open(object_store.url, object_store.storage_options(), model.engine_spec())
-
-
-SHARD_DEPS_ON_DAY = dg.AssetDep(prompt_shards, partition_mapping=shard_to_date)
+    # The KV store's default is the deployment's root, shared by every pipeline (factory.py).
+    return kv_store.open(object_store.shared_url, object_store.storage_options(), model.engine_spec())
 
 
 def _beyond_its_day(context: dg.AssetExecutionContext, day: DayLayout, shard: str,
@@ -322,23 +309,6 @@ def _beyond_its_day(context: dg.AssetExecutionContext, day: DayLayout, shard: st
                                metadata={"skipped": reason, "num_shards": count.num_shards})
 
 
-def shard_asset_with_checks(*, deps: list, check_specs: list[dg.AssetCheckSpec], kinds: set[str],
-                            retry_policy: dg.RetryPolicy, pool: str | None = None
-                            ) -> Callable[[Callable], dg.AssetsDefinition]:
-    """A (date, shard) asset with checks that may materialize nothing (a shard beyond its day).
-
-    ``@asset(output_required=False)`` is not enough there: its check outputs stay required, so a
-    step that yields no materialization fails (DagsterStepOutputNotFoundError). A single-asset
-    ``multi_asset(can_subset=True)`` makes every output optional; the step must then yield only
-    what the run selected (:func:`_selected`). The docstring is the asset's description."""
-    def wrap(fn: Callable) -> dg.AssetsDefinition:
-        spec = dg.AssetSpec(fn.__name__, deps=deps, partitions_def=date_shard_partitions, group_name="kvbatch",
-                            kinds=kinds, owners=OWNERS, description=inspect.cleandoc(fn.__doc__ or ""))
-        return dg.multi_asset(name=fn.__name__, specs=[spec], check_specs=check_specs, can_subset=True,
-                              retry_policy=retry_policy, pool=pool)(fn)
-    return wrap
-
-
 def _selected(context: dg.AssetExecutionContext, asset: str, events):
     """The events of a subsettable asset's step that its run selected: the materialization always
     (the step refuses to run without it), a check result only when that check is selected."""
@@ -351,9 +321,7 @@ def _selected(context: dg.AssetExecutionContext, asset: str, events):
             yield event
 
 
-@dg.asset(group_name="kvbatch", deps=[SHARD_DEPS_ON_DAY], partitions_def=date_shard_partitions,
-          retry_policy=STEP_RETRY, pool="gpu", kinds={"pytorch", "python"}, owners=OWNERS, output_required=False)
-def prefill_kv(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
+def prefill_kv_step(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                kv_store: KVStoreResource):
     """The (date, shard)'s prompt KV blocks in the tiered KV store (each block once, under its
     content key, shared across days) and the decode manifests, ``manifests/date=D/shard=XXXX/manifests.jsonl``.
@@ -393,9 +361,17 @@ def _row_count(url: str, opts: dict) -> int:
         return pq.ParquetFile(f).metadata.num_rows
 
 
-@shard_asset_with_checks(deps=[prefill_kv], check_specs=DECODE_CHECKS, kinds={"pytorch", "python", "parquet"},
-                         retry_policy=STEP_RETRY, pool="gpu")
-def decode_results(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
+def _max_tokens_total(url: str, opts: dict) -> int:
+    """The sum of a shard table's ``max_tokens`` column: the most tokens its decode can produce."""
+    import fsspec
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    with fsspec.open(url, "rb", **opts) as f:
+        return int(pc.sum(pq.read_table(f, columns=["max_tokens"]).column("max_tokens")).as_py() or 0)
+
+
+def decode_results_step(context: dg.AssetExecutionContext, object_store: ObjectStoreResource, model: ModelResource,
                    kv_store: KVStoreResource, decode_cluster: DecodeClusterResource,
                    pipes_subprocess_client: dg.PipesSubprocessClient):
     """One row per request of the (date, shard), ``results/date=D/shard=XXXX/part.parquet``:
@@ -431,7 +407,8 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
                          f"yet: use decode_cluster.launcher 'in_process', or unset response_cache")
     if piped:
         spec = {"engine_spec": model.engine_spec().to_json(),
-                "kv_store": kv_store.store_config(day.root, opts).model_dump(), "manifests_url": manifests,
+                "kv_store": kv_store.store_config(object_store.shared_url, opts).model_dump(),
+                "manifests_url": manifests,
                 "results_url": results_url, "stats_url": stats_url, "parts_url": parts_url, "storage_options": opts,
                 "rows": _row_count(day.shard("shards", shard), opts)}
         yield from decode_cluster.run(context, spec, pipes_subprocess_client)
@@ -439,7 +416,12 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
     else:
         llm = model.load(_kv(object_store, model, kv_store), decode=True)
         progress = ProgressMeter("decode", _row_count(day.shard("shards", shard), opts), context.log.info)
-        cache = kv_store.open_response_cache(object_store.url, opts, llm)
+        # Rows finish in bursts (a batch ends together), so rows alone misjudge the ETA; tokens
+        # decoded against the shard's max_tokens budget (an upper bound of the work) track it.
+        out0 = llm.stats["output_tokens"]
+        progress.track(lambda: llm.stats["output_tokens"] - out0,
+                       total=_max_tokens_total(day.shard("shards", shard), opts))
+        cache = kv_store.open_response_cache(object_store.shared_url, opts, llm)
         try:
             stats = decode_shard(llm, manifests, results_url, stats_url=stats_url, parts_url=parts_url,
                                  checkpoint_rows=decode_cluster.checkpoint_rows, storage_options=opts,
@@ -515,9 +497,7 @@ def _decode_checks(p: dict):
                               metadata={"over_limit": len(p["over_limit"]), "ids_preview": preview("over_limit")})
 
 
-@shard_asset_with_checks(deps=[decode_results], check_specs=[SHARD_SLO_CHECK], kinds={"python", "parquet"},
-                         retry_policy=IO_RETRY)
-def cost_metrics(context: dg.AssetExecutionContext, config: SLOConfig, object_store: ObjectStoreResource,
+def cost_metrics_step(context: dg.AssetExecutionContext, config: SLOConfig, object_store: ObjectStoreResource,
                  pricing: PricingResource, decode_cluster: DecodeClusterResource):
     """One row per (date, shard), ``cost_metrics/date=D/shard=XXXX/part.parquet``: tokens by class,
     dollars and $/Mtok by class and blended, KV cache hits by tier, TTFT/TPOT p50/p95/p99,
@@ -556,6 +536,9 @@ _CLASS_LABELS = (("prefill_computed", "prompt, computed at prefill"),
                  ("prefix_cache", "prompt, engine prefix-cache hit at decode"),
                  ("decode_computed", "prompt, computed at decode"),
                  ("output", "output"))
+# Why a token class can cost dollars with no tokens (cost_markdown).
+_NO_TOKEN_NOTES = {"prefill_computed": "prefill computed nothing (every block was already stored): the $ is its "
+                                       "store lookups and manifests"}
 
 
 def cost_metadata(row: dict) -> dict:
@@ -587,13 +570,23 @@ def cost_metadata(row: dict) -> dict:
 
 def cost_markdown(row: dict, tokens: dict[str, int]) -> str:
     """Tokens, dollars and $/Mtok by class, then the shard's other figures, as markdown tables."""
-    classes = [(label, f"{tokens[c]:,}", fmt_usd(row[f"cost_{c}_usd"]),
-                fmt_usd(row.get(f"usd_per_mtok_{c}")) if row.get(f"usd_per_mtok_{c}") is not None else "–")
-               for c, label in _CLASS_LABELS if tokens[c] or row[f"cost_{c}_usd"]]
+    classes, notes = [], []
+    for c, label in _CLASS_LABELS:
+        if not (tokens[c] or row[f"cost_{c}_usd"]):
+            continue  # no tokens, no dollars: left out
+        # Dollars without tokens (a store lookup, a manifest write): "0 tokens, $x" reads as a bug,
+        # so the tokens show as "–" and a note says what the dollars paid for.
+        shown = f"{tokens[c]:,}" if tokens[c] else "–"
+        if not tokens[c]:
+            notes.append(_NO_TOKEN_NOTES.get(c, f"{label}: no tokens; the $ is its store requests, writes and "
+                                                "transfer"))
+        classes.append((label, shown, fmt_usd(row[f"cost_{c}_usd"]),
+                        fmt_usd(row.get(f"usd_per_mtok_{c}")) if row.get(f"usd_per_mtok_{c}") is not None else "–"))
     blended = row.get("usd_per_mtok_blended")
     classes.append(("**total** (billable: prompt + output tokens)", f"{row['billable_tokens']:,}",
                     fmt_usd(row["cost_usd"]), fmt_usd(blended) if blended is not None else "–"))
     out = [markdown_table(("token class", "tokens", "cost", "$ per Mtok"), classes), "",
+           *[f"Note: {n}." for n in notes], *([""] if notes else []),
            (f"Prompt tokens {row['prompt_tokens']:,} = served by the KV store "
            f"{row['prompt_tokens_decode_loaded']:,} + prefix-cache hits {row['prompt_tokens_decode_cached']:,} + "
            f"computed at decode {row['prompt_tokens_decode_computed']:,}. The "
@@ -620,4 +613,20 @@ def cost_markdown(row: dict, tokens: dict[str, int]) -> str:
     return "\n".join(out)
 
 
-ASSETS = [prompts, prompt_shards, prefill_kv, decode_results, cost_metrics]
+def build_assets(p: "PipelineParts") -> list[dg.AssetsDefinition]:
+    """One pipeline's assets, ``[name, asset]`` each, from the step bodies above."""
+    prompts = p.asset(prompts_step, name="prompts", config=p.prompts_config, partitions_def=date_partitions,
+                      retry_policy=IO_RETRY, check_specs=prompts_checks(p.name), kinds={"python", "polars", "parquet"})
+    prompt_shards = p.asset(prompt_shards_step, name="prompt_shards", config=p.shards_config, deps=[prompts],
+                            partitions_def=date_partitions, retry_policy=IO_RETRY, kinds={"python", "parquet"})
+    prefill_kv = p.asset(prefill_kv_step, name="prefill_kv",
+                         deps=[dg.AssetDep(prompt_shards, partition_mapping=shard_to_date)],
+                         partitions_def=p.shards, retry_policy=STEP_RETRY, pool="gpu", kinds={"pytorch", "python"},
+                         output_required=False)
+    decode_results = p.multi_asset(decode_results_step, name="decode_results", deps=[prefill_kv],
+                                   partitions_def=p.shards, check_specs=decode_checks(p.name, p.shards),
+                                   kinds={"pytorch", "python", "parquet"}, retry_policy=STEP_RETRY, pool="gpu")
+    cost_metrics = p.multi_asset(cost_metrics_step, name="cost_metrics", config=p.slo_config, deps=[decode_results],
+                                 partitions_def=p.shards, check_specs=[shard_slo_check(p.name, p.shards)],
+                                 kinds={"python", "parquet"}, retry_policy=IO_RETRY)
+    return [prompts, prompt_shards, prefill_kv, decode_results, cost_metrics]

@@ -15,40 +15,62 @@ import dagster as dg
 from pydantic import Field
 
 from kvbatch.ops.results.metrics import LatencySLO, check_slo
-from kvbatch.pipelines.partitions import date_partitions, date_shard_partitions
+from kvbatch.pipelines.partitions import date_partitions
 
 SLO_TTFT_ENV, SLO_TPOT_ENV, SLO_SEVERITY_ENV = "KVBATCH_SLO_TTFT_P95_S", "KVBATCH_SLO_TPOT_P95_S", "KVBATCH_SLO_SEVERITY"
 
 
-def _spec(name: str, asset: str, partitions: dg.PartitionsDefinition, description: str,
+def _spec(name: str, asset: list[str], partitions: dg.PartitionsDefinition, description: str,
           blocking: bool = False) -> dg.AssetCheckSpec:
+    from kvbatch.pipelines.check_policy import blocks
+
+    key = asset if isinstance(asset, str) else dg.AssetKey.from_coercible(asset).to_user_string()
+    blocking = blocking or blocks(key, name)  # the policy and its reasons: pipelines/check_policy.py
+    if blocking and "Blocking" not in description:
+        description += (" Blocking: when it fails with severity ERROR the run fails (after the asset is "
+                        "recorded) and nothing downstream of the asset runs in it.")
     with warnings.catch_warnings():  # partitioned checks are marked preview; they are how a check names its shard
         warnings.simplefilter("ignore", category=dg.PreviewWarning)
         return dg.AssetCheckSpec(name, asset=asset, partitions_def=partitions, description=description,
                                  blocking=blocking)
 
 
-# Blocking: a failure fails the ``prompts`` step, so nothing downstream in the same run
-# (tokenizing, prefill, decode) touches a table with repeated ids or too many rejects.
-PROMPTS_CHECKS = [
-    _spec("reject_rate_below_threshold", "prompts", date_partitions,
-          "Rows rejected at ingest / input rows is at most the run config's max_reject_rate (default 5%). "
-          "Blocking: the day's later steps do not run when it fails.", blocking=True),
-    _spec("unique_custom_ids", "prompts", date_partitions,
-          "Each custom_id appears once in the prompts table every later step reads. "
-          "Blocking: the day's later steps do not run when it fails.", blocking=True),
-]
-DECODE_CHECKS = [
-    _spec("one_result_per_custom_id", "decode_results", date_shard_partitions,
-          "Every row of the shard has exactly one result, and no result belongs to no row."),
-    _spec("output_within_max_tokens", "decode_results", date_shard_partitions,
-          "No result is longer than its request's own max_tokens (the shard's, not the hand-off's)."),
-]
+def prompts_checks(prefix: str) -> list[dg.AssetCheckSpec]:
+    """The checks of ``[prefix, "prompts"]``.
+
+    Blocking: a failure fails the ``prompts`` step, so nothing downstream in the same run
+    (tokenizing, prefill, decode) touches a table with repeated ids or too many rejects."""
+    return [
+        _spec("reject_rate_below_threshold", [prefix, "prompts"], date_partitions,
+              "Rows rejected at ingest / input rows is at most the run config's max_reject_rate (default 5%). "
+              "Blocking: the day's later steps do not run when it fails.", blocking=True),
+        _spec("unique_custom_ids", [prefix, "prompts"], date_partitions,
+              "Each custom_id appears once in the prompts table every later step reads. "
+              "Blocking: the day's later steps do not run when it fails.", blocking=True),
+    ]
+
+
+def decode_checks(prefix: str, shards: dg.PartitionsDefinition) -> list[dg.AssetCheckSpec]:
+    """The checks of ``[prefix, "decode_results"]``, one per (date, shard) of ``shards``."""
+    return [
+        _spec("one_result_per_custom_id", [prefix, "decode_results"], shards,
+              "Every row of the shard has exactly one result, and no result belongs to no row."),
+        _spec("output_within_max_tokens", [prefix, "decode_results"], shards,
+              "No result is longer than its request's own max_tokens (the shard's, not the hand-off's)."),
+    ]
+
+
 SLO_DESCRIPTION = ("P95 time to first token and P95 time per output token within the SLO (cost_metrics / "
                    f"cost_rollup run config, or {SLO_TTFT_ENV} / {SLO_TPOT_ENV}); severity WARN or ERROR "
                    f"({SLO_SEVERITY_ENV}).")
-SHARD_SLO_CHECK = _spec("latency_p95_within_slo", "cost_metrics", date_shard_partitions, SLO_DESCRIPTION)
-DAY_SLO_CHECK = _spec("latency_p95_within_slo", "cost_rollup", date_partitions, SLO_DESCRIPTION)
+
+
+def shard_slo_check(prefix: str, shards: dg.PartitionsDefinition) -> dg.AssetCheckSpec:
+    return _spec("latency_p95_within_slo", [prefix, "cost_metrics"], shards, SLO_DESCRIPTION)
+
+
+def day_slo_check(prefix: str) -> dg.AssetCheckSpec:
+    return _spec("latency_p95_within_slo", [prefix, "cost_rollup"], date_partitions, SLO_DESCRIPTION)
 
 
 class SLOConfig(dg.Config):

@@ -72,13 +72,17 @@ def k8s_execution_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     if execution is None:
         raise ValueError("run config has no execution.config block for the k8s_job_executor")
     config = K8sExecutionConfig.model_validate(execution)
-    cluster_config = (((run_config.get("resources") or {}).get("decode_cluster") or {}).get("config"))
-    if cluster_config is not None:
+    resources = run_config.get("resources") or {}
+    # A pipeline's decode group is ``<name>_decode_cluster`` (pipelines/factory.py); each is checked.
+    for key in sorted(k for k in resources if k == "decode_cluster" or k.endswith("_decode_cluster")):
+        cluster_config = (resources[key] or {}).get("config")
+        if cluster_config is None:
+            continue
         cluster = DecodeClusterResource(**cluster_config)
         if cluster.launcher == "kubernetes" and cluster.namespace != config.job_namespace:
             raise ValueError(f"execution.config.job_namespace {config.job_namespace!r} differs from "
-                             f"decode_cluster.namespace {cluster.namespace!r}: steps and decode pods share one")
+                             f"{key}.namespace {cluster.namespace!r}: steps and decode pods share one")
         if cluster.secret_env and cluster.secret_env not in config.env_secrets:
-            raise ValueError(f"execution.config.env_secrets {config.env_secrets} lacks decode_cluster.secret_env "
+            raise ValueError(f"execution.config.env_secrets {config.env_secrets} lacks {key}.secret_env "
                              f"{cluster.secret_env!r}: the step pods could not reach the object store")
     return config.model_dump(exclude_none=True)

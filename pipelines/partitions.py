@@ -1,29 +1,36 @@
-"""The partitions: date x shard.
+"""The partitions: a day, and the shards of that day.
 
 - ``date`` (daily, ``KVBATCH_START_DATE`` onwards, days in ``KVBATCH_TIMEZONE``): the day a
-  dataset belongs to. Nightly datasets have one per day; an ad-hoc dataset is given its URL in
-  the run config and lands in the date partition it is launched for (see ``PromptsConfig``).
-  Today's partition exists already (``end_offset=1``), so a file that lands today, or an ad-hoc
-  run, can be processed at once.
-- ``shard``: a fixed, wide range of keys, ``0000`` .. ``KVBATCH_MAX_SHARDS - 1`` (default 1024
-  keys, read once at import). A date uses only its first n of them: ``prompt_shards`` chooses
-  n = ceil(valid rows / max_rows_per_shard) and routes a row to ``sha256(custom_id) mod n``, so
-  the count follows each day's data while the partitions definition never changes. The
-  (date, shard) assets of a shard >= n materialize nothing (see ``assets``), and
-  ``shards_after_ingest`` requests only 0..n-1. ``KVBATCH_NUM_SHARDS`` (the old fixed count) is
-  refused at import, so a deployment that still sets it learns at once that it no longer applies.
+  dataset belongs to, shared by every pipeline. Nightly datasets have one per day; an ad-hoc
+  dataset is given its URL in the run config and lands in the date partition it is launched for
+  (see ``PromptsConfig``). Today's partition exists already (``end_offset=1``), so a file that
+  lands today, or an ad-hoc run, can be processed at once.
+- ``<name>_shards``: one :class:`~dagster.DynamicPartitionsDefinition` per pipeline whose keys are
+  ``"<date>|<shard>"`` (``2026-12-06|0003``), and only the shards a day has: ``prompt_shards``
+  chooses n = ceil(valid rows / max_rows_per_shard), adds that day's n keys and deletes the keys
+  of a day's shards >= n that an earlier run of the day added. So a finished day is every key it
+  has (100 %), and nothing targets keys no data fills.
 
-``prompts`` and ``prompt_shards`` are partitioned by date only (one ingest and one tokenization
-pass per dataset); ``prefill_kv``, ``decode_results`` and ``cost_metrics`` by date x shard, so a
-failed (date, shard) re-runs alone. A multi-partition key joins the dimension values with ``|``
-in dimension-name order: ``2026-11-29|0003`` (``dagster asset materialize --partition``).
+Why one dynamic dimension that holds the date, rather than ``date x shard``: a multi-partition
+is the cross product of its dimensions, so with a day of 4 shards and another of 10, the first
+would show 6 "missing" shards, whatever the shard dimension's keys are (static or dynamic). A key
+that names its day exists only for the shards that day has. The string form is the one a
+``date x shard`` multi-partition had, so ``dagster asset materialize --partition "2026-11-29|0003"``
+reads as before (the key must exist in the instance: ``DAGSTER_HOME`` the ingest ran in).
+
+Dagster has no built-in partition mapping from such a key to the day it names (a custom mapping
+is deprecated and not shown in the UI), so the per-shard assets depend on the date-partitioned
+ones with :class:`~dagster.AllPartitionMapping`; each step reads its day from its own key.
+
+``KVBATCH_MAX_SHARDS`` (default 1024, at most 10,000: four-digit shard keys) caps n, so a wrong
+``max_rows_per_shard`` cannot add a million keys; ``KVBATCH_NUM_SHARDS`` (the old fixed count) is
+refused at import.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Mapping
 
 import dagster as dg
@@ -32,10 +39,11 @@ from kvbatch.ops.shards.routing import MAX_SHARD_KEYS, shard_keys
 
 MAX_SHARDS_ENV, OLD_NUM_SHARDS_ENV = "KVBATCH_MAX_SHARDS", "KVBATCH_NUM_SHARDS"
 DEFAULT_MAX_SHARDS = 1024
+KEY_SEPARATOR = "|"
 
 
 def max_shards_from_env(environ: Mapping[str, str]) -> int:
-    """The width of the shard range (``KVBATCH_MAX_SHARDS``, default 1024). ``KVBATCH_NUM_SHARDS``
+    """The most shards a day may have (``KVBATCH_MAX_SHARDS``, default 1024). ``KVBATCH_NUM_SHARDS``
     set at all is an error: a fixed count silently ignored would shard every day differently
     from what its operator asked for."""
     if OLD_NUM_SHARDS_ENV in environ:
@@ -58,35 +66,42 @@ MAX_SHARDS = max_shards_from_env(os.environ)
 START_DATE = os.environ.get("KVBATCH_START_DATE", "2026-01-01")
 TIMEZONE = os.environ.get("KVBATCH_TIMEZONE", "UTC")
 DATE_KEY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+SHARD_KEY = re.compile(r"^\d{4}$")
 
-shard_partitions = dg.StaticPartitionsDefinition(shard_keys(MAX_SHARDS))
 date_partitions = dg.DailyPartitionsDefinition(start_date=START_DATE, timezone=TIMEZONE, end_offset=1)
-date_shard_partitions = dg.MultiPartitionsDefinition({"date": date_partitions, "shard": shard_partitions})
-
-with warnings.catch_warnings():  # the mapping is marked beta; it is the documented way to say this
-    warnings.simplefilter("ignore", category=dg.BetaWarning)
-    # A (date, shard) partition reads the date partition of a date-only upstream (prompt_shards).
-    shard_to_date = dg.MultiToSingleDimensionPartitionMapping(partition_dimension_name="date")
+# A per-shard asset depends on every partition of its date-partitioned neighbours (module docstring).
+shard_to_date = dg.AllPartitionMapping()
 
 
-def date_shard_key(date: str, shard: str) -> dg.MultiPartitionKey:
-    """The partition key of one shard of one day (its string form is ``"<date>|<shard>"``)."""
-    return dg.MultiPartitionKey({"date": date, "shard": shard})
+def shard_partitions_name(pipeline: str) -> str:
+    """The name of a pipeline's dynamic shard partitions (its keys live in the instance under it)."""
+    return f"{pipeline}_shards"
 
 
-def date_shard_keys(date: str, num_shards: int) -> list[dg.MultiPartitionKey]:
+def shard_partitions(pipeline: str) -> dg.DynamicPartitionsDefinition:
+    """The (date, shard) partitions of one pipeline: keys ``"<date>|<shard>"``, added per day."""
+    return dg.DynamicPartitionsDefinition(name=shard_partitions_name(pipeline))
+
+
+def date_shard_key(date: str, shard: str) -> str:
+    """The partition key of one shard of one day: ``"<date>|<shard>"``."""
+    if not SHARD_KEY.match(shard):
+        raise ValueError(f"shard key {shard!r} is not four digits")
+    return f"{check_date(date)}{KEY_SEPARATOR}{shard}"
+
+
+def date_shard_keys(date: str, num_shards: int) -> list[str]:
     """The (date, shard) keys of a day of ``num_shards`` shards (0..num_shards-1), in shard order."""
     if not 1 <= num_shards <= MAX_SHARDS:
-        raise ValueError(f"{date} has {num_shards} shards; the shard range has {MAX_SHARDS} ({MAX_SHARDS_ENV})")
-    return [date_shard_key(check_date(date), s) for s in shard_keys(num_shards)]
+        raise ValueError(f"{date} has {num_shards} shards; at most {MAX_SHARDS} are allowed ({MAX_SHARDS_ENV})")
+    return [date_shard_key(date, s) for s in shard_keys(num_shards)]
 
 
-def split_date_shard(key: str | dg.MultiPartitionKey) -> tuple[str, str]:
-    """(date, shard) of a date x shard key, given as a ``MultiPartitionKey`` or its string."""
-    if isinstance(key, dg.MultiPartitionKey):
-        dims = key.keys_by_dimension
-        return check_date(dims["date"]), dims["shard"]
-    date, _, shard = str(key).partition("|")
+def split_date_shard(key: str) -> tuple[str, str]:
+    """(date, shard) of a (date, shard) key, checked (both become path components)."""
+    date, sep, shard = str(key).partition(KEY_SEPARATOR)
+    if not sep or not SHARD_KEY.match(shard):
+        raise ValueError(f"partition key {key!r} is not '<YYYY-MM-DD>|<four-digit shard>'")
     return check_date(date), shard
 
 
@@ -95,3 +110,20 @@ def check_date(date: str) -> str:
     if not DATE_KEY.match(date):
         raise ValueError(f"date partition key {date!r} is not YYYY-MM-DD")
     return date
+
+
+def register_day_shards(instance: dg.DagsterInstance, pipeline: str, date: str, num_shards: int) -> list[str]:
+    """Make the instance's shard keys of ``date`` exactly its ``num_shards`` shards: add the missing
+    ones, delete those of shards >= ``num_shards`` (an earlier, larger sharding of the day). Other
+    days' keys are untouched. Returns the keys deleted."""
+    name = shard_partitions_name(pipeline)
+    want = date_shard_keys(date, num_shards)
+    prefix = check_date(date) + KEY_SEPARATOR
+    have = [k for k in instance.get_dynamic_partitions(name) if k.startswith(prefix)]
+    missing = [k for k in want if k not in set(have)]
+    if missing:
+        instance.add_dynamic_partitions(name, missing)
+    stale = sorted(set(have) - set(want))
+    for key in stale:
+        instance.delete_dynamic_partition(name, key)
+    return stale

@@ -8,6 +8,24 @@ import dagster as dg
 from pydantic import Field, field_validator
 
 
+def check_device(value: str) -> str:
+    """A device spelling (auto, cpu, cuda, cuda:N). The spelling only: the GPU may be on the
+    worker, not on the machine that loads the config."""
+    from kvbatch.engine.runtime.engine_config import parse_device_spec
+
+    parse_device_spec(value)
+    return value
+
+
+def check_spec(value: str | None) -> str | None:
+    """A speculative-decoding method as ``--spec`` takes it, or None; raises naming the accepted forms."""
+    if value:
+        from kvbatch.engine.speculative.controller import SpecConfig
+
+        SpecConfig.parse(value)
+    return value or None
+
+
 class ModelResource(dg.ConfigurableResource):
     """A Hugging Face folder (local or fsspec URL), a ``.gguf`` file or ``smollm2-135m``, and the
     engine settings every step uses (the KV layout depends on ``dtype``: prefill and decode must
@@ -31,28 +49,21 @@ class ModelResource(dg.ConfigurableResource):
                                                      "blocks, CPU); part of the KV fingerprint")
     linear: Literal["auto", "onednn", "blas", "mkl"] = Field(default="auto", description="CPU projection kernel "
                                                              "(auto: measured on the machine at load)")
-    spec: str | None = Field(default=None, description="speculative decoding at decode: ngram, draft:MODEL or "
-                                                        "early-exit:K (none by default)")
+    spec: str | None = Field(default=None, description="speculative decoding at decode: ngram, draft:MODEL, "
+                                                        "early-exit:K or suffix:ANSWERS (earlier runs' results "
+                                                        "Parquet or output JSONL; none by default)")
     spec_max_len: int = Field(default=8, ge=1, description="most tokens drafted per step")
     spec_adaptive: bool = Field(default=True, description="adaptive, cost-aware draft length")
 
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
-        # The spelling only: the GPU may be on the worker, not on the machine that loads the config.
-        from kvbatch.engine.runtime.engine_config import parse_device_spec
-
-        parse_device_spec(value)
-        return value
+        return check_device(value)
 
     @field_validator("spec")
     @classmethod
     def _check_spec(cls, value: str | None) -> str | None:
-        if value:
-            from kvbatch.engine.speculative.controller import SpecConfig
-
-            SpecConfig.parse(value)  # raises with the accepted forms named
-        return value or None
+        return check_spec(value)
 
     def engine_spec(self) -> Any:
         """The :class:`~kvbatch.engine.spec.EngineSpec` every step builds from (the one builder,

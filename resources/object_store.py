@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 import dagster as dg
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 
 _SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "abfs://", "az://", "file://", "memory://")
 SECRET = {"dagster__is_secret": True}
@@ -30,6 +30,8 @@ class ObjectStoreResource(dg.ConfigurableResource):
     # An unreachable store must cost seconds, not the run: every S3 request gives up after these.
     connect_timeout_s: float = Field(default=5.0, gt=0, le=300, description="S3 connect timeout per request")
     read_timeout_s: float = Field(default=20.0, gt=0, le=3600, description="S3 read timeout (idle socket) per request")
+    # The deployment's root when this store is one pipeline's folder of it (``under``).
+    _shared_url: str | None = PrivateAttr(default=None)
 
     @field_validator("url")
     @classmethod
@@ -43,6 +45,21 @@ class ObjectStoreResource(dg.ConfigurableResource):
         elif not os.path.isabs(v):
             raise ValueError(f"object store url {v!r}: a local folder must be an absolute path")
         return v.rstrip("/")
+
+    def under(self, folder: str) -> ObjectStoreResource:
+        """The same store rooted at ``<url>/<folder>`` (one pipeline's tables), remembering the
+        deployment's root in :attr:`shared_url` (what pipelines share: the KV store, responses)."""
+        if not folder or "/" in folder or folder in (".", ".."):
+            raise ValueError(f"folder {folder!r} must be one path component")
+        fields = {k: getattr(self, k) for k in type(self).model_fields}
+        store = type(self)(**{**fields, "url": f"{self.url}/{folder}"})
+        store._shared_url = self.shared_url
+        return store
+
+    @property
+    def shared_url(self) -> str:
+        """The deployment's root: this store's url, or the one it was re-rooted from."""
+        return self._shared_url or self.url
 
     @property
     def protocol(self) -> str:

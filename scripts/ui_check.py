@@ -7,8 +7,11 @@ driven at /usr/bin/chromium; `--browser` for another path), and a `dagster-webse
 `dagster dev`) on the kvbatch code location whose instance holds a day run through the named jobs
 (`make demo` makes one; docs/pipeline.md says how to open the UI on it). The pages:
 
-- asset ``cost_rollup`` (and ``cost_metrics``): description, owners, kinds, the cost table with
-  units in its values and $/Mtok, the per-shard table, no ASCII bars, no "No description provided";
+- asset ``kvbatch/cost_rollup``: description, owners, kinds, the day's scorecard (shown first:
+  the latency SLO, the shards needing a look, the hosted batch price), the five plotted figures,
+  the ``slo``, ``shards_needing_a_look`` and ``shard_figures`` tables, no ASCII bars, no "No
+  description provided";
+- asset ``kvbatch/cost_metrics``: its summary's token classes with $/Mtok and MiB;
 - the asset checks of ``cost_metrics`` and ``decode_results``: named, described;
 - the latest ``kvbatch_shard`` run: its job named, prefill and decode progress lines in its log;
 - automation: the schedule and the sensors listed, each page with its description;
@@ -63,32 +66,41 @@ def latest_run(url: str, job: str) -> tuple[str, str | None] | None:
     return runs[0]["runId"], origin and origin["repositoryLocationName"]
 
 
-def pages(url: str, location: str) -> list[Page]:
-    shard_run = latest_run(url, "kvbatch_shard")
+def pages(url: str, location: str, pipeline: str = "kvbatch") -> list[Page]:
+    """The pages of one pipeline (its assets are under ``/assets/<pipeline>/``, its jobs,
+    schedule and sensors are named ``<pipeline>_*``: pipelines/factory.py)."""
+    shard_run = latest_run(url, f"{pipeline}_shard")
+    asset = f"/assets/{pipeline}"
+    sensors = f"/locations/{location}/sensors/{pipeline}"
+    automations = [f"{pipeline}_{a}" for a in ("nightly_ingest", "shards_after_ingest", "rollup_after_shard",
+                                               "rollup_after_failed_shard", "new_dataset_files")]
     out = [
-        Page("asset cost_rollup", "/assets/cost_rollup",
-             ["The day's cost in one row", "Owners", "kvbatch", "Kinds", "Polars", "usd_per_mtok_blended",
-              "ttft_s_p95", "kv_written_mib", "$ per Mtok (blended)", "token class", "$ per Mtok", "MiB",
-              "billable: prompt + output tokens"],
+        # The day's scorecard (pipelines/scorecard_metadata.py): the report first (its verdict, the
+        # SLO and the shards needing a look at the top), five plotted figures, three tables.
+        Page("asset cost_rollup", f"{asset}/cost_rollup",
+             ["The night at a glance", "Owners", "kvbatch", "Kinds", "Polars", "scorecard", "cost_usd",
+              "tokens_per_s", "kv_hit_rate_pct", "ttft_s_p95", "tpot_s_p95", "slo", "shards_needing_a_look",
+              "shard_figures", "Latency SLO", "Shards needing a look", "hosted batch price"],
              [NO_DESCRIPTION, "█", "spec_acceptance_pct"], click="Show Markdown"),
-        Page("asset cost_metrics", "/assets/cost_metrics",
+        # A shard's cost: the summary's token classes with units, $/Mtok, MiB.
+        Page("asset cost_metrics", f"{asset}/cost_metrics",
              ["One row per (date, shard)", "Owners", "Kinds", "usd_per_mtok_output", "device_s_prefill",
-              "device_s_decode"], [NO_DESCRIPTION, "█"]),
-        Page("asset decode_results", "/assets/decode_results",
+              "device_s_decode", "token class", "$ per Mtok", "MiB", "billable: prompt + output tokens"],
+             [NO_DESCRIPTION, "█"], click="Show Markdown"),
+        Page("asset decode_results", f"{asset}/decode_results",
              ["One row per request", "results_preview", "finish_reason", "PyTorch"]),
-        Page("checks of cost_metrics", "/assets/cost_metrics?view=checks",
+        Page("checks of cost_metrics", f"{asset}/cost_metrics?view=checks",
              ["latency_p95_within_slo", "P95 time to first token"]),
-        Page("checks of decode_results", "/assets/decode_results?view=checks",
+        Page("checks of decode_results", f"{asset}/decode_results?view=checks",
              ["one_result_per_custom_id", "Every row of the shard has exactly one result"]),
-        Page("automation", "/automation",
-             ["nightly_ingest", "shards_after_ingest", "rollup_after_shard", "new_dataset_files"], []),
-        Page("schedule nightly_ingest", f"/locations/{location}/schedules/nightly_ingest",
-             ["02:00 nightly: ingest yesterday's"]),
-        Page("sensor rollup_after_shard", f"/locations/{location}/sensors/rollup_after_shard",
+        Page("automation", "/automation", automations, []),
+        Page(f"schedule {pipeline}_nightly_ingest", f"/locations/{location}/schedules/{pipeline}_nightly_ingest",
+             ["ingest the day that just ended"]),
+        Page(f"sensor {pipeline}_rollup_after_shard", f"{sensors}_rollup_after_shard",
              ["re-roll that date's cost_rollup"]),
-        Page("sensor shards_after_ingest", f"/locations/{location}/sensors/shards_after_ingest",
-             ["one kvbatch_shard run per"]),
-        Page("jobs", "/jobs", ["kvbatch_ingest", "kvbatch_shard", "kvbatch_rollup"], []),
+        Page(f"sensor {pipeline}_shards_after_ingest", f"{sensors}_shards_after_ingest",
+             [f"one {pipeline}_shard run per"]),
+        Page("jobs", "/jobs", [f"{pipeline}_ingest", f"{pipeline}_shard", f"{pipeline}_rollup"], []),
     ]
     if shard_run:
         run_id, origin = shard_run
@@ -96,11 +108,11 @@ def pages(url: str, location: str) -> list[Page]:
         # UI warn on re-execute: "The original run loaded ... from a different code location".
         wrong = [] if origin == location else [(f"run {run_id} was not launched from code location {location!r} "
                                                f"(origin: {origin}): re-execute warns")]
-        out.append(Page("run of kvbatch_shard", f"/runs/{run_id}",
-                        ["kvbatch_shard", "prefill: ", "decode: ", "rows (", "ETA"], ["Job: None"],
+        out.append(Page(f"run of {pipeline}_shard", f"/runs/{run_id}",
+                        [f"{pipeline}_shard", "prefill: ", "decode: ", "rows (", "ETA"], ["Job: None"],
                         log_filter="tokens/s", known_problems=wrong))
-    else:
-        out.append(Page("run of kvbatch_shard", "/runs", ["kvbatch_shard"], []))  # fails: no shard run to show
+    else:  # fails: no shard run to show
+        out.append(Page(f"run of {pipeline}_shard", "/runs", [f"{pipeline}_shard"], []))
     return out
 
 
@@ -129,12 +141,12 @@ def check_page(page, base: str, spec: Page, shots: Path) -> list[str]:
     return problems
 
 
-def run(url: str, out: Path, browser: str, location: str) -> int:
+def run(url: str, out: Path, browser: str, location: str, pipeline: str = "kvbatch") -> int:
     from playwright.sync_api import sync_playwright
 
     out.mkdir(parents=True, exist_ok=True)
     try:
-        specs = pages(url, location)
+        specs = pages(url, location, pipeline)
     except (urllib.error.URLError, OSError, KeyError) as e:
         print(f"cannot reach the Dagster UI at {url}: {e}", file=sys.stderr)
         return 2
@@ -160,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("ui_check_shots"), help="screenshot folder")
     ap.add_argument("--browser", default=CHROMIUM, help="Chromium executable (default %(default)s)")
     ap.add_argument("--location", default="kvbatch", help="code location name (workspace.yaml)")
+    ap.add_argument("--pipeline", default="kvbatch", help="the pipeline whose pages to read (its name in defs/)")
     args = ap.parse_args(argv)
     if not Path(args.browser).exists():
         print(f"no Chromium at {args.browser}: apt-get install -y chromium (or give --browser)", file=sys.stderr)
         return 2
-    return run(args.url, args.out, args.browser, args.location)
+    return run(args.url, args.out, args.browser, args.location, args.pipeline)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbatch.ops.shards.routing import shard_of
-from kvbatch.pipelines.assets import decode_results, prefill_kv, prompt_shards, prompts
+from kvbatch.pipelines.default import decode_results, prefill_kv, prompt_shards, prompts
+from kvbatch.pipelines.factory import default_pipeline, pipeline_resources
 from kvbatch.pipelines.layout import DayLayout
 from kvbatch.pipelines.partitions import date_shard_key
+
+PIPELINE = "kvbatch"  # the code location's own pipeline: asset keys [kvbatch, ...], tables under <root>/kvbatch
+
+
+def keyed(by_kind: dict) -> dict:
+    return pipeline_resources(default_pipeline().spec, by_kind)
+
+
+def tables(root: Path) -> str:
+    return str(root / PIPELINE)
 from kvbatch.resources import (
     DecodeClusterResource,
     KVStoreResource,
@@ -51,19 +62,23 @@ def _line(custom_id: str, **body) -> str:
 
 
 def _resources(root: Path, tiny: Path) -> dict:
-    return {
+    return keyed({
         "object_store": ObjectStoreResource(url=str(root)),
         "model": ModelResource(model=str(tiny), max_batch=8),
         "kv_store": KVStoreResource(memory_gb=0),
         "pricing": PricingResource(),
         "decode_cluster": DecodeClusterResource(),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
-    }
+    })
 
 
 def _checks(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetCheckEvaluation]:
-    assert result.success  # a failed check is not a failed run: the asset is still materialized
-    return {c.check_name: c for c in result.get_asset_check_evaluations()}
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    # decode's checks block (pipelines/check_policy.py): a failed one fails the step and the run,
+    # after the asset's materialization is recorded, so the shard's results are still there to read.
+    assert result.success is all(c.passed for c in checks.values())
+    assert len(result.get_asset_materialization_events()) == 1
+    return checks
 
 
 def _meta(check: dg.AssetCheckEvaluation) -> dict:
@@ -93,7 +108,7 @@ def _ingest_prompts(tmp_path: Path, lines: list[str], max_reject_rate: float) ->
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "requests.jsonl"
     data.write_text("\n".join(lines) + "\n")
-    config = {"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": max_reject_rate}}}}
+    config = {"ops": {"kvbatch__prompts": {"config": {"url": str(data), "max_reject_rate": max_reject_rate}}}}
     resources = {"object_store": ObjectStoreResource(url=str(tmp_path / "data"))}
     result = dg.materialize([prompts], resources=resources, partition_key=DATE, selection=[prompts],
                             run_config=config, raise_on_error=False)
@@ -124,7 +139,7 @@ def test_unique_custom_ids_check_fails_when_the_prompts_table_repeats_an_id(tmp_
     lines = [_line("a"), _line("b"), _line("c"), _line("a")]
     clean = _ingest_prompts(tmp_path / "clean", lines, 0.5)["unique_custom_ids"]
     assert clean.passed and _meta(clean) == {"duplicates": 0, "duplicate_ids_preview": []}
-    rejects = pq.read_table(DayLayout(str(tmp_path / "clean" / "data"), DATE).table("rejects")).to_pylist()
+    rejects = pq.read_table(DayLayout(tables(tmp_path / "clean" / "data"), DATE).table("rejects")).to_pylist()
     assert [(r["custom_id"], r["field"]) for r in rejects] == [("a", "custom_id")]
 
     _ingest_repeating_rows(monkeypatch, start=1, length=2)
@@ -146,10 +161,10 @@ def test_a_failed_prompts_check_stops_the_shards_of_that_run(tmp_path, monkeypat
     lines = [_line("a"), _line("b"), _line("c")]
     data = tmp_path / "requests.jsonl"
     data.write_text("\n".join(lines) + "\n")
-    config = {"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}
+    config = {"ops": {"kvbatch__prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}
 
     def run(root: Path) -> dg.ExecuteInProcessResult:
-        resources = {"object_store": ObjectStoreResource(url=str(root)), "model": ModelResource(model=str(tiny))}
+        resources = keyed({"object_store": ObjectStoreResource(url=str(root)), "model": ModelResource(model=str(tiny))})
         return dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE,
                               run_config=config, raise_on_error=False)
 
@@ -162,7 +177,7 @@ def test_a_failed_prompts_check_stops_the_shards_of_that_run(tmp_path, monkeypat
     assert not broken.success
     assert _materialized(broken) == {"prompts"}
     assert [c.passed for c in broken.get_asset_check_evaluations() if c.check_name == "unique_custom_ids"] == [False]
-    assert not (tmp_path / "broken" / "shards").exists()
+    assert not (tmp_path / "broken" / PIPELINE / "shards").exists()
 
 
 # ---------------------------------------------------------------- decode_results
@@ -178,13 +193,19 @@ def prefilled(tmp_path_factory) -> tuple[dict, DayLayout, list[str]]:
     data = base / "requests.jsonl"
     data.write_text("\n".join(_line(i) for i in ids) + "\n")
     resources = _resources(base / "data", tiny)
-    config = {"ops": {"prompts": {"config": {"url": str(data)}},
-                      "prompt_shards": {"config": {"max_rows_per_shard": ROWS_PER_SHARD}}}}
-    res = dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE, run_config=config)
-    assert res.asset_materializations_for_node("prompt_shards")[0].metadata["num_shards"].value == NUM_SHARDS
+    config = {"ops": {"kvbatch__prompts": {"config": {"url": str(data)}},
+                      "kvbatch__prompt_shards": {"config": {"max_rows_per_shard": ROWS_PER_SHARD}}}}
+    res = dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE, run_config=config,
+                         instance=PREFILL_INSTANCE)
+    assert res.asset_materializations_for_node("kvbatch__prompt_shards")[0].metadata["num_shards"].value == NUM_SHARDS
     assert dg.materialize([prefill_kv], resources=resources, partition_key=date_shard_key(DATE, SHARD),
-                          selection=[prefill_kv]).success
-    return resources, DayLayout(str(base / "data"), DATE), ids
+                          selection=[prefill_kv], instance=PREFILL_INSTANCE).success
+    return resources, DayLayout(tables(base / "data"), DATE), ids
+
+
+# The instance the prefilled day's (date, shard) partitions were added to (its ingest adds them):
+# every decode of that shard runs in it.
+PREFILL_INSTANCE = dg.DagsterInstance.ephemeral()
 
 
 @pytest.fixture
@@ -200,7 +221,7 @@ def handoff(prefilled) -> Iterator[tuple[dict, DayLayout, list[str]]]:
 
 def _decode(resources: dict) -> dict[str, dg.AssetCheckEvaluation]:
     return _checks(dg.materialize([decode_results], resources=resources, partition_key=date_shard_key(DATE, SHARD),
-                                  selection=[decode_results]))
+                                  selection=[decode_results], instance=PREFILL_INSTANCE, raise_on_error=False))
 
 
 def _edit_manifests(day: DayLayout, edit) -> None:
@@ -231,6 +252,16 @@ def test_one_result_check_names_an_id_the_handoff_lost(handoff):
     check = _decode(resources)["one_result_per_custom_id"]
     assert not check.passed
     assert _meta(check) == {**CLEAN_ONE_RESULT, "missing": 1, "missing_ids_preview": [ids[2]]}
+    # The check blocks: in a run with the shard's cost_metrics, that step does not run, so the day's
+    # scorecard lists the shard (no cost row) instead of counting it done.
+    from kvbatch.pipelines.default import cost_metrics
+
+    run = dg.materialize([decode_results, cost_metrics], resources=resources, partition_key=date_shard_key(DATE, SHARD),
+                         instance=PREFILL_INSTANCE, raise_on_error=False)
+    assert not run.success
+    assert {e.asset_key.path[-1] for e in run.get_asset_materialization_events()} == {"decode_results"}
+    started = {e.step_key for e in run.all_events if e.event_type_value == "STEP_START"}
+    assert started == {decode_results.op.name}  # cost_metrics never started
 
 
 def test_one_result_check_names_results_of_a_stale_handoff(handoff):

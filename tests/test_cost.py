@@ -175,7 +175,8 @@ def test_progress_meter_reports_rows_rate_and_eta():
 
 def test_the_summary_shows_units_and_explains_the_token_sums():
     from kvbatch.ops.results.cost import class_tokens
-    from kvbatch.pipelines.assets import cost_markdown, fmt_usd, mib, pct
+    from kvbatch.ops.results.scorecard import fmt_usd
+    from kvbatch.pipelines.assets import cost_markdown, mib, pct
 
     assert [fmt_usd(x) for x in (None, 0, 0.0000678, 0.000906179, -1.036, 1234.5)] == [
         "n/a", "$0", "$0.0000678", "$0.0009062", "-$1.04", "$1,234.50"]
@@ -187,3 +188,84 @@ def test_the_summary_shows_units_and_explains_the_token_sums():
     assert "Prompt tokens 300 = served by the KV store 160 + prefix-cache hits 80 + computed at decode 60" in md
     assert "| time to first token p50 / p95 / p99 | 0.200 s / 0.380 s / 0.396 s |" in md
     assert "MiB" in md and "speculative" not in md and "█" not in md
+
+
+def test_a_class_with_dollars_and_no_tokens_shows_a_dash_and_says_why():
+    """A re-run whose blocks were all stored: prefill computed 0 tokens but paid for its lookups."""
+    from kvbatch.ops.results.cost import class_tokens
+    from kvbatch.pipelines.assets import cost_markdown
+
+    stored = {**PREFILL, "prompt_tokens_computed": 0, "prompt_tokens_already_stored": 240}
+    m = shard_metrics(_results(), stored, DECODE, PRICING)
+    assert class_tokens(m)["prefill_computed"] == 0 and m["cost_prefill_computed_usd"] > 0
+    md = cost_markdown(m, class_tokens(m))
+    [line] = [x for x in md.splitlines() if x.startswith("| prompt, computed at prefill |")]
+    assert line.split(" | ")[1] == "–" and "| 0 |" not in line
+    assert ("Note: prefill computed nothing (every block was already stored): the $ is its store lookups and "
+            "manifests.") in md
+    computed = shard_metrics(_results(), PREFILL, DECODE, PRICING)
+    assert "Note:" not in cost_markdown(computed, class_tokens(computed))  # every priced class has tokens
+
+
+def test_progress_eta_counts_rows_in_flight():
+    """Continuous batching finishes rows together near the end: 1 row of 58 after 25 s read as
+    "ETA 1425 s". With the work measured in flight (output tokens so far of the rows' budget) the
+    smaller estimate wins."""
+    now, generated = [0.0], [0]
+    said: list[str] = []
+    meter = ProgressMeter("decode", 58, said.append, every_s=5, clock=lambda: now[0])
+    now[0], generated[0] = 25.0, 5_000
+    meter.advance(1, 16)
+    assert said[-1].endswith("ETA 1425 s")  # rows alone
+    meter.track(lambda: generated[0], total=5_800)
+    # The same moment, now with the work in flight: 25 s x 800 / 5,000.
+    assert meter.message() == "decode: 1/58 rows (2%), 16 tokens, 0.6 tokens/s, ETA 4 s"
+    meter.track(lambda: generated[0], total=0)  # no budget: ignored, rows alone again
+    assert meter.message().endswith("ETA 4 s")
+
+
+def test_progress_last_line_is_the_steps_own_figures():
+    now = [0.0]
+    said: list[str] = []
+    meter = ProgressMeter("prefill", 4, said.append, clock=lambda: now[0])
+    now[0] = 3.0
+    meter.restart()  # the table read before the work is not in the rate
+    now[0] = 5.0
+    meter.advance(4, 1440)
+    meter.finish(tokens=144, elapsed_s=0.3464)
+    assert said[-1] == "prefill: 4/4 rows (100%), 144 tokens, 415.7 tokens/s, ETA 0 s"
+    meter.finish()
+    assert said[-1] == "prefill: 4/4 rows (100%), 1,440 tokens, 720.0 tokens/s, ETA 0 s"
+
+
+def test_response_cache_rows_count_as_cache_hits_not_computed():
+    """A row the response cache answered (ttft 0, no tpot) computed nothing at decode."""
+    cached_row = _results()
+    rc = pa.table({"prompt_tokens": [100, 100, 100, 40], "loaded_prompt_tokens": [96, 64, 0, 0],
+                   "cached_prompt_tokens": [0, 0, 80, 0], "completion_tokens": [10, 20, 30, 7],
+                   "ttft_s": [0.1, 0.2, 0.4, 0.0], "tpot_s": [0.01, 0.02, None, None]})
+    before, m = shard_metrics(cached_row, PREFILL, DECODE, PRICING), shard_metrics(rc, PREFILL, DECODE, PRICING)
+    assert m["prompt_tokens_decode_cached"] == before["prompt_tokens_decode_cached"] + 40
+    assert m["prompt_tokens_decode_computed"] == before["prompt_tokens_decode_computed"] == 60
+    assert (m["prompt_tokens_decode_loaded"] + m["prompt_tokens_decode_cached"] + m["prompt_tokens_decode_computed"]
+            == m["prompt_tokens"] == 340)
+
+
+def test_batch_report_keeps_response_cache_rows_apart_and_reconcilable():
+    """The engine's figures stay the engine's; the rows the response cache answered are counted
+    beside them, so prompt_tokens + response_cache_prompt_tokens is every answered row's."""
+    from kvbatch.engine.runtime.llm import Result
+    from kvbatch.ops.decode.report import BatchReport
+
+    def result(prompt: int, output: int, ttft: float) -> Result:
+        return Result("r", list(range(prompt)), list(range(output)), "", "length", 0, ttft, None)
+
+    report = BatchReport()
+    report.add_result(result(10, 4, 0.5))
+    report.add_cached(result(7, 3, 0.0))
+    assert report.to_json().get("response_cache_rows") is None  # no cache this run: the file is as before
+    report.response_cache = {"hits": 1}
+    got = report.to_json()
+    assert (got["succeeded"], got["prompt_tokens"], got["output_tokens"]) == (2, 10, 4)
+    assert (got["response_cache_rows"], got["response_cache_prompt_tokens"], got["response_cache_output_tokens"]) == (
+        1, 7, 3)

@@ -29,7 +29,7 @@ DATE, ROWS, ROWS_PER_SHARD = "2026-11-29", 16, 8
 SHARDS = 2  # ceil(16 / 8): the demo's day gets as many shards as its rows need
 
 
-def demo_commands(demo: Path, repo: Path = REPO) -> list[str]:
+def demo_commands(demo: Path, repo: Path = REPO, bin_dir: Path = BIN) -> list[str]:
     """The demo recipe of ``repo``'s Makefile as shell commands, one per recipe line, as make
     would run them.
 
@@ -41,7 +41,7 @@ def demo_commands(demo: Path, repo: Path = REPO) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     printed = subprocess.run(
         [make, "-s", "-n", "-o", "install", "demo", f"DEMO={demo}", f"DEMO_ROWS={ROWS}",
-         f"DEMO_ROWS_PER_SHARD={ROWS_PER_SHARD}", f"DEMO_DATE={DATE}", f"BIN={BIN}"],
+         f"DEMO_ROWS_PER_SHARD={ROWS_PER_SHARD}", f"DEMO_DATE={DATE}", f"BIN={bin_dir}"],
         cwd=repo, env=env, capture_output=True, text=True, timeout=60, check=True).stdout
     commands, pending = [], ""
     for line in printed.splitlines():
@@ -104,6 +104,62 @@ def test_the_demo_commands_come_from_the_makefile(tmp_path):
         demo_steps(demo_commands(tmp_path / "demo", repo=drifted))
 
 
+FAKE_BIN = """#!/bin/sh
+# python: the job launcher and the report exit as told; anything else is the real python.
+echo "$(basename "$0") $*" >> "$CALLS"
+case "$0:$2" in
+  *dagster:*) exit 0 ;;
+  *python:kvbatch.pipelines.automation) exit "$WAIT_STATUS" ;;
+  *python:kvbatch.ops.results.demo_report) exit "$REPORT_STATUS" ;;
+esac
+exec REAL "$@"
+"""
+
+
+def _fake_bin(tmp_path: Path) -> Path:
+    """A bin folder whose ``dagster`` launches nothing and whose ``python`` stands in for the job
+    launcher and the report with the exit statuses the test sets."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name in ("python", "dagster"):
+        (fake / name).write_text(FAKE_BIN.replace("REAL", sys.executable))
+        (fake / name).chmod(0o755)
+    return fake
+
+
+def test_a_failed_check_does_not_stop_the_demo_and_its_status_is_the_reports(tmp_path):
+    """Fast (no model): the recipe's shard loop goes on when the job launcher says a check failed
+    (exit 3: the day is still rolled up, so the scorecard lists the shard), stops on any other
+    failure, and `make demo` ends with the report's exit status after printing the UI line. The
+    demo runs with its own SLO (the Makefile's DEMO_SLO_*)."""
+    demo = tmp_path / "demo"
+    commands = demo_commands(demo, bin_dir=_fake_bin(tmp_path))
+    steps = demo_steps(commands)
+    for c in commands[steps[1]:steps[3] + 1]:
+        assert "KVBATCH_SLO_TTFT_P95_S=" in c and "KVBATCH_SLO_TPOT_P95_S=" in c, c
+    count = demo / "data" / "kvbatch" / "shards" / f"date={DATE}" / "_shard_count.json"
+    count.parent.mkdir(parents=True)
+    count.write_text(json.dumps({"num_shards": SHARDS}))
+    calls = tmp_path / "calls"
+
+    def run(step: int, wait: int, report: int = 0) -> subprocess.CompletedProcess:
+        calls.write_text("")
+        env = dict(os.environ, CALLS=str(calls), WAIT_STATUS=str(wait), REPORT_STATUS=str(report))
+        return subprocess.run(["/bin/sh", "-c", commands[step]], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+
+    def launched() -> int:
+        return sum(line.startswith("dagster job launch") for line in calls.read_text().splitlines())
+
+    assert run(steps[2], wait=3).returncode == 0 and launched() == SHARDS  # every shard, then on
+    assert run(steps[2], wait=1).returncode == 1 and launched() == 1  # a failed run stops it
+    assert run(steps[3], wait=3).returncode == 0  # a rollup whose SLO check failed: on to the report
+    assert run(steps[3], wait=1).returncode == 1
+    for status in (0, 3):
+        report = run(steps[4], wait=0, report=status)
+        assert report.returncode == status and "UI: " in report.stdout
+
+
 @pytest.mark.slow
 def test_make_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
     """Every command exits 0, every sample row has exactly one result, and each figure the
@@ -129,7 +185,7 @@ def test_make_demo_runs_end_to_end_on_a_tiny_model(tmp_path):
         assert run.returncode == 0, f"{command}\nexit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
         outputs.append(run.stdout)
 
-    data = demo / "data"
+    data = demo / "data" / "kvbatch"  # the demo pipeline's (defs/demo/defs.yaml, name kvbatch) tables
     sample = [json.loads(line) for line in (demo / "requests.jsonl").read_text().splitlines()]
     assert len(sample) == ROWS
 

@@ -39,7 +39,7 @@ def test_helm_values_launch_runs_as_k8s_jobs_from_the_kvbatch_code_location():
 
 def test_the_decode_pod_requests_what_the_decode_group_needs():
     run_config = _yaml("deploy/run_config/decode_k8s.yaml")
-    cluster = DecodeClusterResource(**run_config["resources"]["decode_cluster"]["config"])
+    cluster = DecodeClusterResource(**run_config["resources"]["kvbatch_decode_cluster"]["config"])
     assert cluster.resolved_backend() == "nccl"  # GPUs in the pod: the ranks talk over NCCL
     pod = cluster.pod_spec("kvbatch-decode-test")
     [container] = pod["spec"]["containers"]
@@ -184,17 +184,18 @@ def test_the_run_config_execution_block_is_what_the_k8s_job_executor_gets():
                       "step_k8s_config": {"container_config": {"resources": {"requests": {"cpu": "2",
                                                                                            "memory": "8Gi"}}}}}
     elsewhere = {**run_config, "execution": {"config": {**run_config["execution"]["config"], "job_namespace": "x"}}}
-    with pytest.raises(ValueError, match="differs from decode_cluster.namespace 'kvbatch'"):
+    with pytest.raises(ValueError, match="differs from kvbatch_decode_cluster.namespace 'kvbatch'"):
         k8s_execution_config(elsewhere)
     no_secret = {**run_config, "execution": {"config": {**run_config["execution"]["config"], "env_secrets": []}}}
-    with pytest.raises(ValueError, match="lacks decode_cluster.secret_env 'kvbatch-s3'"):
+    with pytest.raises(ValueError, match="lacks kvbatch_decode_cluster.secret_env 'kvbatch-s3'"):
         k8s_execution_config(no_secret)
     with pytest.raises(ValueError, match="no execution.config block"):
         k8s_execution_config({"resources": run_config["resources"]})
 
 
 def _k8s_cluster() -> DecodeClusterResource:
-    return DecodeClusterResource(**_yaml("deploy/run_config/decode_k8s.yaml")["resources"]["decode_cluster"]["config"])
+    run_config = _yaml("deploy/run_config/decode_k8s.yaml")
+    return DecodeClusterResource(**run_config["resources"]["kvbatch_decode_cluster"]["config"])
 
 
 class _Context:

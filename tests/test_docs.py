@@ -155,6 +155,9 @@ def resolve(dotted: str, code_root: Path) -> str | None:
     """None when ``dotted`` names a package, a module or a name defined in one; else why not."""
     dirs = package_dirs(code_root)
     parts = dotted.split(".")
+    # kvbatch.BatchInference: a name the package root defines (lazily, kvbatch/__init__.py).
+    if len(parts) == 2 and parts[0] in dirs and defines(dirs[parts[0]] / "__init__.py", parts[1]):
+        return None
     if len(parts) < 2 or ".".join(parts[:2]) not in dirs:
         return f"{dotted}: no package {'.'.join(parts[:2])} in pyproject's package-dir"
     here: Path = dirs[".".join(parts[:2])]

@@ -20,21 +20,19 @@ import pytest
 
 from kvbatch.io.shard_tables import read_shards
 from kvbatch.ops.shards.routing import shard_keys
-from kvbatch.pipelines.assets import (
+from kvbatch.pipelines.automation import date_of_file, new_file_requests
+from kvbatch.pipelines.default import (
     ASSETS,
     cost_metrics,
     decode_results,
+    nightly_ingest,
     prefill_kv,
     prompt_shards,
     prompts,
-)
-from kvbatch.pipelines.automation import (
-    date_of_file,
-    new_file_requests,
-    nightly_ingest,
     shards_after_ingest,
 )
 from kvbatch.pipelines.definitions import defs
+from kvbatch.pipelines.factory import default_pipeline, pipeline_resources
 from kvbatch.pipelines.layout import DayLayout
 from kvbatch.pipelines.partitions import date_shard_key, date_shard_keys
 from kvbatch.resources import (
@@ -73,8 +71,18 @@ def _rows() -> list[str]:
     return rows
 
 
+def keyed(by_kind: dict) -> dict:
+    """Resources by kind, keyed as the code location's own pipeline (``kvbatch``) finds them."""
+    return pipeline_resources(default_pipeline().spec, by_kind)
+
+
+def tables(root: str) -> str:
+    """Where the ``kvbatch`` pipeline's tables live under the object store root."""
+    return f"{root}/kvbatch"
+
+
 def _resources(tiny: Path, url: str, opts: dict) -> dict:
-    return {
+    return keyed({
         "object_store": ObjectStoreResource(url=url, endpoint_url=opts["endpoint_url"], access_key_id=opts["key"],
                                             secret_access_key=opts["secret"]),
         "model": ModelResource(model=str(tiny), max_batch=8, deterministic=True),
@@ -83,7 +91,7 @@ def _resources(tiny: Path, url: str, opts: dict) -> dict:
                                    usd_per_gb_egress=0.09, kv_object_reads_leave_region=True),
         "decode_cluster": DecodeClusterResource(),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
-    }
+    })
 
 
 @pytest.fixture
@@ -114,8 +122,8 @@ def _reference(tiny: Path, tmp_path: Path) -> dict[str, tuple[str, int]]:
 
 
 def _ingest_config(data: str) -> dict:
-    return {"ops": {"prompts": {"config": {"url": data, "max_reject_rate": 0.5}},
-                    "prompt_shards": {"config": {"max_rows_per_shard": ROWS_PER_SHARD}}}}
+    return {"ops": {"kvbatch__prompts": {"config": {"url": data, "max_reject_rate": 0.5}},
+                    "kvbatch__prompt_shards": {"config": {"max_rows_per_shard": ROWS_PER_SHARD}}}}
 
 
 def _ingest(resources: dict, data: str, date: str = DATE, instance=None):
@@ -131,19 +139,19 @@ def test_whole_graph_on_loopback_s3(tiny, dataset, tmp_path):
     data, root, opts, fs = dataset
     resources = _resources(tiny, root, opts)
     instance = dg.DagsterInstance.ephemeral()
-    day = DayLayout(root, DATE)
+    day = DayLayout(tables(root), DATE)
     res = _ingest(resources, data, instance=instance)
     assert res.success
     checks = {c.check_name: c.passed for c in res.get_asset_check_evaluations()}
     assert checks == {"reject_rate_below_threshold": True, "unique_custom_ids": True}
-    meta = res.asset_materializations_for_node("prompts")[0].metadata
+    meta = res.asset_materializations_for_node("kvbatch__prompts")[0].metadata
     assert meta["rejected_rows"].value == 3 and meta["input_rows"].value == 17
     assert "rejects_preview" in meta
     assert meta["dataset_url"].value == data
     rejects = pq.read_table(fs.open(_path(day.table("rejects")))).to_pylist()
     assert sorted((r["row"], r["field"]) for r in rejects) == [(4, "temperature"), (8, "$"), (17, "custom_id")]
 
-    assert res.asset_materializations_for_node("prompt_shards")[0].metadata["num_shards"].value == NUM_SHARDS
+    assert res.asset_materializations_for_node("kvbatch__prompt_shards")[0].metadata["num_shards"].value == NUM_SHARDS
     for key in date_shard_keys(DATE, NUM_SHARDS):
         r = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=key, instance=instance,
                            selection=SHARD_ASSETS)
@@ -152,14 +160,14 @@ def test_whole_graph_on_loopback_s3(tiny, dataset, tmp_path):
     materialized = instance.get_materialized_partitions(decode_results.key)
     assert materialized == {str(k) for k in date_shard_keys(DATE, NUM_SHARDS)}
 
-    results = read_shards(root, day.folder("results"), storage_options=opts)
+    results = read_shards(day.root, day.folder("results"), storage_options=opts)
     assert sorted(results.column("custom_id").to_pylist()) == [f"r{i:02d}" for i in range(14)]
     ref = _reference(tiny, tmp_path)
     got = {r["custom_id"]: (r["text"], r["completion_tokens"]) for r in results.to_pylist()}
     assert got == ref  # decoding from the stored KV gives exactly the in-process tokens
     assert all(len(r["output_token_ids"]) == r["completion_tokens"] <= r["max_tokens"] for r in results.to_pylist())
 
-    metrics = read_shards(root, day.folder("cost_metrics"), storage_options=opts)
+    metrics = read_shards(day.root, day.folder("cost_metrics"), storage_options=opts)
     assert sum(metrics.column("requests").to_pylist()) == 14
     assert sum(metrics.column("kv_tokens_hit_object").to_pylist()) > 0  # shared system prompt loaded
     assert sum(metrics.column("cost_usd").to_pylist()) > 0
@@ -167,7 +175,7 @@ def test_whole_graph_on_loopback_s3(tiny, dataset, tmp_path):
     # The day's rollup (through s3fs too) is the sum of the shards' cost rows.
     import numpy as np
 
-    from kvbatch.pipelines.rollup import cost_rollup
+    from kvbatch.pipelines.default import cost_rollup
 
     assert dg.materialize([cost_rollup], resources=resources, partition_key=DATE, instance=instance).success
     [day_row] = pq.read_table(fs.open(_path(day.table("cost_rollup")))).to_pylist()
@@ -178,7 +186,7 @@ def test_whole_graph_on_loopback_s3(tiny, dataset, tmp_path):
     # Hive layout: a dataset reader over the table folder sees date and shard columns.
     import pyarrow.dataset as ds
 
-    table = ds.dataset(_path(root) + "/results", filesystem=fs, format="parquet", partitioning="hive").to_table()
+    table = ds.dataset(_path(day.root) + "/results", filesystem=fs, format="parquet", partitioning="hive").to_table()
     assert set(table.column("date").to_pylist()) == {DATE} and table.num_rows == 14
     assert fs.exists(_path(day.shard("results", "0000")))
 
@@ -186,28 +194,29 @@ def test_whole_graph_on_loopback_s3(tiny, dataset, tmp_path):
 def test_rerun_of_one_date_shard_replaces_it_and_nothing_else(tiny, dataset):
     data, root, opts, fs = dataset
     resources = _resources(tiny, root, opts)
-    assert _ingest(resources, data).success
-    assert _ingest(resources, data, date=OTHER_DATE).success
+    instance = dg.DagsterInstance.ephemeral()  # holds the days' (date, shard) partitions
+    assert _ingest(resources, data, instance=instance).success
+    assert _ingest(resources, data, date=OTHER_DATE, instance=instance).success
     keys = shard_keys(NUM_SHARDS)[:3]
     done = [(DATE, k) for k in keys] + [(OTHER_DATE, keys[1])]
     for date, key in done:
         assert dg.materialize(SHARD_ASSETS, resources=resources, partition_key=date_shard_key(date, key),
-                              selection=SHARD_ASSETS).success
+                              selection=SHARD_ASSETS, instance=instance).success
 
     def stamps():
         out = {}
         for date, key in done:
             for table in ("results", "cost_metrics"):
-                info = fs.info(_path(DayLayout(root, date).shard(table, key)), refresh=True)
+                info = fs.info(_path(DayLayout(tables(root), date).shard(table, key)), refresh=True)
                 out[(table, date, key)] = info["LastModified"]
         return out
 
-    day = DayLayout(root, DATE)
+    day = DayLayout(tables(root), DATE)
     before = stamps()
     contents = fs.cat(_path(day.shard("results", keys[1])))
     time.sleep(1.1)  # S3 timestamps have one-second resolution
     assert dg.materialize([decode_results, cost_metrics], resources=resources, partition_key=f"{DATE}|{keys[1]}",
-                          selection=[decode_results, cost_metrics]).success
+                          selection=[decode_results, cost_metrics], instance=instance).success
     after = stamps()
     changed = {k for k in before if before[k] != after[k]}
     assert changed == {("results", DATE, keys[1]), ("cost_metrics", DATE, keys[1])}
@@ -219,27 +228,24 @@ def test_rerun_of_one_date_shard_replaces_it_and_nothing_else(tiny, dataset):
 
 def test_definitions_surface():
     dg.Definitions.validate_loadable(defs)
-    assert {a.key.to_user_string() for a in ASSETS} == {"prompts", "prompt_shards", "prefill_kv", "decode_results",
-                                                         "cost_metrics"}
+    assert {a.key.to_user_string() for a in ASSETS} == {"kvbatch/prompts", "kvbatch/prompt_shards",
+                                                         "kvbatch/prefill_kv", "kvbatch/decode_results",
+                                                         "kvbatch/cost_metrics"}
     for name in ("kvbatch_ingest", "kvbatch_prefill", "kvbatch_decode", "kvbatch_shard", "kvbatch_rollup"):
         defs.resolve_job_def(name)
-    assert defs.resolve_assets_def("cost_rollup").partitions_def == prompts.partitions_def
+    assert defs.resolve_assets_def(dg.AssetKey(["kvbatch", "cost_rollup"])).partitions_def == prompts.partitions_def
     assert decode_results.op.pool == "gpu" and prefill_kv.op.pool == "gpu"
     assert prompts.op.retry_policy.max_retries == 3
     assert isinstance(prompts.partitions_def, dg.DailyPartitionsDefinition)
     assert prompt_shards.partitions_def == prompts.partitions_def
-    multi = decode_results.partitions_def
-    assert isinstance(multi, dg.MultiPartitionsDefinition)
-    assert [d.name for d in multi.partitions_defs] == ["date", "shard"]
-    key = date_shard_key(DATE, "0003")
-    assert str(key) == f"{DATE}|0003" and multi.has_partition_key(f"{DATE}|0003")
-    # A (date, shard) reads the date partition of prompt_shards, and one day needs every shard of it.
+    # (date, shard) assets: one dynamic dimension whose keys name the day, added per day.
+    shards = decode_results.partitions_def
+    assert isinstance(shards, dg.DynamicPartitionsDefinition) and shards.name == "kvbatch_shards"
+    assert str(date_shard_key(DATE, "0003")) == f"{DATE}|0003"
     graph = defs.resolve_asset_graph()
     mapping = graph.get(prefill_kv.key).partition_mappings[prompt_shards.key]
-    up = mapping.get_upstream_mapped_partitions_result_for_partitions(
-        multi.subset_with_partition_keys([key]), multi, prompt_shards.partitions_def)
-    assert up.partitions_subset.get_partition_keys() == [DATE]
-    sched = defs.resolve_schedule_def("nightly_ingest")
+    assert isinstance(mapping, dg.AllPartitionMapping)
+    sched = defs.resolve_schedule_def("kvbatch_nightly_ingest")
     assert sched.cron_schedule == "0 2 * * *" and sched.default_status == dg.DefaultScheduleStatus.STOPPED
 
 
@@ -250,7 +256,7 @@ def test_schedule_and_sensors(tmp_path, monkeypatch):
     req = nightly_ingest(ctx)
     # At 02:00 the day that just ended is ingested, into its date partition.
     assert req.partition_key == "2026-11-28" and req.run_key == "nightly-2026-11-28"
-    assert req.run_config["ops"]["prompts"]["config"]["url"] == "s3://bucket/in/2026-11-28.jsonl"
+    assert req.run_config["ops"]["kvbatch__prompts"]["config"]["url"] == "s3://bucket/in/2026-11-28.jsonl"
 
     (tmp_path / "2026-11-27.jsonl").write_text("{}\n")
     (tmp_path / "date=2026-11-26").mkdir()
@@ -342,14 +348,16 @@ def test_cli_validate_and_materialize(tiny, tmp_path):
     data = tmp_path / "requests.jsonl"
     data.write_text("\n".join(_rows()) + "\n")
     base = [DAGSTER, "asset", "materialize", "-m", "kvbatch.pipelines.definitions"]
-    cfg = json.dumps({"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}})
-    a = subprocess.run(base + ["--select", "prompts,prompt_shards", "--partition", DATE, "--config-json", cfg],
+    cfg = json.dumps({"ops": {"kvbatch__prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}})
+    a = subprocess.run(base + ["--select", "kvbatch/prompts,kvbatch/prompt_shards", "--partition", DATE,
+                               "--config-json", cfg],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
-    b = subprocess.run(base + ["--select", "prefill_kv,decode_results,cost_metrics", "--partition", f"{DATE}|0001"],
+    b = subprocess.run(base + ["--select", "kvbatch/prefill_kv,kvbatch/decode_results,kvbatch/cost_metrics",
+                               "--partition", f"{DATE}|0001"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
-    day = DayLayout(str(tmp_path / "data"), DATE)
+    day = DayLayout(tables(str(tmp_path / "data")), DATE)
     results = pq.read_table(day.shard("results", "0001"))
     shard = pq.read_table(day.shard("shards", "0001"))
     assert results.num_rows == shard.num_rows > 0
@@ -359,19 +367,19 @@ def test_cli_validate_and_materialize(tiny, tmp_path):
 def test_day_runs_ingest_then_every_shard_of_the_date(tiny, tmp_path):
     """The whole graph of a day as the deployment runs it: kvbatch_ingest for the date, then the
     run requests shards_after_ingest makes from that run, executed with kvbatch_shard."""
-    from kvbatch.pipelines.automation import JOBS
+    from kvbatch.pipelines.default import JOBS
 
     data = tmp_path / "requests.jsonl"
     data.write_text("\n".join(_rows()) + "\n")
     root = str(tmp_path / "data")
-    resources = {
+    resources = keyed({
         "object_store": ObjectStoreResource(url=root),
         "model": ModelResource(model=str(tiny), max_batch=8),
         "kv_store": KVStoreResource(memory_gb=0),
         "pricing": PricingResource(),
         "decode_cluster": DecodeClusterResource(),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
-    }
+    })
     instance = dg.DagsterInstance.ephemeral()
     local_defs = dg.Definitions(assets=ASSETS, jobs=JOBS, resources=resources)
     ingest = local_defs.resolve_job_def("kvbatch_ingest").execute_in_process(
@@ -385,21 +393,21 @@ def test_day_runs_ingest_then_every_shard_of_the_date(tiny, tmp_path):
     key = requests[2].partition_key
     res = local_defs.resolve_job_def("kvbatch_shard").execute_in_process(partition_key=key, instance=instance)
     assert res.success
-    day = DayLayout(root, DATE)
-    done = read_shards(root, day.folder("results"))
+    day = DayLayout(tables(root), DATE)
+    done = read_shards(day.root, day.folder("results"))
     assert set(done.column("shard").to_pylist()) == {key.split("|")[1]}
     assert done.num_rows == pq.read_table(day.shard("shards", key.split("|")[1])).num_rows
 
 
 def _pipes_resources(tiny: Path, root: str, cluster: DecodeClusterResource) -> dict:
-    return {
+    return keyed({
         "object_store": ObjectStoreResource(url=root),
         "model": ModelResource(model=str(tiny), max_batch=8, deterministic=True, threads=1),
         "kv_store": KVStoreResource(memory_gb=0),
         "pricing": PricingResource(),
         "decode_cluster": cluster,
         "pipes_subprocess_client": dg.PipesSubprocessClient(env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}),
-    }
+    })
 
 
 def _largest_shard(day: DayLayout) -> str:
@@ -413,24 +421,25 @@ def _decode_largest_shard(tiny, tmp_path: Path, cluster: DecodeClusterResource):
     data.write_text("\n".join(_rows()) + "\n")
     root = str(tmp_path / "data")
     resources = _pipes_resources(tiny, root, cluster)
-    assert _ingest(resources, str(data)).success
-    day = DayLayout(root, DATE)
+    instance = dg.DagsterInstance.ephemeral()
+    assert _ingest(resources, str(data), instance=instance).success
+    day = DayLayout(tables(root), DATE)
     key = _largest_shard(day)
     res = dg.materialize(SHARD_ASSETS, resources=resources, partition_key=date_shard_key(DATE, key),
-                         selection=SHARD_ASSETS)
+                         selection=SHARD_ASSETS, instance=instance)
     assert res.success
     return root, day, key, res
 
 
 def test_decode_through_pipes_subprocess(tiny, tmp_path):
     root, day, key, res = _decode_largest_shard(tiny, tmp_path, DecodeClusterResource(launcher="pipes_subprocess"))
-    meta = res.asset_materializations_for_node("decode_results")[0].metadata
+    meta = res.asset_materializations_for_node("kvbatch__decode_results")[0].metadata
     assert meta["succeeded"].value == pq.read_table(day.shard("shards", key)).num_rows > 0
     assert meta["loaded_prompt_tokens"].value > 0
     assert all(c.passed for c in res.get_asset_check_evaluations())
     ref = _reference(tiny, tmp_path)
     got = {r["custom_id"]: (r["text"], r["completion_tokens"])
-           for r in read_shards(root, day.folder("results")).to_pylist()}
+           for r in read_shards(day.root, day.folder("results")).to_pylist()}
     assert got == {k: ref[k] for k in got}
 
 
@@ -440,7 +449,7 @@ def test_decode_with_two_ranks_under_torchrun_equals_one(tiny, tmp_path):
     rank 0 commits one table and reports through Pipes; tokens equal an in-process generate."""
     root, day, key, res = _decode_largest_shard(
         tiny, tmp_path, DecodeClusterResource(launcher="local", world_size=2, backend="gloo"))
-    meta = res.asset_materializations_for_node("decode_results")[0].metadata
+    meta = res.asset_materializations_for_node("kvbatch__decode_results")[0].metadata
     rows = pq.read_table(day.shard("shards", key)).num_rows
     assert meta["world_size"].value == 2 and meta["succeeded"].value == rows >= 2
     assert all(c.passed for c in res.get_asset_check_evaluations())

@@ -196,20 +196,18 @@ def test_webserver_graphql_launches_ingest_then_each_shard(tiny, tmp_path):
         except AssertionError as e:
             raise AssertionError(f"{e}\n{(tmp_path / 'webserver.log').read_text()[-4000:]}") from None
 
-        cfg = {"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}
+        cfg = {"ops": {"kvbatch__prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}}}}
         run_id = gql.launch("kvbatch_ingest", cfg, tags={"dagster/partition": DATE})
         status = gql.wait_run(run_id, timeout=120)
         assert status == "SUCCESS", gql.failure_log(run_id)
-        root = tmp_path / "data"
+        root = tmp_path / "data" / "kvbatch"  # the kvbatch pipeline's tables under KVBATCH_ROOT
         day = root / "prompts" / f"date={DATE}"
         assert sorted(pq.read_table(day / "part.parquet").column("custom_id").to_pylist()) == valid
         rejects = pq.read_table(root / "rejects" / f"date={DATE}" / "part.parquet").to_pylist()
         assert [r["custom_id"] for r in rejects] == ["bad-temp"]
 
-        for shard in ("0000", "0001"):  # what the UI sends for one (date, shard) of a multi-partitioned job
-            run_id = gql.launch("kvbatch_shard", tags={"dagster/partition": f"{DATE}|{shard}",
-                                                       "dagster/partition/date": DATE,
-                                                       "dagster/partition/shard": shard})
+        for shard in ("0000", "0001"):  # what the UI sends for one (date, shard) key the ingest added
+            run_id = gql.launch("kvbatch_shard", tags={"dagster/partition": f"{DATE}|{shard}"})
             status = gql.wait_run(run_id, timeout=120)
             assert status == "SUCCESS", gql.failure_log(run_id)
 
@@ -220,7 +218,7 @@ def test_webserver_graphql_launches_ingest_then_each_shard(tiny, tmp_path):
             rows = pq.read_table(part).to_pylist()
             assert all(0 < r["completion_tokens"] <= r["max_tokens"] == 4 for r in rows)
         # Every run completed: no temp file of any kind is left behind.
-        assert _temp_files(root) == []
+        assert _temp_files(root.parent) == []
     finally:
         _kill_group(proc)
         log.close()
@@ -239,7 +237,7 @@ from kvbatch.pipelines.layout import DayLayout
 
 shard, stop, date = sys.argv[1], sys.argv[2], sys.argv[3]   # stop: "none", "result:<n>" or "commit"
 res = default_resources()
-store, model, kv = res["object_store"], res["model"], res["kv_store"]
+store, model, kv = res["object_store"].under("kvbatch"), res["model"], res["kv_store"]  # the kvbatch pipeline's folder
 day, opts = DayLayout(store.url, date), store.storage_options()
 llm = model.load(_kv(store, model, kv))
 inner = llm.stream
@@ -306,22 +304,26 @@ def _prepare(tmp_path: Path, tiny: Path, n: int) -> tuple[dict, Path, list[str],
     """Ingest and prefill in process; (subprocess env, data root, shards used, their custom_ids)."""
     import dagster as dg
 
-    from kvbatch.pipelines.assets import prefill_kv, prompt_shards, prompts
+    from kvbatch.pipelines.default import prefill_kv, prompt_shards, prompts
+    from kvbatch.pipelines.factory import default_pipeline, pipeline_resources
     from kvbatch.pipelines.layout import DayLayout
     from kvbatch.pipelines.partitions import date_shard_key
     from kvbatch.resources import DecodeClusterResource, KVStoreResource, ModelResource, ObjectStoreResource
 
     env = _env(tmp_path, tiny)
-    root = tmp_path / "data"
+    root = tmp_path / "data" / "kvbatch"  # the kvbatch pipeline's tables under KVBATCH_ROOT
     lines, valid = _requests(n, max_tokens=32)
     data = tmp_path / "requests.jsonl"
     data.write_text("\n".join(lines) + "\n")
-    resources = {"object_store": ObjectStoreResource(url=str(root)), "model": ModelResource(model=str(tiny)),
-                 "kv_store": KVStoreResource(), "decode_cluster": DecodeClusterResource()}
+    resources = pipeline_resources(default_pipeline().spec, {
+        "object_store": ObjectStoreResource(url=str(root.parent)), "model": ModelResource(model=str(tiny)),
+        "kv_store": KVStoreResource(), "decode_cluster": DecodeClusterResource()})
+    instance = dg.DagsterInstance.ephemeral()  # holds the day's (date, shard) partitions
     # n rows at n / 2 rows per shard: two shards (the decode subprocess takes their URLs only).
-    assert dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE, run_config={
-        "ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}},
-                "prompt_shards": {"config": {"max_rows_per_shard": n // 2}}}}).success
+    assert dg.materialize([prompts, prompt_shards], resources=resources, partition_key=DATE, instance=instance,
+                          run_config={"ops": {"kvbatch__prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}},
+                                              "kvbatch__prompt_shards": {"config": {"max_rows_per_shard": n // 2}}}}
+                          ).success
     day = DayLayout(str(root), DATE)
     all_shards = sorted(p.name.split("=")[1] for p in (root / "shards" / f"date={DATE}").glob("shard=*"))
     every = [c for k in all_shards for c in pq.read_table(day.shard("shards", k)).column("custom_id").to_pylist()]
@@ -329,7 +331,8 @@ def _prepare(tmp_path: Path, tiny: Path, n: int) -> tuple[dict, Path, list[str],
     assert len(all_shards) == 2
     shards = all_shards
     for key in shards:
-        assert dg.materialize([prefill_kv], resources=resources, partition_key=date_shard_key(DATE, key)).success
+        assert dg.materialize([prefill_kv], resources=resources, partition_key=date_shard_key(DATE, key),
+                              instance=instance).success
     expected = {k: sorted(pq.read_table(day.shard("shards", k)).column("custom_id").to_pylist()) for k in shards}
     assert all(len(v) >= 4 for v in expected.values())
     return env, root, shards, expected
@@ -352,7 +355,7 @@ def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_pa
     seen, _ = _decode(env, second, tmp_path, stop=f"result:{n1 // 2}")
     assert seen == n1 // 2
     assert _files(root, second) == []
-    assert _temp_files(root) == []  # killed before its write began: nothing was opened anywhere
+    assert _temp_files(root.parent) == []  # killed before its write began: nothing was opened anywhere
     assert not (root / "decode_stats" / f"date={DATE}" / f"shard={second}" / "stats.json").exists()
 
     # First shard: a good commit first, then a killed re-run must leave that commit byte for byte.
@@ -363,7 +366,7 @@ def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_pa
     seen, _ = _decode(env, first, tmp_path, stop=f"result:{n0 // 2}")
     assert seen == n0 // 2
     assert _files(root, first) == ["part.parquet"]
-    assert _temp_files(root) == []
+    assert _temp_files(root.parent) == []
     assert part0.read_bytes() == good and part0.stat().st_mtime_ns == mtime
     assert sorted(pq.read_table(part0).column("custom_id").to_pylist()) == expected[first]
 
@@ -376,7 +379,7 @@ def test_decode_killed_half_way_leaves_last_commit_and_reruns_whole(tiny, tmp_pa
     assert len(got) == len(set(got)) and sorted(got) == valid
     assert sorted(pq.read_table(root / "results").column("custom_id").to_pylist()) == valid
     # Both kills came before any write began, and every later run completed: no temp file at all.
-    assert _temp_files(root) == []
+    assert _temp_files(root.parent) == []
 
 
 def test_decode_killed_during_commit_leaves_nothing_a_reader_sees(tiny, tmp_path):
@@ -385,11 +388,11 @@ def test_decode_killed_during_commit_leaves_nothing_a_reader_sees(tiny, tmp_path
     from kvbatch.io.shard_tables import read_shards
 
     env, root, (first, _), expected = _prepare(tmp_path, tiny, 60)
-    assert _temp_files(root) == []  # ingest and prefill completed
+    assert _temp_files(root.parent) == []  # ingest and prefill completed
     _decode(env, first, tmp_path, stop="commit")
     # Exactly one leftover: the killed writer's hidden temp file beside the results' final name.
-    leftovers = _temp_files(root)
-    shard_dir = f"results/date={DATE}/shard={first}"
+    leftovers = _temp_files(root.parent)
+    shard_dir = f"kvbatch/results/date={DATE}/shard={first}"
     assert len(leftovers) == 1 and leftovers[0].startswith(f"{shard_dir}/.part.parquet.tmp-"), leftovers
     assert _files(root, first) == [Path(leftovers[0]).name]  # and no part.parquet yet
     # Neither the project's reader nor a whole-folder dataset reader sees it as rows.
@@ -399,7 +402,7 @@ def test_decode_killed_during_commit_leaves_nothing_a_reader_sees(tiny, tmp_path
     assert sorted(read_shards(str(root), f"results/date={DATE}").column("custom_id").to_pylist()) == expected[first]
     # The completed re-run leaves no temp file of its own. The killed run's may remain today:
     # removing stale temp files of killed runs is a separate change to io/batch_output.py.
-    assert set(_temp_files(root)) <= set(leftovers), _temp_files(root)
+    assert set(_temp_files(root.parent)) <= set(leftovers), _temp_files(root.parent)
     assert [f for f in _files(root, first) if not f.startswith(".")] == ["part.parquet"], _files(root, first)
     # A whole-folder reader sees each custom_id once: the hidden leftover is never read as rows.
     assert sorted(pq.read_table(root / "results").column("custom_id").to_pylist()) == expected[first]

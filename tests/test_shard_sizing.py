@@ -99,8 +99,7 @@ def day_of_95(tmp_path_factory):
     """95 rows ingested at 10 rows per shard through ``kvbatch_ingest``, in one instance."""
     import dagster as dg
 
-    from kvbatch.pipelines.assets import ASSETS
-    from kvbatch.pipelines.automation import JOBS
+    from kvbatch.pipelines import default
     from kvbatch.resources import (
         DecodeClusterResource,
         KVStoreResource,
@@ -113,10 +112,10 @@ def day_of_95(tmp_path_factory):
     base = tmp_path_factory.mktemp("sized")
     tiny = build_tiny_chat_model(base / "tiny", max_positions=256)
     root = base / "data"
-    defs = dg.Definitions(assets=ASSETS, jobs=JOBS, resources={
+    defs = dg.Definitions(assets=default.ASSETS, jobs=default.JOBS, resources=default.resources({
         "object_store": ObjectStoreResource(url=str(root)), "model": ModelResource(model=str(tiny), max_batch=8),
         "kv_store": KVStoreResource(memory_gb=0), "pricing": PricingResource(),
-        "decode_cluster": DecodeClusterResource(), "pipes_subprocess_client": dg.PipesSubprocessClient()})
+        "decode_cluster": DecodeClusterResource(), "pipes_subprocess_client": dg.PipesSubprocessClient()}))
     instance = dg.DagsterInstance.ephemeral()
 
     def ingest(rows: int, date: str = DATE):
@@ -124,13 +123,15 @@ def day_of_95(tmp_path_factory):
         data.write_text("\n".join(_lines(rows)) + "\n")
         result = defs.resolve_job_def("kvbatch_ingest").execute_in_process(
             partition_key=date, instance=instance,
-            run_config={"ops": {"prompts": {"config": {"url": str(data)}},
-                                "prompt_shards": {"config": {"max_rows_per_shard": 10}}}})
+            run_config={"ops": {"kvbatch__prompts": {"config": {"url": str(data)}},
+                                "kvbatch__prompt_shards": {"config": {"max_rows_per_shard": 10}}}})
         assert result.success
         return result
 
     first = ingest(95)
-    return {"defs": defs, "instance": instance, "root": root, "ingest": ingest, "first": first}
+    # The kvbatch pipeline's tables are under <root>/kvbatch (factory.py).
+    return {"defs": defs, "instance": instance, "root": root / "kvbatch", "store_root": root, "ingest": ingest,
+            "first": first}
 
 
 def _shard_folders(root, table: str, date: str = DATE) -> list[str]:
@@ -139,24 +140,27 @@ def _shard_folders(root, table: str, date: str = DATE) -> list[str]:
 
 def test_a_day_gets_its_shard_count_from_its_rows_and_the_sensor_requests_only_those(day_of_95):
     """95 rows at max_rows_per_shard 10: prompt_shards writes 10 shards, says so in its metadata
-    and in shards/date=D/_shard_count.json, and shards_after_ingest requests 0000..0009 only, out
-    of a range of 1024 keys."""
+    and in shards/date=D/_shard_count.json, adds exactly the day's 10 keys to the pipeline's
+    dynamic partitions, and shards_after_ingest requests 0000..0009 only."""
     import dagster as dg
 
     from kvbatch.ops.shards.routing import read_shard_count
-    from kvbatch.pipelines.automation import shards_after_ingest
-    from kvbatch.pipelines.partitions import shard_partitions
+    from kvbatch.pipelines.default import shards_after_ingest
 
     root, first = day_of_95["root"], day_of_95["first"]
-    meta = first.asset_materializations_for_node("prompt_shards")[0].metadata
-    assert meta["num_shards"].value == 10 and meta["max_rows_per_shard"].value == 10
+    meta = first.asset_materializations_for_node("kvbatch__prompt_shards")[0].metadata
+    assert meta["num_shards"].value == 10 and meta["rows_per_shard_target"].value == 10
+    sizes = [int(pq.read_metadata(f).num_rows) for f in sorted((root / "shards" / f"date={DATE}").glob("*/*.parquet"))]
+    assert sum(sizes) == 95 and meta["rows_largest_shard"].value == max(sizes)
     assert meta["stale_shards_removed"].value == 0
     count = read_shard_count(str(root / "shards" / f"date={DATE}" / "_shard_count.json"))
     assert count is not None and (count.date, count.num_shards, count.rows, count.max_rows_per_shard,
                                   count.max_shards) == (DATE, 10, 95, 10, 1024)
     assert _shard_folders(root, "shards") == [f"{i:04d}" for i in range(10)]
-    assert len(shard_partitions.get_partition_keys()) == 1024
-    ctx = dg.build_run_status_sensor_context(sensor_name="shards_after_ingest", dagster_instance=day_of_95["instance"],
+    day_keys = [k for k in day_of_95["instance"].get_dynamic_partitions("kvbatch_shards") if k.startswith(DATE)]
+    assert day_keys == [f"{DATE}|{i:04d}" for i in range(10)]
+    ctx = dg.build_run_status_sensor_context(sensor_name="kvbatch_shards_after_ingest",
+                                             dagster_instance=day_of_95["instance"],
                                              dagster_run=first.dagster_run, dagster_event=first.get_run_success_event())
     requests = shards_after_ingest(ctx)
     assert [r.partition_key for r in requests] == [f"{DATE}|{i:04d}" for i in range(10)]
@@ -183,15 +187,20 @@ def test_a_shard_beyond_its_day_materializes_nothing_and_says_why(day_of_95):
 
     defs, instance, root = day_of_95["defs"], day_of_95["instance"], day_of_95["root"]
     key = f"{DATE}|0010"
+    # The day has 10 keys; a key beyond them exists only when added by hand (or left by an older
+    # instance): the step must still refuse to make up a shard.
+    instance.add_dynamic_partitions("kvbatch_shards", [key])
     reason = f"shard 0010 is not one of the 10 shards of {DATE} (95 rows at max_rows_per_shard=10)"
     runs = []
-    for job, observer, skipped in (("kvbatch_shard", "prefill_kv", ["cost_metrics", "decode_results"]),
-                                   ("kvbatch_decode", "decode_results", ["cost_metrics"])):
+    for job, observer, skipped in (("kvbatch_shard", "prefill_kv", ["kvbatch__cost_metrics",
+                                                                     "kvbatch__decode_results"]),
+                                   ("kvbatch_decode", "decode_results", ["kvbatch__cost_metrics"])):
         res = defs.resolve_job_def(job).execute_in_process(partition_key=key, instance=instance)
         assert res.success
         assert res.get_asset_materialization_events() == [] and res.get_asset_check_evaluations() == []
         [(name, obs)] = _observed(res).items()
-        assert name == observer and obs.partition == key and obs.metadata["skipped"].value.startswith(reason)
+        assert name == f"kvbatch/{observer}" and obs.partition == key
+        assert obs.metadata["skipped"].value.startswith(reason)
         assert obs.metadata["num_shards"].value == 10
         assert _skipped_steps(res) == skipped
         assert any(reason in (e.user_message or "") for e in instance.all_logs(res.run_id))
@@ -201,7 +210,7 @@ def test_a_shard_beyond_its_day_materializes_nothing_and_says_why(day_of_95):
     for asset, check in (("decode_results", "one_result_per_custom_id"), ("decode_results", "output_within_max_tokens"),
                          ("cost_metrics", "latency_p95_within_slo")):
         history = instance.event_log_storage.get_asset_check_execution_history(
-            dg.AssetCheckKey(dg.AssetKey(asset), check), limit=50)
+            dg.AssetCheckKey(dg.AssetKey(["kvbatch", asset]), check), limit=50)
         records = [r for r in history if r.run_id in runs]
         assert len(records) == 2 and {r.status for r in records} == {AssetCheckExecutionRecordStatus.PLANNED}
     assert {instance.get_run_by_id(r).status for r in runs} == {dg.DagsterRunStatus.SUCCESS}  # so: SKIPPED in the UI
@@ -212,15 +221,15 @@ def test_an_ingest_run_without_prompt_shards_starts_no_shard(day_of_95):
     materialized only prompts has none, and the sensor says so instead of guessing."""
     import dagster as dg
 
-    from kvbatch.pipelines.assets import prompts
-    from kvbatch.pipelines.automation import shards_after_ingest
+    from kvbatch.pipelines.default import prompts, resources, shards_after_ingest
     from kvbatch.resources import ObjectStoreResource
 
-    data = day_of_95["root"].parent / "in-95.jsonl"
+    data = day_of_95["store_root"].parent / "in-95.jsonl"
     res = dg.materialize([prompts], partition_key="2026-11-26", instance=day_of_95["instance"],
-                         resources={"object_store": ObjectStoreResource(url=str(day_of_95["root"]))},
-                         run_config={"ops": {"prompts": {"config": {"url": str(data)}}}})
-    ctx = dg.build_run_status_sensor_context(sensor_name="shards_after_ingest", dagster_instance=day_of_95["instance"],
+                         resources=resources({"object_store": ObjectStoreResource(url=str(day_of_95["store_root"]))}),
+                         run_config={"ops": {"kvbatch__prompts": {"config": {"url": str(data)}}}})
+    ctx = dg.build_run_status_sensor_context(sensor_name="kvbatch_shards_after_ingest",
+                                             dagster_instance=day_of_95["instance"],
                                              dagster_run=res.dagster_run, dagster_event=res.get_run_success_event())
     skip = shards_after_ingest(ctx)
     assert isinstance(skip, dg.SkipReason)
@@ -233,7 +242,7 @@ def test_a_check_run_without_its_asset_is_refused(day_of_95):
     run only inside its materialization, and selecting them alone says so."""
     import dagster as dg
 
-    from kvbatch.pipelines.assets import decode_results
+    from kvbatch.pipelines.default import decode_results
 
     # (Dagster 1.13 cannot give a checks-only selection a partition key at all: "There is no
     # PartitionsDefinition shared by all the provided assets"; without one it runs the step.)
@@ -247,12 +256,14 @@ def test_a_check_run_without_its_asset_is_refused(day_of_95):
 
 
 def test_a_shard_before_its_day_is_sharded_fails_naming_the_date(day_of_95):
-    """No prompt_shards for 2026-11-27 yet: its (date, shard) fails at once (no retry), saying so."""
+    """No prompt_shards for 2026-11-27 yet: its (date, shard) fails at once (no retry), saying so.
+    (Ingest adds a day's keys, so such a key exists only when added by hand, as here.)"""
+    day_of_95["instance"].add_dynamic_partitions("kvbatch_shards", ["2026-11-27|0000"])
     res = day_of_95["defs"].resolve_job_def("kvbatch_shard").execute_in_process(
         partition_key="2026-11-27|0000", instance=day_of_95["instance"], raise_on_error=False)
     assert not res.success
     [failure] = [e for e in res.all_events if e.event_type_value == "STEP_FAILURE"]
-    assert failure.step_key == "prefill_kv"
+    assert failure.step_key == "kvbatch__prefill_kv"
     message = failure.event_specific_data.error.message
     assert "date 2026-11-27 has no shards yet" in message and "prompt_shards for 2026-11-27" in message
     assert not [e for e in res.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
@@ -273,7 +284,7 @@ def test_reingesting_fewer_rows_removes_the_shards_the_day_no_longer_has(day_of_
     for table in ("shards", "manifests", "results", "cost_metrics", "prefill_stats", "decode_stats"):
         assert "0009" in _shard_folders(root, table, date), table
     again = day_of_95["ingest"](35, date)
-    meta = again.asset_materializations_for_node("prompt_shards")[0].metadata
+    meta = again.asset_materializations_for_node("kvbatch__prompt_shards")[0].metadata
     assert (meta["num_shards"].value, meta["stale_shards_removed"].value) == (4, 6)
     assert read_shard_count(str(root / "shards" / f"date={date}" / "_shard_count.json")).num_shards == 4
     for table in ("shards", "manifests", "results", "cost_metrics", "prefill_stats", "decode_stats"):

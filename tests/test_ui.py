@@ -19,9 +19,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from kvbatch.pipelines.assets import cost_metrics
-from kvbatch.pipelines.partitions import date_shard_key
-from kvbatch.pipelines.rollup import cost_rollup
+from kvbatch.pipelines.default import cost_metrics, cost_rollup
+from kvbatch.pipelines.partitions import date_shard_key, register_day_shards
+from kvbatch.pipelines.scorecard_metadata import PLOTTED
 from tests.test_rollup import DATE, SHARDS, _resources, _write_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,8 +58,11 @@ def ui(tmp_path_factory):
                                        "  class: DefaultRunCoordinator\ntelemetry:\n  enabled: false\n")
     from kvbatch.pipelines.layout import DayLayout
 
-    day, resources = DayLayout(str(root), DATE), _resources(root)
+    # The kvbatch pipeline's tables are under <root>/kvbatch; the day's shard keys are what its
+    # prompt_shards would have added.
+    day, resources = DayLayout(str(root / "kvbatch"), DATE), _resources(root)
     instance = dg.DagsterInstance.from_config(str(home))
+    register_day_shards(instance, "kvbatch", DATE, len(SHARDS))
     for shard, n in zip(SHARDS, (3, 4)):
         _write_shard(day, shard, n=n, ttft_s=0.05, wall_s=2.0)
         assert dg.materialize([cost_metrics], resources=resources, partition_key=date_shard_key(DATE, shard),
@@ -101,7 +104,7 @@ def ui(tmp_path_factory):
 
 
 def _latest_metadata(url: str, asset: str) -> dict[str, str]:
-    query = '{ assetNodes(assetKeys: [{path: ["ASSET"]}]) { assetMaterializations(limit: 1) ' \
+    query = '{ assetNodes(assetKeys: [{path: ["kvbatch", "ASSET"]}]) { assetMaterializations(limit: 1) ' \
             '{ metadataEntries { label __typename } } } }'
     data = _graphql(url, query.replace("ASSET", asset))
     [node] = data["assetNodes"]
@@ -122,15 +125,24 @@ NOT_APPLICABLE = ("spec_acceptance_pct", "expert_load_balancedness_pct", "usd_pe
                   "usd_per_mtok_prefix_cache", "savings_usd")
 
 
+# The day's page (pipelines/scorecard_metadata.py): the scorecard first, only the curated figures
+# as numbers (each one is plotted night by night), the rest typed tables.
+ROLLUP_KEYS = {"scorecard": "MarkdownMetadataEntry", **{k: "FloatMetadataEntry" for k in PLOTTED},
+               "slo": "TableMetadataEntry", "shards_needing_a_look": "TableMetadataEntry",
+               "shard_figures": "TableMetadataEntry"}
+
+
 def test_metadata_keys_and_types_as_the_webserver_reports_them(ui):
-    for asset, extra in (("cost_metrics", {}), ("cost_rollup", {"shards": "IntMetadataEntry",
-                                                                "shard_figures": "TableMetadataEntry"})):
+    assert set(PLOTTED) == {"cost_usd", "tokens_per_s", "kv_hit_rate_pct", "ttft_s_p95", "tpot_s_p95"}
+    for asset, want, first in (("cost_metrics", SHARD_KEYS, "summary"), ("cost_rollup", ROLLUP_KEYS, "scorecard")):
         got = _latest_metadata(ui["url"], asset)
-        want = {**SHARD_KEYS, **extra}
         assert {k: got.get(k) for k in want} == want, asset
         assert not set(NOT_APPLICABLE) & set(got), asset  # nothing recorded for what did not happen
-        assert next(iter(got)) == "summary"  # shown first, with units in its values
+        assert next(iter(got)) == first  # shown first, with units in its values
         assert all(t != "JsonMetadataEntry" for t in got.values())  # tables, not JSON blobs
+    # Only the curated figures are numbers on the day's page: nothing else is plotted.
+    rollup = _latest_metadata(ui["url"], "cost_rollup")
+    assert {k for k, t in rollup.items() if t in ("FloatMetadataEntry", "IntMetadataEntry")} == set(PLOTTED)
 
 
 def test_assets_checks_schedule_and_sensors_have_descriptions_kinds_and_owners(ui):
@@ -148,7 +160,8 @@ def test_assets_checks_schedule_and_sensors_have_descriptions_kinds_and_owners(u
                                'schedules { name description } sensors { name description } } } } }')
     [node] = repo["repositoriesOrError"]["nodes"]
     automations = {a["name"]: a["description"] for a in node["schedules"] + node["sensors"]}
-    assert set(automations) >= {"nightly_ingest", "shards_after_ingest", "rollup_after_shard", "new_dataset_files"}
+    assert set(automations) >= {"kvbatch_nightly_ingest", "kvbatch_shards_after_ingest", "kvbatch_rollup_after_shard",
+                                "kvbatch_rollup_after_failed_shard", "kvbatch_new_dataset_files"}
     assert all(automations.values()), automations
 
 
@@ -186,9 +199,9 @@ def test_ui_check_script_reads_the_pages_in_headless_chromium(ui, tmp_path):
 
     # The 14 valid rows at 5 rows per shard: a day of 3 shards.
     launch("kvbatch_ingest", date, "--config-json",
-           json.dumps({"ops": {"prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}},
-                               "prompt_shards": {"config": {"max_rows_per_shard": 5}}}}))
-    day = DayLayout(str(ui["root"]), date)
+           json.dumps({"ops": {"kvbatch__prompts": {"config": {"url": str(data), "max_reject_rate": 0.5}},
+                               "kvbatch__prompt_shards": {"config": {"max_rows_per_shard": 5}}}}))
+    day = DayLayout(str(ui["root"] / "kvbatch"), date)
     shard = max(shard_keys(3), key=lambda k: pq.read_table(day.shard("shards", k)).num_rows)
     launch("kvbatch_shard", f"{date}|{shard}")
     launch("kvbatch_rollup", date)

@@ -38,8 +38,14 @@ class BatchReport:
     spec_enabled: bool = False
     draft_s: float = 0.0
     step_s: float = 0.0
-    # The response cache's counters (ops/decode/response_cache.py), when the run had one.
+    # The response cache's counters (ops/decode/response_cache.py), when the run had one, and the
+    # rows it answered with their tokens: kept apart from the engine's figures above, so that
+    # prompt_tokens + response_cache_prompt_tokens is the prompt tokens of every answered row
+    # (what the results table and cost_metrics count).
     response_cache: dict[str, Any] | None = None
+    response_cache_rows: int = 0
+    response_cache_prompt_tokens: int = 0
+    response_cache_output_tokens: int = 0
     _since: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), repr=False)
 
     @classmethod
@@ -71,9 +77,12 @@ class BatchReport:
             self.tpot_s.append(result.tpot_s)
 
     def add_cached(self, result: Result) -> None:
-        """A row answered from the response cache: it succeeded, at no engine time or tokens
-        (the tokens it served are in ``response_cache``)."""
+        """A row answered from the response cache: it succeeded, at no engine time or tokens;
+        the tokens it served are counted apart (``response_cache_*``)."""
         self.succeeded += 1
+        self.response_cache_rows += 1
+        self.response_cache_prompt_tokens += len(result.prompt_token_ids)
+        self.response_cache_output_tokens += len(result.output_token_ids)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,7 +104,11 @@ class BatchReport:
             "tpot_s_p95": percentile(self.tpot_s, 95),
             "preemptions": self.preemptions,
             **(self._spec_json() if self.spec_enabled else {}),
-            **({"response_cache": self.response_cache} if self.response_cache is not None else {}),
+            **({"response_cache": self.response_cache,
+                "response_cache_rows": self.response_cache_rows,
+                "response_cache_prompt_tokens": self.response_cache_prompt_tokens,
+                "response_cache_output_tokens": self.response_cache_output_tokens}
+               if self.response_cache is not None else {}),
         }
 
     def _spec_json(self) -> dict[str, Any]:

@@ -143,7 +143,10 @@ def prefill_jobs(
 
     for result in llm.stream(engine_requests()):
         if on_row:
-            on_row(len(result.prompt_token_ids))
+            # The tokens this row computed: its full blocks less those the engine's prefix cache
+            # or the store already held (what prompt_tokens_computed counts; the whole prompt
+            # here made the log say 1,440 tokens where the metadata said 144).
+            on_row(len(result.prompt_token_ids) - result.num_cached_tokens - result.num_loaded_tokens)
     # The store's buffered blocks become segments before the manifests that point at them are written.
     llm.connector.flush()
     for line in attach_locations(llm, lines):
@@ -215,11 +218,14 @@ def prefill_shard(
     (:func:`~kvbatch.ops.prefill.prefill.prefill_jobs`, the same prefill as ``kvbatch prefill``).
     ``progress`` (rows done, tokens/s, ETA) advances by a row as each prompt is stored or found."""
     table = read_table(shard_table_url, storage_options=storage_options)
+    if progress is not None:
+        progress.restart()  # the rate covers the prefill, as wall_s does, not the table read before it
     with JsonlWriter(manifests_url, storage_options=storage_options) as out:
         report = prefill_jobs(llm, shard_jobs(table), out, model_name=model_name,
                               on_row=None if progress is None else lambda tokens: progress.advance(1, tokens))
     if progress is not None:
-        progress.finish()
+        # The last line is the step's own figures (a preempted row recomputes), as its metadata.
+        progress.finish(tokens=report.prompt_tokens_computed, elapsed_s=report.wall_s)
     stats: dict[str, Any] = {
         "requests": report.requests, "prompt_tokens": report.prompt_tokens,
         "prompt_tokens_already_stored": report.prompt_tokens_already_stored, "wall_s": round(report.wall_s, 6),

@@ -175,6 +175,16 @@ def unit_prices(row: Mapping[str, Any]) -> dict[str, float | None]:
     return out
 
 
+def response_cache_hit() -> Any:
+    """The results rows the response cache answered (a polars expression): the decode loop
+    rebuilds them from the entry with no engine time (``ttft_s`` 0, no ``tpot_s``:
+    ``response_cache.result_from_body``); a row the engine computed always has a first-token
+    time above zero."""
+    import polars as pl
+
+    return (pl.col("ttft_s") == 0.0) & pl.col("tpot_s").is_null()
+
+
 # The results columns the meter reads; a missing one counts as 0 (or no latencies).
 _SUMMED = ("prompt_tokens", "loaded_prompt_tokens", "cached_prompt_tokens", "completion_tokens", *SPEC_FIELDS)
 
@@ -187,6 +197,12 @@ def results_figures(results: pa.Table) -> dict[str, Any]:
     present = [c for c in (*_SUMMED, *LATENCIES) if c in results.schema.names]
     df = pl.from_arrow(results.select(present)) if present else pl.DataFrame()
     exprs = [pl.col(c).sum().alias(c) if c in present else pl.lit(0).alias(c) for c in _SUMMED]
+    if {"prompt_tokens", "cached_prompt_tokens", *LATENCIES} <= set(present):
+        # A row the response cache answered computed nothing: its prompt tokens count as served
+        # by a cache at decode (with the prefix-cache hits), never as computed at decode.
+        exprs[_SUMMED.index("cached_prompt_tokens")] = (
+            pl.col("cached_prompt_tokens").sum()
+            + pl.col("prompt_tokens").filter(response_cache_hit()).sum()).alias("cached_prompt_tokens")
     if {"completion_tokens", "spec_target_steps"} <= set(present):
         # Output tokens of the requests that went through the target model step by step.
         exprs.append(pl.col("completion_tokens").filter(pl.col("spec_target_steps").fill_null(0) != 0).sum()

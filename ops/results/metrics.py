@@ -68,23 +68,50 @@ def check_slo(measured: Mapping[str, float | None], slo: LatencySLO) -> SLOVerdi
 
 class ProgressMeter:
     """Rows done, tokens per second and the ETA of a step, sent to ``emit`` (a run's log) at most
-    every ``every_s`` seconds, and once more at the end. ``emit`` None makes it a no-op."""
+    every ``every_s`` seconds, and once more at the end. ``emit`` None makes it a no-op.
+
+    The ETA extrapolates from rows done, which misleads under continuous batching: every row
+    is in flight at once and the first ones finish near the end, so one row done after 25 s
+    of 58 read as "ETA 1,400 s" for a shard that ended seconds later. A step that can measure
+    its work while rows are in flight says so with :meth:`track` (decode: output tokens
+    generated so far, against the rows' ``max_tokens``); the ETA is then the smaller of the
+    two estimates, each of which can only overstate the time left."""
 
     def __init__(self, what: str, total_rows: int, emit: Callable[[str], None] | None, *,
                  every_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.what, self.total_rows, self.emit, self.every_s, self.clock = what, total_rows, emit, every_s, clock
         self.rows = self.tokens = 0
         self.started = self.last = clock()
+        self._work: tuple[Callable[[], float], float] | None = None
 
-    def message(self) -> str:
-        elapsed = max(self.clock() - self.started, 1e-9)
-        rate = self.tokens / elapsed
-        rows_per_s = self.rows / elapsed
+    def restart(self) -> None:
+        """Start the clock now (the step's measured work begins here, after its set-up)."""
+        self.started = self.last = self.clock()
+
+    def track(self, done: Callable[[], float], total: float) -> None:
+        """Also estimate the ETA from ``done()`` of ``total`` units of work (an upper bound of
+        the work left is fine: the smaller estimate wins)."""
+        if total > 0:
+            self._work = (done, total)
+
+    def _eta(self, elapsed: float) -> str:
         left = self.total_rows - self.rows
-        eta = f"{left / rows_per_s:.0f} s" if rows_per_s > 0 and left > 0 else ("0 s" if left <= 0 else "unknown")
+        if left <= 0:
+            return "0 s"
+        estimates = [left * elapsed / self.rows] if self.rows > 0 else []
+        if self._work is not None:
+            done, total = self._work
+            fraction = min(max(done() / total, 0.0), 1.0)
+            if fraction > 0:
+                estimates.append(elapsed * (1 - fraction) / fraction)
+        return f"{min(estimates):.0f} s" if estimates else "unknown"
+
+    def message(self, *, tokens: int | None = None, elapsed_s: float | None = None) -> str:
+        elapsed = max(self.clock() - self.started if elapsed_s is None else elapsed_s, 1e-9)
+        tokens = self.tokens if tokens is None else tokens
         pct = 100.0 * self.rows / self.total_rows if self.total_rows else 100.0
-        return (f"{self.what}: {self.rows:,}/{self.total_rows:,} rows ({pct:.0f}%), {self.tokens:,} tokens, "
-                f"{rate:,.1f} tokens/s, ETA {eta}")
+        return (f"{self.what}: {self.rows:,}/{self.total_rows:,} rows ({pct:.0f}%), {tokens:,} tokens, "
+                f"{tokens / elapsed:,.1f} tokens/s, ETA {self._eta(elapsed)}")
 
     def advance(self, rows: int = 1, tokens: int = 0) -> None:
         self.rows += rows
@@ -93,6 +120,8 @@ class ProgressMeter:
             self.last = self.clock()
             self.emit(self.message())
 
-    def finish(self) -> None:
+    def finish(self, *, tokens: int | None = None, elapsed_s: float | None = None) -> None:
+        """The last line. A step that measured its own figures passes them (``tokens``, its wall
+        ``elapsed_s``), so the log's last line says what the step's metadata says."""
         if self.emit is not None:
-            self.emit(self.message())
+            self.emit(self.message(tokens=tokens, elapsed_s=elapsed_s))
