@@ -196,15 +196,13 @@ KERNELS: dict[str, KernelSpec] = {
 
 
 def _map_repo() -> None:
-    """``import kvbatch.kernels`` from a plain checkout too (the GPU image does not install kvbatch)."""
-    try:
-        import kvbatch.kernels  # noqa: F401
-    except ModuleNotFoundError:
-        import types
+    """``import kvbatch.kernels`` from a plain checkout too (the GPU image does not install
+    kvbatch): gpu_check's mapping, one rule for both scripts."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_check import _map_repo as map_repo
 
-        pkg = types.ModuleType("kvbatch")
-        pkg.__path__ = [str(REPO)]
-        sys.modules["kvbatch"] = pkg
+    map_repo()
 
 
 def _module(name: str) -> Any:
