@@ -48,7 +48,7 @@ class EngineSpec:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     seed: int = 0  # seed for requests that give none
     threads: int | None = None  # torch threads (None: all cores)
-    speculative: str | None = None  # ngram | draft:MODEL | early-exit:K (None: plain decoding)
+    speculative: str | None = None  # ngram | draft:MODEL | early-exit:K | suffix:ANSWERS (None: plain)
     spec_max_len: int = 8  # most tokens drafted per step
     spec_adaptive: bool = True  # adaptive, cost-aware draft length
 
