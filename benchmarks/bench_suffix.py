@@ -6,8 +6,10 @@ decoding and prompt lookup, same model, same prompts, one process.
 
 Night 1 answers GSM8K questions (greedy, to the end of turn; untimed): its answers' token ids go
 into a results Parquet, as the pipeline's ``decode_results`` writes them. Night 2 asks the same
-questions as near-duplicates: a lead-in sentence added and the first number in each question
-changed by one, so the answers follow last night's wording but not its arithmetic. Night 2 is
+questions as near-duplicates (``--variant``): ``reworded`` adds a lead-in sentence and a closing
+one around the unchanged question (the same problem asked in other words); ``renumbered`` adds the
+lead-in and changes the first number by one (a different problem: the answers follow last night's
+wording but not its arithmetic, a harder case for any corpus). Night 2 is
 decoded by three arms, interleaved per round: plain, ``--spec ngram`` (prompt lookup) and
 ``--spec suffix:NIGHT1`` (last night's answers beside prompt lookup), all adaptive. The figure is
 decode throughput as ``bench_spec.py`` measures it (output tokens / decode-step seconds; batch 1
@@ -49,10 +51,15 @@ LEAD_INS = ("Here is a question.", "Please solve this.", "A word problem:", "Thi
 _NUMBER = re.compile(r"\d+")
 
 
-def near_duplicate(question: str, i: int) -> str:
-    """Night 2's version of a question: a lead-in added, the first number changed by one."""
-    changed = _NUMBER.sub(lambda m: str(int(m.group()) + 1), question, count=1)
-    return f"{LEAD_INS[i % len(LEAD_INS)]} {changed}"
+CLOSINGS = ("Show your steps.", "Explain briefly.", "Give the final number.", "Be concise.")
+
+
+def near_duplicate(question: str, i: int, variant: str = "reworded") -> str:
+    """Night 2's version of a question (see the module docstring)."""
+    if variant == "renumbered":
+        changed = _NUMBER.sub(lambda m: str(int(m.group()) + 1), question, count=1)
+        return f"{LEAD_INS[i % len(LEAD_INS)]} {changed}"
+    return f"{LEAD_INS[i % len(LEAD_INS)]} {question} {CLOSINGS[i % len(CLOSINGS)]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch1-prompts", type=int, default=6)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variant", choices=["reworded", "renumbered"], default="reworded",
+                    help="how night 2's questions differ from night 1's (see above)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--datasets", type=Path, default=default_datasets_dir())
     ap.add_argument("--quick", action="store_true", help="2 prompts at batch 1, batch 4, 32 tokens, 1 round")
@@ -91,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         "suffix adaptive": LLM(ckpt, num_threads=args.threads, engine_config=EngineConfig(max_num_seqs=args.batch),
                                speculative=SpecConfig.parse(f"suffix:{corpus}")),
     }
-    tonight = [near_duplicate(q, i) for i, q in enumerate(questions)]
+    tonight = [near_duplicate(q, i, args.variant) for i, q in enumerate(questions)]
     modes = {"batch 1": [[t] for t in tonight[:args.batch1_prompts]], f"batch {args.batch}": [tonight]}
     # Warm every arm on other prompts first (untimed): the first passes at each verify width pick
     # and build their kernels, which would otherwise be charged to whichever arm runs first.
-    warm = [near_duplicate(q, i + 1) for i, q in enumerate(questions[:2])]
+    warm = [near_duplicate(q, i + 1, args.variant) for i, q in enumerate(questions[:2])]
     for name, llm in engines.items():
         decode_run(llm, requests(warm, f"warm-{name}"), False)
     table = []
@@ -118,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                 "acceptance": round(r0.accepted / r0.drafted, 3) if r0.drafted else None,
                 "accepted_per_step": round(r0.accepted / r0.target_steps, 3) if r0.target_steps else None,
             })
-    print(f"\nkvbatch suffix drafting on a near-duplicate night: {args.model} fp32, GSM8K, <= {args.max_tokens} "
+    print(f"\nkvbatch suffix drafting on a near-duplicate night ({args.variant}): {args.model} fp32, GSM8K, "
+          f"<= {args.max_tokens} "
           f"tokens to end of turn, corpus {sum(len(r.output_token_ids) for r in night1)} tokens of {len(night1)} "
           f"answers, threads={torch.get_num_threads()}, {args.rounds} round(s), median")
     print(f"CPU: {cpu_line()}")
