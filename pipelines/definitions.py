@@ -34,7 +34,7 @@ import dagster as dg
 
 from kvbatch.pipelines.batch_api import batch_api_job
 from kvbatch.pipelines.executor import executor_choice, executor_def
-from kvbatch.pipelines.factory import default_pipeline, shared_resources
+from kvbatch.pipelines.factory import default_spec, pipeline_resource_defs, resource_key, shared_resources
 from kvbatch.resources import DecodeClusterResource, ModelResource
 
 
@@ -50,10 +50,12 @@ def default_resources() -> dict:
     the environment gives them: ``object_store``, ``model``, ``kv_store``, ``pricing``,
     ``decode_cluster``, ``pipes_subprocess_client``. Key them for a pipeline with
     ``factory.pipeline_resources``."""
-    pipeline = default_pipeline()
-    own = pipeline.resources
+    # From the environment as it is now: not factory.default_pipeline(), which is built once per
+    # process (a deployment's values read after a first build would be ignored).
+    spec = default_spec()
+    own = pipeline_resource_defs(spec)
     return {**shared_resources(),
-            **{kind: own[pipeline.parts.resource_key(kind)] for kind in ("model", "pricing", "decode_cluster")}}
+            **{kind: own[resource_key(spec.name, kind, spec)] for kind in ("model", "pricing", "decode_cluster")}}
 
 
 def _batch_api_resources() -> dict:

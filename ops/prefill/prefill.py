@@ -223,14 +223,15 @@ def prefill_shard(
     with JsonlWriter(manifests_url, storage_options=storage_options) as out:
         report = prefill_jobs(llm, shard_jobs(table), out, model_name=model_name,
                               on_row=None if progress is None else lambda tokens: progress.advance(1, tokens))
-    if progress is not None:
-        # The last line is the step's own figures (a preempted row recomputes), as its metadata.
-        progress.finish(tokens=report.prompt_tokens_computed, elapsed_s=report.wall_s)
     stats: dict[str, Any] = {
         "requests": report.requests, "prompt_tokens": report.prompt_tokens,
         "prompt_tokens_already_stored": report.prompt_tokens_already_stored, "wall_s": round(report.wall_s, 6),
         "prompt_tokens_computed": report.prompt_tokens_computed, "manifest_version": MANIFEST_VERSION,
         "connector": report.connector, "store": report.store}
+    if progress is not None:
+        # The last line is the step's own figures (a preempted row recomputes), as its metadata:
+        # the same rounded wall time, or the rate's last digit can differ.
+        progress.finish(tokens=stats["prompt_tokens_computed"], elapsed_s=stats["wall_s"])
     if stats_url:
         write_json(stats, stats_url, storage_options=storage_options)
     return stats
