@@ -230,8 +230,9 @@ def test_cases_run_in_order_of_importance(benchmarks):
     first, last = ({dn: f(i) for dn, i in where.items()} for f in (min, max))
     assert last["bfloat16"] < first["float16"] and last["float16"] < first["float32"]
     assert gpu_check.decode_grid(False)[0][0] == 64 and gpu_check.decode_grid(False)[-1][0] == 128
-    assert [plan[0] for plan in gpu_check.throughput_plan(False)] == ["llama-3.1-8b", "smollm2-135m"]
-    assert gpu_check.throughput_steps(False) == ["graphs", "transformers", "eager"]
+    stages = sys.modules["gpu_model_stages"]  # the model stages gpu_check runs (imported by it)
+    assert [plan[0] for plan in stages.throughput_plan(False)] == ["llama-3.1-8b", "smollm2-135m"]
+    assert stages.throughput_steps(False) == ["graphs", "transformers", "eager"]
 
 
 # -- peaks by device name -------------------------------------------------------------------------
@@ -275,16 +276,16 @@ def test_copy_bandwidth_counts_bytes_read_and_written(benchmarks, monkeypatch):
 def test_models_are_built_in_bf16_without_an_fp32_parameter(benchmarks):
     """The throughput stage's builder makes every parameter in bf16 (the registration spy sees no
     fp32 one), and the same spy sees the fp32 parameters of a build-then-cast."""
-    gpu_check, _ = benchmarks
+    stages = sys.modules["gpu_model_stages"]  # the model stages gpu_check runs (imported by it)
     import transformers as tf
 
-    with gpu_check.parameter_dtypes() as made:
-        model = gpu_check.hf_model("tiny-llama", 64, "cpu", torch.bfloat16, std=0.02)
+    with stages.parameter_dtypes() as made:
+        model = stages.hf_model("tiny-llama", 64, "cpu", torch.bfloat16, std=0.02)
     assert set(made) == {"bfloat16"} and made["bfloat16"] == len(list(model.parameters()))
     assert torch.get_default_dtype() == torch.float32  # restored
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # transformers keeps it fp32 on purpose
-    with gpu_check.parameter_dtypes() as cast:
-        cfg = tf.LlamaConfig(**gpu_check.SHAPES["tiny-llama"])
+    with stages.parameter_dtypes() as cast:
+        cfg = tf.LlamaConfig(**stages.SHAPES["tiny-llama"])
         tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
     assert set(cast) == {"float32"}
 
@@ -328,9 +329,9 @@ def test_compile_only_subset_writes_compile_jsonl(tmp_path):
 
 
 def test_the_check_uses_no_triton_api_of_its_own():
-    """The device image has Triton 3.6 (this machine 3.7): the check's two scripts touch no Triton
+    """The device image has Triton 3.6 (this machine 3.7): the check's scripts touch no Triton
     attribute but its version (the kernels keep to what 3.6 has, and are compiled by gpu_compile)."""
-    for name in ("gpu_check.py", "gpu_kernels.py"):
+    for name in ("gpu_check.py", "gpu_model_stages.py", "gpu_kernels.py", "gpu_cases.py"):
         tree = ast.parse((REPO / "benchmarks" / name).read_text())
         used = {node.attr for node in ast.walk(tree)
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
@@ -345,7 +346,7 @@ def test_warm_cache_launches_each_case_once_in_workers(benchmarks, monkeypatch):
     """Spawned workers share the cases and launch each once (a failing one is counted, left to
     the stage to report); workers still running at the timeout are stopped."""
     _, G = benchmarks
-    monkeypatch.setattr(G, "DEVICE", "cpu")
+    monkeypatch.setattr(G.gpu_cases, "DEVICE", "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the workers' kernels run in the interpreter here
     cases = [G.warm_spec(functools.partial(G.rms_norm_case, None, 7, 64, torch.float32)),
              G.warm_spec(functools.partial(G.silu_and_mul_case, None, 5, 40, torch.float32))]

@@ -137,7 +137,7 @@ def test_benchmark_case_runs_on_cpu(monkeypatch):
         import gpu_kernels as G
     finally:
         sys.path.pop(0)
-    monkeypatch.setattr(G, "DEVICE", "cpu")
+    monkeypatch.setattr(G.gpu_cases, "DEVICE", "cpu")
     ok, err = G.silu_and_mul_case(G.import_kernels(), 5, 40, torch.float32)[2]()
     assert ok, err
 

@@ -90,7 +90,7 @@ def test_benchmark_case_runs_on_cpu(monkeypatch):
         import gpu_kernels as G
     finally:
         sys.path.pop(0)
-    monkeypatch.setattr(G, "DEVICE", "cpu")
+    monkeypatch.setattr(G.gpu_cases, "DEVICE", "cpu")
     ok, err = G.mla_prefill_case(G.import_kernels(), [9, 5], [4, 5], 2, 16, 8, torch.float32, block_size=4)[2]()
     assert ok, err
 

@@ -469,7 +469,7 @@ def test_benchmark_cases_run_on_cpu(use_triton, monkeypatch):
         import gpu_kernels as G
     finally:
         sys.path.pop(0)
-    monkeypatch.setattr(G, "DEVICE", "cpu")
+    monkeypatch.setattr(G.gpu_cases, "DEVICE", "cpu")
     K = G.import_kernels()
     for case in (G.moe_case(K, 5, 32, 16, 4, 2, torch.float32),
                  G.mla_case(K, [9, 20], 4, 32, 16, torch.float32, block_size=4),
