@@ -24,7 +24,7 @@ from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.kv_roundtrip import store_round_trip
-from tests.tiny_models import VOCAB
+from tests.tiny_models import VOCAB, edit_weights
 
 torch.set_num_threads(1)
 
@@ -318,9 +318,7 @@ def test_fp8_without_block_size_or_scales_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="weight_block_size"):
         load_checkpoint(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    state = load_file(tmp_path / "model.safetensors")
-    del state["model.layers.0.self_attn.o_proj.weight_scale_inv"]
-    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    edit_weights(tmp_path, lambda t: t.pop("model.layers.0.self_attn.o_proj.weight_scale_inv"))
     with pytest.raises(ModelLoadError, match="o_proj.weight has no .*_scale_inv"):
         load_checkpoint(str(tmp_path))
 

@@ -23,7 +23,7 @@ from kvbatch.engine.runtime.llm import LLM, GenerationRequest
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import dispatch, reference
 from tests.logit_capture import assert_logits_match, capture_logits
-from tests.tiny_models import HOT_EXPERTS, MOE_ARCHS, NUM_EXPERTS, VOCAB, build_tiny_moe
+from tests.tiny_models import HOT_EXPERTS, MOE_ARCHS, NUM_EXPERTS, VOCAB, build_tiny_moe, edit_weights
 
 torch.set_num_threads(1)
 
@@ -103,18 +103,14 @@ def test_hub_and_fused_layouts_load_the_same(tmp_path, arch):
 
 def test_missing_expert_is_a_load_error(tmp_path):
     build_tiny_moe("qwen2_moe", tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    edit_weights(tmp_path, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
     with pytest.raises(ModelLoadError, match="layers.2 has 8 experts but not every one has a up matrix"):
         load_checkpoint(str(tmp_path))
 
 
 def test_missing_router_is_a_load_error(tmp_path):
     build_tiny_moe("mixtral", tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    del tensors["model.layers.1.block_sparse_moe.gate.weight"]
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    edit_weights(tmp_path, lambda t: t.pop("model.layers.1.block_sparse_moe.gate.weight"))
     with pytest.raises(ModelLoadError, match="missing 1 weight"):
         load_checkpoint(str(tmp_path))
 
@@ -405,9 +401,7 @@ def test_deepseek_checkpoint_loads_for_its_moe_layers(tmp_path, q_lora_rank):
         want = model.model.layers[1].mlp(x)[0]
     torch.testing.assert_close(moe_forward(x[0], layer, moe, 1), want, atol=1e-5, rtol=1e-5)
     # A missing correction bias is caught at load, not at the first forward pass.
-    tensors = load_file(tmp_path / "model.safetensors")
-    del tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    edit_weights(tmp_path, lambda t: t.pop("model.layers.1.mlp.gate.e_score_correction_bias"))
     with pytest.raises(ModelLoadError, match="e_score_correction_bias"):
         load_checkpoint(str(tmp_path))
 
@@ -461,8 +455,6 @@ def test_cli_deterministic_refuses_a_moe_model_in_one_line(tmp_path, capsys):
 
 def test_experts_of_different_shapes_are_a_load_error(tmp_path):
     build_tiny_moe("qwen3_moe", tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors["model.layers.0.mlp.experts.4.down_proj.weight"] = torch.zeros(64, 31)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    edit_weights(tmp_path, lambda t: t.update({"model.layers.0.mlp.experts.4.down_proj.weight": torch.zeros(64, 31)}))
     with pytest.raises(ModelLoadError, match="layers.0's expert matrices disagree in shape"):
         load_checkpoint(str(tmp_path))

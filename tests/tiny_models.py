@@ -134,3 +134,13 @@ def build_tiny_moe(arch: str, folder: Path, seed: int = 0, skew: float = 0.0):
                     gate.weight[list(HOT_EXPERTS), _HOT_DIM] += skew
     model.save_pretrained(folder)
     return model
+
+
+def edit_weights(folder: Path, edit) -> None:
+    """Rewrite ``folder``'s ``model.safetensors`` after ``edit(tensors)`` changed the dict in place:
+    a test's broken checkpoint (a tensor deleted, one of the wrong shape)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
