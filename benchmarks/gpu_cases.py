@@ -225,6 +225,37 @@ def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, **kwargs):
     return run_triton, run_reference, check, nbytes, 2 * pairs * 3 * I * H
 
 
+# FP8 GEMM: the twin rounds the same dequantized weight to the activation dtype and multiplies it
+# with cuBLAS, the kernel with tl.dot: sums over thousands of products in other orders.
+FP8_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def fp8_gemm_case(K, M, N, Kd, dtype, block=(128, 128), seed=0, bias=False, **kwargs):
+    """``x [M, Kd] @ dequant(W)^T`` for a float8_e4m3fn ``W [N, Kd]`` with a scale per ``block``,
+    scaled so outputs are O(1). The timed twin is cuBLAS over the weight dequantized once (what the
+    engine runs when it does not keep FP8): the check compares the kernel with it."""
+    D, TF = K[1], K[12]
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, Kd, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).to(DEVICE)
+    scales = (torch.rand(-(-N // block[0]), -(-Kd // block[1]), generator=gen) * 2 / 448 * Kd**-0.5).to(DEVICE)
+    x = torch.randn(M, Kd, generator=gen).to(device=DEVICE, dtype=dtype)
+    b = torch.randn(N, generator=gen).to(device=DEVICE, dtype=dtype) if bias else None
+    w_deq = D.dequantize_fp8_block(w, scales, block).to(dtype)
+
+    def run_triton():
+        return TF.fp8_block_linear(x, w, scales, block, b, **kwargs)
+
+    def run_reference():
+        return torch.nn.functional.linear(x, w_deq, b)
+
+    def check():
+        poison_allocator(M * N * 4, DEVICE)
+        return max_error(run_triton(), D.fp8_block_linear_reference(x, w, scales, block, b), FP8_TOL[dtype])
+
+    nbytes = N * Kd + scales.numel() * 4 + (M * Kd + M * N) * x.element_size()
+    return run_triton, run_reference, check, nbytes, 2 * M * N * Kd
+
+
 def mla_case(K, lens, Hq, C, Rd, dtype, block_size=16, seed=0, **kwargs):
     """MLA decode over a paged latent cache of rows [c_kv ; k_pe] (width C + Rd)."""
     TL, RM = K[7], K[9]

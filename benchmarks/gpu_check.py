@@ -430,7 +430,8 @@ def smoke_check_cases(K: Any) -> list[tuple[str, Callable[[], tuple]]]:
             ("store_kv", P(G.store_kv_case, K, 9, 3, 64, f32)), ("fused_moe", P(G.moe_case, K, 5, 32, 16, 4, 2, f32)),
             ("mla_decode", P(G.mla_case, K, [1, 17], 4, 32, 16, f32)), ("spec_verify", P(G.verify_case, K, 4, 2, 50)),
             ("silu_and_mul", P(G.silu_and_mul_case, K, 5, 40, f32)),
-            ("mla_prefill", P(G.mla_prefill_case, K, [9, 5], [4, 5], 2, 16, 8, f32, block_size=4))]
+            ("mla_prefill", P(G.mla_prefill_case, K, [9, 5], [4, 5], 2, 16, 8, f32, block_size=4)),
+            ("fp8_gemm", P(G.fp8_gemm_case, K, 3, 70, 100, f32))]
 
 
 def stage_kernels(st: Stage) -> None:

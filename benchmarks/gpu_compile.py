@@ -52,6 +52,9 @@ SPEC_MAX_DRAFTS = 16  # speculative drafts per request compiled for (SpecConfig.
 MAX_STEP_TOKENS = 16384  # the largest step token budget the MoE tiles are derived over
 BATCHES = tuple(2 ** i for i in range(11))  # decode batch sizes the partition choice is derived over (1..1024)
 
+# The quantization_config of the published FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8).
+FP8_128 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
 # The supported families at the shapes of their published checkpoints (config.json fields the
 # engine reads). Their kernels' shapes come from the engine's own config reader.
 MODELS: dict[str, dict[str, Any]] = {
@@ -67,6 +70,10 @@ MODELS: dict[str, dict[str, Any]] = {
                        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768),
     "Qwen3-8B": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960),
+    # Qwen3-8B-FP8 (and DeepSeek-V3 below, published in FP8): projections multiplied by the FP8 GEMM
+    "Qwen3-8B-FP8": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                         quantization_config=FP8_128),
     "Phi-3-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
                        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096),
     "Phi-4-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_attention_heads=24,
@@ -93,7 +100,8 @@ MODELS: dict[str, dict[str, Any]] = {
                         v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
                         n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=3,
                         rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+                                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                        quantization_config=FP8_128),
     "Moonlight-16B-A3B": dict(model_type="deepseek_v3", hidden_size=2048, intermediate_size=11264,
                               num_attention_heads=16, num_key_value_heads=16, vocab_size=163840,
                               max_position_embeddings=8192, q_lora_rank=None, kv_lora_rank=512,
@@ -180,6 +188,10 @@ KERNELS: dict[str, KernelSpec] = {
     "_moe_sum_kernel": KernelSpec(
         "triton_moe", ("stride_yh", "stride_ik", "stride_oh"), {"y_ptr": "fp32", "ids_ptr": "i64", "out_ptr": "*"},
         (), lambda c: c["BLOCK_H"] * 4),
+    "_fp8_block_gemm_kernel": KernelSpec(
+        "triton_fp8_gemm", ("stride_xk", "stride_wk", "stride_sk", "stride_yn"),
+        {"x_ptr": "*", "w_ptr": "fp8e4nv", "s_ptr": "fp32", "b_ptr": "*", "y_ptr": "*"}, (),
+        lambda c: (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _eb(c)),
     "_spec_accept_kernel": KernelSpec(
         "triton_verify", ("stride_pk", "stride_qk", "stride_uk"),
         {"p_ptr": "fp32", "q_ptr": "fp32", "u_ptr": "fp32", "num_drafts_ptr": "i64", "out_ptr": "i64"}, (),
@@ -335,6 +347,26 @@ def _moe(col: _Collector, model: str, dtype: str, hidden: int, experts: int, top
         col.add(model, "_moe_sum_kernel", dtype, None, None, TOP_K=k, BLOCK_H=moe.sum_block_h(hidden))
 
 
+def _fp8_gemm(col: _Collector, model: str, dtype: str, block: tuple[int, int]) -> None:
+    """The FP8 block-scaled GEMM at every tile its launcher picks over step sizes (the tile depends
+    on the rows, the block size and the activation dtype, not on the projection's shape), with and
+    without a bias."""
+    fp8 = _module("triton_fp8_gemm")
+    numerics = _numerics(dtype)
+    tiles = []
+    rows = 1
+    while rows <= MAX_STEP_TOKENS:
+        t = fp8.fp8_gemm_tiles(rows, block, ELEM_BYTES[dtype], interpreted=False)
+        if t not in tiles:
+            tiles.append(t)
+        rows *= 2
+    for t in tiles:
+        for bias in (False, True):
+            col.add(model, "_fp8_block_gemm_kernel", dtype, t["num_warps"], t["num_stages"], GROUP_N=block[0],
+                    GROUP_K=block[1], BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
+                    SCALE_PER_COLUMN=block[1] % t["block_k"] == 0, HAS_BIAS=bias, **numerics)
+
+
 def _rotary_and_store(col: _Collector, model: str, dtype: str, D: int, Hq: int, Hkv: int) -> None:
     rot = _module("triton_rotary").rotary_blocks(D, Hq, Hkv)
     col.add(model, "_rotary_kernel", dtype, 4, None, **rot)
@@ -363,9 +395,12 @@ def configurations(models: dict[str, dict[str, Any]] | None = None,
     col = _Collector()
     for name, raw in (MODELS if models is None else models).items():
         c = ModelConfig.from_hf({"num_hidden_layers": 1, "rms_norm_eps": 1e-6, **raw})
+        block = (raw.get("quantization_config") or {}).get("weight_block_size")
         for dtype in dtypes:
             for residual in (False, True):
                 _rms_norm(col, name, dtype, c.hidden_size, residual)
+            if block:
+                _fp8_gemm(col, name, dtype, tuple(block))
             if c.moe is None or c.moe.first_k_dense_replace or c.moe.mlp_only_layers or c.moe.decoder_sparse_step > 1:
                 _mlp(col, name, dtype, c.intermediate_size)
             if c.moe is not None:

@@ -48,6 +48,7 @@ import torch
 import gpu_cases
 from gpu_cases import (
     decode_case,
+    fp8_gemm_case,
     mla_case,
     mla_prefill_case,
     moe_case,
@@ -65,7 +66,8 @@ MOE_SPEEDUP_GOAL = 2.0
 
 def import_kernels():
     """(reference, dispatch, triton_attention, triton_rms_norm, triton_rotary, triton_store_kv,
-    triton_moe, triton_mla, triton_verify, reference_mla, reference_verify, triton_activation)."""
+    triton_moe, triton_mla, triton_verify, reference_mla, reference_verify, triton_activation,
+    triton_fp8_gemm)."""
     try:
         import kvbatch.kernels  # noqa: F401
     except ModuleNotFoundError:
@@ -86,6 +88,7 @@ def import_kernels():
         reference_verify,
         triton_activation,
         triton_attention,
+        triton_fp8_gemm,
         triton_mla,
         triton_moe,
         triton_rms_norm,
@@ -95,7 +98,7 @@ def import_kernels():
     )
 
     return (reference, dispatch, triton_attention, triton_rms_norm, triton_rotary, triton_store_kv,
-            triton_moe, triton_mla, triton_verify, reference_mla, reference_verify, triton_activation)
+            triton_moe, triton_mla, triton_verify, reference_mla, reference_verify, triton_activation, triton_fp8_gemm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +307,9 @@ def check_cases(K) -> list[tuple[str, Callable[[], tuple]]]:
         add(f"fused_moe {dn} decode E64 k6", moe_case, 7, 1024, 352, 64, 6, dtype, seed=11)
         add(f"fused_moe {dn} prefill E8 k2, dropped ids", moe_case, 333, 512, 200, 8, 2, dtype, seed=12,
             out_of_range=0.3)
+        add(f"fp8 gemm {dn} decode M=1, partial blocks", fp8_gemm_case, 1, 700, 1000, dtype, seed=20)
+        add(f"fp8 gemm {dn} prefill M=333, bias", fp8_gemm_case, 333, 1536, 7168, dtype, seed=21, bias=True)
+        add(f"fp8 gemm {dn} 32x40 blocks (scale gather)", fp8_gemm_case, 65, 100, 300, dtype, block=(32, 40), seed=22)
         add(f"mla decode {dn} mixed lens, split", mla_case, [1, 17, 4096, 1000, 513, 16], 16, 512, 64, dtype,
             seed=13)
         add(f"mla decode {dn} 128 heads, block 64", mla_case, [77, 1025, 3], 128, 512, 64, dtype, block_size=64,
@@ -420,6 +426,11 @@ def bench_cases(K) -> list[tuple[str, str, Callable[[], tuple]]]:
         ("MLA prefill", "4 x (2k cached + 2k new), 16 heads, C512 R64, bf16",
          P(mla_prefill_case, K, [4096] * 4, [2048] * 4, 16, 512, 64, bf16)),
         ("spec verify", "256 req x 4 drafts, V=152k, draft probs", P(verify_case, K, 256, 4, 152064)),
+        # the FP8 GEMM against cuBLAS over the dequantized bf16 weight (Qwen3-8B-FP8, DeepSeek-V3 shapes)
+        ("FP8 GEMM", "Qwen3-8B gate/up decode: 32 x 4096 -> 24576, bf16", P(fp8_gemm_case, K, 32, 24576, 4096, bf16)),
+        ("FP8 GEMM", "Qwen3-8B down decode: 1 x 12288 -> 4096, bf16", P(fp8_gemm_case, K, 1, 4096, 12288, bf16)),
+        ("FP8 GEMM", "DeepSeek-V3 q_a decode: 64 x 7168 -> 1536, bf16", P(fp8_gemm_case, K, 64, 1536, 7168, bf16)),
+        ("FP8 GEMM", "Qwen3-8B qkv prefill: 8k x 4096 -> 6144, bf16", P(fp8_gemm_case, K, 8192, 6144, 4096, bf16)),
     ]
 
 

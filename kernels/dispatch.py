@@ -55,6 +55,7 @@ def _triton_kernels() -> SimpleNamespace | None:
     from kvbatch.kernels import (
         triton_activation,
         triton_attention,
+        triton_fp8_gemm,
         triton_mla,
         triton_moe,
         triton_rms_norm,
@@ -70,6 +71,7 @@ def _triton_kernels() -> SimpleNamespace | None:
         paged_decode_attention=triton_attention.paged_decode_attention,
         prefill_attention=triton_attention.prefill_attention,
         fused_moe=triton_moe.fused_moe,
+        fp8_block_linear=triton_fp8_gemm.fp8_block_linear,
         mla_decode_attention=triton_mla.mla_decode_attention,
         spec_accept=triton_verify.spec_accept,
         spec_recover=triton_verify.spec_recover,
@@ -303,6 +305,39 @@ def fused_moe(
 ) -> torch.Tensor:
     """See :func:`reference.fused_moe`."""
     return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An FP8 weight [N, K] times its per-block scales [ceil(N / bn), ceil(K / bk)], in fp32:
+    ``w[i, j] * scale_inv[i // bn, j // bk]`` (the dequantization of DeepSeek-V3's and Qwen3's FP8
+    checkpoints; each product of an fp8 value and an fp32 scale is exact in fp32 up to one rounding).
+    Raises ValueError when the scales' shape does not fit."""
+    bn, bk = block
+    n, k = weight.shape
+    expected = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"scales of shape {tuple(scale_inv.shape)} for a [{n}, {k}] weight in "
+                         f"{bn}x{bk} blocks (expected {expected})")
+    scales = scale_inv.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.to(torch.float32) * scales
+
+
+def fp8_block_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                               block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(weight)^T (+ bias)`` -> ``[M, N]`` in ``x.dtype``: the weight
+    dequantized in fp32 and rounded to ``x.dtype`` (what the CPU loader holds), then ``F.linear``.
+    The readable twin of :func:`kvbatch.kernels.triton_fp8_gemm.fp8_block_linear`."""
+    w = dequantize_fp8_block(weight, scale_inv, block).to(x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """An FP8 block-scaled projection (weight float8_e4m3fn [N, K], fp32 ``scale_inv`` per ``block``):
+    the Triton kernel where :func:`backend` picks Triton (CUDA), else :func:`fp8_block_linear_reference`."""
+    if backend(x) == "triton":
+        return _triton_kernels().fp8_block_linear(x, weight, scale_inv, block, bias)
+    return fp8_block_linear_reference(x, weight, scale_inv, block, bias)
 
 
 def store_mla_kv(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -37,6 +37,29 @@ def rms_norm(
     return weight * normed.to(x.dtype), x
 
 
+def rms_norm_fp32(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` in Gemma's order: normalized and multiplied by ``weight`` in fp32, rounded
+    to ``x.dtype`` once (Llama rounds before the weight). For fp32 ``x`` and ``weight`` the same
+    bits as :func:`rms_norm`; the model uses it for 16-bit models whose norm weights (``1 + w``,
+    which 16 bits would round) it keeps in fp32."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype), x
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_and_mul` with ``gelu(gate, approximate="tanh")`` (transformers'
+    ``gelu_pytorch_tanh``: Gemma) in place of SiLU."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"gelu_tanh_and_mul: the last axis holds gate and up halves, got odd width {x.shape[-1]}")
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """The gated MLP's activation: ``silu(gate) * up`` for ``x`` = ``[..., 2 I]`` laid out as the
     gate/up projection returns it (gate columns first, then up). Returns ``[..., I]`` in
@@ -337,7 +360,8 @@ class LongChunk:
     end: int
     slots: torch.Tensor  # [L] cache slots of its context
     # [n_new, L] causal mask aligned to the lower right (the new tokens are the context's last);
-    # None for a whole prompt (n_new == L), which SDPA's is_causal covers
+    # None for a whole prompt (n_new == L), which SDPA's is_causal covers. Under a sliding window
+    # ``slots`` start at the first key the chunk's first token sees, and the mask keeps the window.
     mask: torch.Tensor | None
 
 
@@ -353,8 +377,11 @@ class PrefillPlan:
 
 
 def plan_prefill(block_tables: torch.Tensor, cu_query_lens: torch.Tensor, context_lens: torch.Tensor,
-                 block_size: int, group: int) -> PrefillPlan:
-    """The plan for a batch of chunks; ``group``: query heads per KV head."""
+                 block_size: int, group: int, window: int = 0) -> PrefillPlan:
+    """The plan for a batch of chunks; ``group``: query heads per KV head. ``window`` > 0: a
+    sliding window, the query at position p sees keys ``p - window + 1 .. p`` only (transformers'
+    ``kv_idx > q_idx - sliding_window``); the cache still holds every key, the plan gathers from
+    the first one the window lets in. Decode rows may come as chunks of one token."""
     cu = cu_query_lens.tolist()
     lens = context_lens.tolist()
     short = [s for s in range(len(lens)) if 0 < cu[s + 1] - cu[s] <= SHORT_CHUNK]
@@ -364,7 +391,7 @@ def plan_prefill(block_tables: torch.Tensor, cu_query_lens: torch.Tensor, contex
     # like decode, instead of one attention call per sequence; sequences of similar context
     # length go together, so each call pads only to its own longest context.
     short.sort(key=lambda s: lens[s])
-    groups = [_short_chunk_group(block_tables, cu, lens, short[g:g + DECODE_GROUP], block_size, group)
+    groups = [_short_chunk_group(block_tables, cu, lens, short[g:g + DECODE_GROUP], block_size, group, window)
               for g in range(0, len(short), DECODE_GROUP)]
     done = set(short)
     long = []
@@ -373,6 +400,13 @@ def plan_prefill(block_tables: torch.Tensor, cu_query_lens: torch.Tensor, contex
         if n_new == 0 or s in done:
             continue
         slots = gather_slots(block_tables[s : s + 1], n_ctx, block_size)[0]
+        if 0 < window < n_ctx:  # the window bites: keys from the first the chunk's first token sees
+            lo = max(0, n_ctx - n_new - window + 1)
+            dev = block_tables.device
+            q_pos = torch.arange(n_ctx - n_new, n_ctx, device=dev)[:, None]
+            k_pos = torch.arange(lo, n_ctx, device=dev)[None, :]
+            long.append(LongChunk(cu[s], cu[s + 1], slots[lo:], (k_pos <= q_pos) & (k_pos > q_pos - window)))
+            continue
         mask = (None if n_new == n_ctx
                 else torch.ones(n_new, n_ctx, dtype=torch.bool, device=block_tables.device).tril(n_ctx - n_new))
         long.append(LongChunk(cu[s], cu[s + 1], slots, mask))
@@ -380,7 +414,9 @@ def plan_prefill(block_tables: torch.Tensor, cu_query_lens: torch.Tensor, contex
 
 
 def _short_chunk_group(block_tables: torch.Tensor, cu: list[int], lens: list[int], seqs: list[int],
-                       block_size: int, group: int) -> ShortChunkGroup:
+                       block_size: int, group: int, window: int = 0) -> ShortChunkGroup:
+    if window > 0:
+        return _window_chunk_group(block_tables, cu, lens, seqs, block_size, group, window)
     S = len(seqs)
     n = [cu[s + 1] - cu[s] for s in seqs]
     qmax = max(n)
@@ -441,6 +477,32 @@ def prefill_attention(
     return out
 
 
+def _window_chunk_group(block_tables: torch.Tensor, cu: list[int], lens: list[int], seqs: list[int],
+                        block_size: int, group: int, window: int) -> ShortChunkGroup:
+    """:func:`_short_chunk_group` under a sliding window: each sequence's blocks are gathered from
+    the block holding the first key its chunk sees (however long its context, at most
+    ``(qmax + window) / block_size + 1`` blocks), and the mask keeps query p to keys
+    ``p - window + 1 .. p``. Padded query rows repeat their sequence's last position."""
+    S = len(seqs)
+    n = [cu[s + 1] - cu[s] for s in seqs]
+    qmax = max(n)
+    dev = block_tables.device
+    first = [max(0, lens[s] - m - window + 1) // block_size for s, m in zip(seqs, n)]  # first block seen
+    width = max(-(-lens[s] // block_size) - b for s, b in zip(seqs, first))
+    tables = block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=dev)).long()
+    cols = (torch.tensor(first, dtype=torch.long, device=dev)[:, None] + torch.arange(width, device=dev)[None, :])
+    # columns past a table's end: keys past the sequence's end, masked below
+    blocks = tables.gather(1, cols.clamp(max=tables.shape[1] - 1)).reshape(-1)
+    rows = torch.tensor([r for s in seqs for r in range(cu[s], cu[s + 1])], dtype=torch.long, device=dev)
+    pad_pos = torch.tensor([i * qmax + j for i, m in enumerate(n) for j in range(m)], dtype=torch.long, device=dev)
+    q_pos = torch.tensor([[lens[s] - m + min(j, m - 1) for j in range(qmax)] for s, m in zip(seqs, n)],
+                         dtype=torch.long, device=dev)
+    k_pos = (torch.tensor(first, dtype=torch.long, device=dev)[:, None] * block_size
+             + torch.arange(width * block_size, device=dev)[None, :])[:, None, :]  # [S, 1, keys]
+    mask = (k_pos <= q_pos[:, :, None]) & (k_pos > q_pos[:, :, None] - window)
+    return ShortChunkGroup(rows, pad_pos, blocks, mask.repeat(1, group, 1)[:, None], S, qmax)
+
+
 SHORT_CHUNK = 16  # chunks up to this many tokens are batched across sequences
 
 
@@ -480,6 +542,7 @@ def invariant_attention(
     seq_index: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention whose result for a token is bitwise independent of the batch.
 
@@ -487,7 +550,8 @@ def invariant_attention(
     and sits at ``positions[t]``, attending keys ``0..positions[t]`` of its sequence. Tokens of
     one sequence must be contiguous and in position order. Serves prefill chunks and decode
     tokens alike, so a token computes the same bits whether it was part of a long prefill, a
-    short tail after a prefix hit, or a decode step in any batch.
+    short tail after a prefix hit, or a decode step in any batch. ``window`` > 0: a sliding
+    window, keys ``positions[t] - window + 1 .. positions[t]`` only (masked within the same tiles).
     """
     T, Hq, D = q.shape
     if T == 0:
@@ -498,7 +562,8 @@ def invariant_attention(
     for c in counts_l[:-1]:
         starts.append(starts[-1] + c)
     if len(counts_l) == 1 or all(c == 1 for c in counts_l):
-        return _invariant_attention(q, k_cache, v_cache, block_tables, seqs, counts_l, starts, positions, scale)
+        return _invariant_attention(q, k_cache, v_cache, block_tables, seqs, counts_l, starts, positions, scale,
+                                    window)
     # Every shape inside is fixed, so splitting the step changes no bit; it only spares the
     # decode tokens from being padded to the longest prefill chunk. Decode tokens (one per
     # sequence) run together; each prefill chunk runs on its own.
@@ -509,12 +574,12 @@ def invariant_attention(
         at = torch.tensor(single, device=seqs.device)
         out[rows] = _invariant_attention(q.index_select(0, rows), k_cache, v_cache, block_tables,
                                          seqs.index_select(0, at), [1] * len(single), list(range(len(single))),
-                                         positions.index_select(0, rows), scale)
+                                         positions.index_select(0, rows), scale, window)
     for i, c in enumerate(counts_l):
         if c > 1:
             st = starts[i]
             out[st:st + c] = _invariant_attention(q[st:st + c], k_cache, v_cache, block_tables, seqs[i:i + 1],
-                                                  [c], [0], positions[st:st + c], scale)
+                                                  [c], [0], positions[st:st + c], scale, window)
     return out
 
 
@@ -528,6 +593,7 @@ def _invariant_attention(
     starts: list[int],
     positions: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """:func:`invariant_attention` for the sequences ``seqs`` (rows of ``block_tables``) whose
     tokens are ``q[starts[i]:starts[i] + counts[i]]``."""
@@ -563,6 +629,8 @@ def _invariant_attention(
     scores = torch.matmul(rows, k_tiles.view(S, Hkv, 1, nt, TILE, D).transpose(-1, -2)) * scale
     key_pos = torch.arange(L, device=q.device).view(nt, TILE)
     valid = key_pos.view(1, 1, nt, 1, TILE) <= row_pos.view(S, NG, 1, R, 1)  # [S, NG, nt, R, TILE]
+    if window > 0:
+        valid &= key_pos.view(1, 1, nt, 1, TILE) > row_pos.view(S, NG, 1, R, 1) - window
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
     m = scores.amax(-1, keepdim=True)  # [S, Hkv, NG, nt, R, 1]
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)

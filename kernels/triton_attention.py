@@ -16,6 +16,11 @@ cost little more than their own keys. ``partition_size`` defaults to
 Prefill runs one program per (tile of ``block_m`` new tokens, sequence, query head) and stops
 at the causal diagonal of the tile.
 
+Both take a sliding ``window`` (0: none; Gemma 3's sliding layers): a query at position p sees
+keys ``p - window + 1 .. p`` only, and a program starts reading at the ``block_n`` tile holding
+the first key any of its queries sees (a decode partition wholly before the window reads nothing
+and leaves an empty partial, which the merge weighs 0).
+
 Numerics: like the reference, ``q`` is rounded to the cache dtype first; scores, softmax and
 accumulators are fp32. fp16/bf16 caches feed ``tl.dot`` in their own dtype on a GPU (fp32
 accumulate); fp32 caches use ``input_precision="ieee"`` (no tf32). Under the Triton
@@ -65,7 +70,7 @@ def _paged_decode_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_btb, stride_btn,
     stride_ob, stride_oh, stride_od,
-    num_partitions, num_q_heads,
+    num_partitions, num_q_heads, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
@@ -101,9 +106,10 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b * stride_btb
-    for n0 in range(start, end, BLOCK_N):
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # the first key the window lets in
+    for n0 in range(tl.maximum(start, first // BLOCK_N * BLOCK_N), end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
+        mask_n = (offs_n < end) & (offs_n >= first)
         k, v = _load_kv_tile(bt_row, offs_n, mask_n, offs_d, mask_d, kvh, k_cache_ptr, v_cache_ptr, stride_btn,
                              stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                              BLOCK_SIZE, COMPUTE_F32)
@@ -182,6 +188,7 @@ def _prefill_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_btb, stride_btn,
     stride_ot, stride_oh, stride_od,
+    window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -218,14 +225,18 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + s * stride_btb
-    for n0 in range(0, hi, BLOCK_N):
+    # under a window, each row sees keys above q_pos - window (-1 without: all of them), and the
+    # tile's first row sees the lowest
+    below = tl.where(window > 0, q_pos - window, -1)
+    lo = tl.where(window > 0, tl.maximum(first_pos + mb * BLOCK_M - window + 1, 0), 0)
+    for n0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         k, v = _load_kv_tile(bt_row, offs_n, mask_n, offs_d, mask_d, kvh, k_cache_ptr, v_cache_ptr, stride_btn,
                              stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                              BLOCK_SIZE, COMPUTE_F32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-        visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > below[:, None])
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -359,8 +370,10 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Triton twin of :func:`reference.paged_decode_attention` (same arguments and result).
+    """Triton twin of :func:`reference.paged_decode_attention` (same arguments and result;
+    ``window`` > 0: each sequence's last ``window`` keys only, as the native kernel's window).
 
     ``slots`` is accepted for signature parity and ignored (keys are looked up through
     ``block_tables`` in the kernel), but its width, the longest context, sizes the grid.
@@ -371,6 +384,8 @@ def paged_decode_attention(
     the batch and the KV heads); one partition skips the merge kernel.
     """
     Hq, Hkv, D = _check_cache(q, k_cache, v_cache)
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
     B = q.shape[0]
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     block_size = k_cache.shape[1]
@@ -391,7 +406,7 @@ def paged_decode_attention(
         out, part_acc, part_max, part_sum,
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        num_partitions, Hq,
+        num_partitions, Hq, window,
         GROUP=group, GROUP_PAD=tiles["group_pad"],
         HEAD_DIM=D, BLOCK_D=tiles["block_d"],
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION_SIZE=partition_size,
@@ -446,13 +461,17 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Triton twin of :func:`reference.prefill_attention` (same arguments and result).
+    """Triton twin of :func:`reference.prefill_attention` (same arguments and result; ``window``
+    > 0: a sliding window, as :func:`reference.plan_prefill`'s).
 
     ``max_query_len`` (the longest chunk) sizes the grid; without it it is read from
     ``cu_query_lens`` (one host sync, as in the reference).
     """
     Hq, Hkv, D = _check_cache(q, k_cache, v_cache)
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
     T = q.shape[0]
     S = context_lens.shape[0]
     if cu_query_lens.shape[0] != S + 1:
@@ -473,6 +492,7 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, out,
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        window,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=tiles["block_d"],
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         COMPUTE_F32=compute_f32, DOT_PRECISION=precision,

@@ -87,8 +87,8 @@ def test_a_configuration_over_227_kib_is_reported_as_an_error():
 # stand-in that notes its constexprs and launch options: run in the subprocess below.
 RECORD = r"""
 import json, torch, gpu_compile as g
-from kvbatch.kernels import (triton_activation, triton_attention, triton_mla, triton_moe, triton_rms_norm,
-                             triton_rotary, triton_store_kv, triton_verify)
+from kvbatch.kernels import (triton_activation, triton_attention, triton_fp8_gemm, triton_mla, triton_moe,
+                             triton_rms_norm, triton_rotary, triton_store_kv, triton_verify)
 assert not triton_attention.INTERPRETED
 NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 launches = []
@@ -101,8 +101,8 @@ class Recorder:
             launches.append((self.name, constexprs, num_warps, num_stages, dtype))
         return launch
 
-for module in (triton_activation, triton_attention, triton_mla, triton_moe, triton_rms_norm, triton_rotary,
-               triton_store_kv, triton_verify):
+for module in (triton_activation, triton_attention, triton_fp8_gemm, triton_mla, triton_moe, triton_rms_norm,
+               triton_rotary, triton_store_kv, triton_verify):
     for name in dir(module):
         if name.endswith("_kernel") and name.startswith("_"):
             setattr(module, name, Recorder(name))
@@ -142,6 +142,9 @@ for dt in (torch.bfloat16, torch.float32):
     for width in (128, 512, 1536):  # Qwen3's q/k heads, DeepSeek-V3's latent and query-latent norms
         triton_rms_norm.rms_norm(e(2, width, dtype=dt), e(width, dtype=dt), 1e-6)
     triton_activation.silu_and_mul(e(2, 2 * 14336, dtype=dt))
+    for T in (1, 64, 4096):  # Qwen3-8B-FP8's and DeepSeek-V3's 128 x 128 blocks (tests/test_fp8_gemm.py: more)
+        triton_fp8_gemm.fp8_block_linear(e(T, 4096, dtype=dt), e(6144, 4096, dtype=torch.float8_e4m3fn),
+                                         e(48, 32), (128, 128))
 dtype = "fp32"
 for K in (1, 3, 8):
     triton_verify.spec_accept(e(2, K), e(2, K), e(2, K), torch.ones(2, dtype=torch.long))

@@ -144,16 +144,22 @@ def test_hub_configs_of_the_families():
     assert ModelConfig.from_hf(phi4_mini_like).rotary_dim == 96
     with pytest.raises(UnsupportedModelError, match="sliding-window"):  # Phi-3-mini-4k's 2047 of 4096
         ModelConfig.from_hf(dict(phi4, sliding_window=2047, max_position_embeddings=4096))
-    with pytest.raises(UnsupportedModelError, match="longrope"):  # Phi-3-*-128k, Phi-4-mini
-        ModelConfig.from_hf(dict(phi4, rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}))
+    # Phi-3-*-128k, Phi-4-mini: longrope with one factor per rotary pair (tests/test_longrope.py: parity)
+    longrope = {"type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64}
+    c = ModelConfig.from_hf(dict(phi4, rope_scaling=longrope, original_max_position_embeddings=4096,
+                                 max_position_embeddings=131072))
+    assert c.rope_scaling["original_max_position_embeddings"] == 4096 and c.rope_scaling["factor"] == 32.0
+    with pytest.raises(UnsupportedModelError, match="longrope short_factor must list 64 numbers"):
+        ModelConfig.from_hf(dict(phi4, rope_scaling=dict(longrope, short_factor=[1.0]),
+                                 original_max_position_embeddings=4096))
 
 
 def test_unknown_architecture_names_the_supported_list(tmp_path):
     build_tiny_family("qwen3", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, architectures=["Gemma3ForCausalLM"],
-                                                           model_type="gemma3_text")))
-    with pytest.raises(ModelLoadError, match="Gemma3ForCausalLM.*Phi3ForCausalLM.*Qwen3ForCausalLM") as info:
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, architectures=["FalconForCausalLM"],
+                                                           model_type="falcon")))
+    with pytest.raises(ModelLoadError, match="'FalconForCausalLM'.*Gemma3ForCausalLM.*Phi3ForCausalLM.*Qwen3ForCausalLM") as info:
         load_checkpoint(str(tmp_path))
     assert "\n" not in str(info.value)
 

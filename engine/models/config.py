@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbatch.engine.models.errors import UnsupportedModelError
@@ -116,11 +116,25 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each query/key head before rotary
     mla: MLAConfig | None = None  # DeepSeek-V3 multi-head latent attention; None: plain GQA
     rotary_dim: int = 0  # dims of each head that rotary turns (Phi: partial_rotary_factor); 0: all
+    # Declared by a family (engine/models/family.py: Family and its ``settings``); Gemma 3 sets them all.
+    layer_windows: tuple[int, ...] = ()  # per layer, the keys a token sees (itself included); 0: all; (): none
+    local_rope_theta: float | None = None  # the sliding layers' rope base, unscaled; None: rope_theta
+    attention_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32
+    sandwich_norms: bool = False  # each sublayer's output normed too (Family.sandwich_norms)
+    embedding_multiplier: float | None = None  # embeddings times this (sqrt(hidden_size)), in their dtype
 
     @property
     def rotary_dims(self) -> int:
         """How many leading dims of each query/key head rotary turns (the rest pass through)."""
         return self.rotary_dim or self.head_dim
+
+    def window(self, layer: int) -> int:
+        """The sliding window of decoder layer ``layer``: a token at position p attends keys
+        ``p - window + 1 .. p`` (transformers' ``kv_idx > q_idx - sliding_window``); 0: all ``0 .. p``."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -140,8 +154,8 @@ class ModelConfig:
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             # MLA models check their own rope kinds (MLAConfig.from_hf).
-            if kind not in ("default", "llama3", "linear") and model_type not in MLA_ARCHITECTURES:
-                raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: llama3, linear)")
+            if kind not in ("default", "llama3", "linear", "longrope") and model_type not in MLA_ARCHITECTURES:
+                raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: llama3, linear, longrope)")
         family = FAMILIES.get(model_type)
         # they apply any window they state
         sliding_default = model_type in ("mistral", "mixtral") or (family is not None and family.sliding_default)
@@ -161,7 +175,9 @@ class ModelConfig:
                 raise UnsupportedModelError(
                     f"{model_type}: partial_rotary_factor {factor} gives {rotary_dim} of {head_dim} dims (need an even count)")
             rotary_dim = 0 if rotary_dim == head_dim else rotary_dim
-        return cls(
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+            scaling = _longrope(scaling, cfg, rotary_dim or head_dim, max_pos)
+        config = cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -181,6 +197,29 @@ class ModelConfig:
             mla=MLAConfig.from_hf(cfg, scaling),
             rotary_dim=rotary_dim,
         )
+        if family is None:
+            return config
+        declared: dict[str, Any] = dict(norm_unit_offset=family.norm_unit_offset, sandwich_norms=family.sandwich_norms,
+                                        embedding_multiplier=hidden ** 0.5 if family.embedding_scale else None)
+        declared.update(family.settings(cfg) if family.settings is not None else {})
+        return replace(config, **declared)
+
+
+def _longrope(scaling: dict[str, Any], cfg: dict[str, Any], rotary_dims: int, max_pos: int) -> dict[str, Any]:
+    """``scaling`` with ``original_max_position_embeddings`` in it (hub configs state it beside
+    ``rope_scaling``) and ``factor`` (unstated: context / original, as transformers derives it, so a
+    table of any length gets the same attention factor), once both factor lists are checked to hold
+    one number per rotary pair."""
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original or int(original) <= 0:
+        raise UnsupportedModelError("longrope rope scaling without original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != rotary_dims // 2:
+            raise UnsupportedModelError(f"longrope {key} must list {rotary_dims // 2} numbers (one per rotary "
+                                        f"pair of {rotary_dims} dims), got {factors!r:.80}")
+    return dict(scaling, original_max_position_embeddings=int(original),
+                factor=float(scaling.get("factor") or max_pos / int(original)))
 
 
 def _attention_bias(cfg: dict[str, Any]) -> bool:
@@ -197,6 +236,7 @@ def _attention_bias(cfg: dict[str, Any]) -> bool:
 
 
 # The families declared in their own modules register themselves (they import only family.py).
+from kvbatch.engine.models import gemma3 as _gemma3  # noqa: F401
 from kvbatch.engine.models import phi3 as _phi3  # noqa: F401
 from kvbatch.engine.models import qwen3 as _qwen3  # noqa: F401
 

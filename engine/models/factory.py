@@ -14,6 +14,7 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.deepseek import DeepseekV3Model
+from kvbatch.engine.models.fp8 import Fp8BlockWeight
 from kvbatch.engine.models.llama import LlamaModel, huge_pages_wanted
 from kvbatch.kernels.cpu.gguf_blocks import GGUFBlocks, layer_qtype
 from kvbatch.kernels.cpu.gguf_kernels import BlockIndex, use_gguf_blocks
@@ -24,11 +25,12 @@ from kvbatch.kernels.cpu.linear import GGUF, use_linear_format
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 batch_invariant: bool = False, device: torch.device | str = "cpu",
                 expert_ids: dict[int, list[int]] | None = None, linear: str = "auto",
-                weights: str = "full", gguf_blocks: Mapping[str, GGUFBlocks] | None = None) -> LlamaModel:
+                weights: str = "full", gguf_blocks: Mapping[str, GGUFBlocks] | None = None,
+                fp8_weights: Mapping[str, Fp8BlockWeight] | None = None) -> LlamaModel:
     """The model for ``config.model_type``: DeepSeek-V3 (multi-head latent attention) or the
     common decoder (Llama, Mistral, Qwen2 and the Mixtral / Qwen MoE variants, and every family
     registered in :mod:`~kvbatch.engine.models.family`, which differ from it only in what their
-    ``ModelConfig`` declares: Qwen3, Phi-3), its weights on ``device``. ``expert_ids``: the experts a partial checkpoint holds, per layer
+    ``ModelConfig`` declares: Qwen3, Phi-3, Gemma 3), its weights on ``device``. ``expert_ids``: the experts a partial checkpoint holds, per layer
     (:attr:`~kvbatch.engine.models.weights.Checkpoint.expert_ids`).
 
     The dense projections' kernel is measured on this CPU (cached on disk) unless ``linear``
@@ -51,6 +53,6 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
         if config.model_type == "deepseek_v3":
             model: LlamaModel = DeepseekV3Model(config, tensors, dtype, batch_invariant, device, expert_ids)
         else:
-            model = LlamaModel(config, tensors, dtype, batch_invariant, device, expert_ids)
+            model = LlamaModel(config, tensors, dtype, batch_invariant, device, expert_ids, fp8_weights)
     model.kernel_choice = choice  # type: ignore[attr-defined]
     return model

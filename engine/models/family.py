@@ -25,6 +25,20 @@ class Family:
     ``bias_refused``: ``attention_bias`` would bias o_proj too (not implemented), so it is refused.
     ``convert_tensors``: ``(tensors, config) -> tensors`` at load, before the fingerprint: the
     family's checkpoint names into the common decoder's (fused projections split), on the CPU.
+
+    The options below are general mechanisms of the common decoder that a family switches on
+    (Gemma 3 all of them; a later family any of them):
+    ``norm_unit_offset``: every RMSNorm scales by ``1 + weight``, computed in fp32 and rounded once.
+    ``sandwich_norms``: a norm on each sublayer's output too, before its residual add: the
+    checkpoint's ``post_attention_layernorm`` then normalizes the attention output,
+    ``pre_feedforward_layernorm`` the MLP input and ``post_feedforward_layernorm`` the MLP output.
+    ``embedding_scale``: the embeddings are multiplied by ``sqrt(hidden_size)``, rounded to their dtype.
+    ``layer_tensors``: per-layer weights the loader requires besides the common decoder's
+    (names under ``model.layers.N.``).
+    ``settings``: ``(hf config) -> {ModelConfig field: value}``, the family's own config keys read
+    into the common decoder's declared settings (per-layer sliding windows ``layer_windows``, the
+    sliding layers' rope base ``local_rope_theta``, ``attention_scale``, ``hidden_act``,
+    ``final_logit_softcap``, ...); it raises ``UnsupportedModelError`` for what is not implemented.
     """
 
     architecture: str
@@ -34,6 +48,11 @@ class Family:
     sliding_default: bool = False
     bias_refused: bool = False
     convert_tensors: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embedding_scale: bool = False
+    layer_tensors: tuple[str, ...] = ()
+    settings: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 # model_type -> its Family, filled by the family modules (engine/models/config.py imports them all).

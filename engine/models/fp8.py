@@ -3,10 +3,18 @@ with a ``<name>_scale_inv`` per ``weight_block_size`` block, declared by ``quant
 {quant_method: fp8, weight_block_size: [bn, bk]}``. The CPU dequantizes them at load
 (:mod:`kvbatch.engine.models.weights` calls :func:`dequantize_fp8_weights` once every shard is
 read); any other quantization method is refused in one line naming it.
+
+For CUDA the loader (``load_checkpoint(..., keep_fp8=True)``) also keeps each FP8 weight as
+published, an :class:`Fp8BlockWeight` (float8 values, fp32 scales, the block size) in
+``Checkpoint.fp8_weights``: uploaded as it is (a byte per value) and multiplied by the block-scaled
+Triton GEMM (``kernels/triton_fp8_gemm.py``, through :func:`kvbatch.kernels.dispatch.fp8_block_linear`),
+which dequantizes in registers exactly as the loader dequantizes on the CPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvbatch.engine.models.errors import ModelLoadError
@@ -44,19 +52,12 @@ def fp8_block_size(config: dict[str, Any], source: str) -> tuple[int, int] | Non
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """An FP8 weight [N, K] times its per-block scales [ceil(N / bn), ceil(K / bk)], in fp32:
-    ``w[i, j] * scale_inv[i // bn, j // bk]`` (the dequantization of DeepSeek-V3's and Qwen3's FP8
-    checkpoints; each product of an fp8 value and an fp32 scale is exact in fp32 up to one rounding)."""
-    import torch
+    """:func:`kvbatch.kernels.dispatch.dequantize_fp8_block` (kept there, beside the FP8 GEMM's
+    reference, so the kernels layer need not import the engine): ``w[i, j] * scale_inv[i // bn, j // bk]``
+    in fp32; ValueError when the scales' shape does not fit."""
+    from kvbatch.kernels import dispatch  # torch: only where a weight is dequantized
 
-    bn, bk = block
-    n, k = weight.shape
-    expected = (-(-n // bn), -(-k // bk))
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"scales of shape {tuple(scale_inv.shape)} for a [{n}, {k}] weight in "
-                         f"{bn}x{bk} blocks (expected {expected})")
-    scales = scale_inv.to(torch.float32).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return weight.to(torch.float32) * scales
+    return dispatch.dequantize_fp8_block(weight, scale_inv, block)
 
 
 def dequantize_fp8_weights(stored: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype,
@@ -81,3 +82,121 @@ def dequantize_fp8_weights(stored: dict[str, torch.Tensor], block: tuple[int, in
     return out
 
 
+
+
+@dataclass(frozen=True)
+class Fp8BlockWeight:
+    """One projection as an FP8 checkpoint publishes it: ``weight`` float8_e4m3fn ``[N, K]``,
+    ``scale_inv`` fp32 ``[ceil(N / bn), ceil(K / bk)]``, ``block`` ``(bn, bk)``.
+
+    Row operations keep the block structure or refuse: :meth:`split` and :meth:`cat` (a family's fused
+    projections split at load, the decoder's own fusing of q/k/v and gate/up) need every cut on a
+    multiple of ``bn``; :meth:`reorder_rows` (partial rotary's per-head order) needs every row to stay
+    in its block. ``shape``/``split``/``clone`` let a family's ``convert_tensors`` treat it as a tensor."""
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        bn, bk = self.block
+        n, k = self.weight.shape
+        if tuple(self.scale_inv.shape) != (-(-n // bn), -(-k // bk)):
+            raise ValueError(f"scales of shape {tuple(self.scale_inv.shape)} for a [{n}, {k}] weight in "
+                             f"{bn}x{bk} blocks (expected {(-(-n // bn), -(-k // bk))})")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def to(self, device: torch.device | str) -> Fp8BlockWeight:
+        """On ``device``, still FP8 (the scales in fp32)."""
+        import torch
+
+        return Fp8BlockWeight(self.weight.to(device), self.scale_inv.to(device=device, dtype=torch.float32),
+                              self.block)
+
+    def clone(self) -> Fp8BlockWeight:
+        return Fp8BlockWeight(self.weight.clone(), self.scale_inv.clone(), self.block)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[N, K]``: what the CPU loader holds (before its cast to the engine dtype)."""
+        return dequantize_fp8_block(self.weight, self.scale_inv, self.block)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K] @ dequant(weight)^T (+ bias)`` in ``x.dtype``: the Triton GEMM on CUDA, its
+        reference elsewhere (:func:`kvbatch.kernels.dispatch.fp8_block_linear`)."""
+        from kvbatch.kernels import dispatch
+
+        return dispatch.fp8_block_linear(x, self.weight, self.scale_inv, self.block, bias)
+
+    def split(self, sizes: Sequence[int]) -> tuple[Fp8BlockWeight, ...]:
+        """Row slices of ``sizes`` rows, each with its rows of scales; ValueError unless every cut
+        falls on a block boundary."""
+        bn = self.block[0]
+        if sum(sizes) != self.shape[0] or any(n % bn for n in sizes[:-1]):
+            raise ValueError(f"cannot split {self.shape[0]} FP8 rows in {bn}-row blocks into {list(sizes)}")
+        out, start = [], 0
+        for n in sizes:
+            out.append(Fp8BlockWeight(self.weight[start:start + n], self.scale_inv[start // bn:-(-(start + n) // bn)],
+                                      self.block))
+            start += n
+        return tuple(out)
+
+    @staticmethod
+    def cat(parts: Sequence[Fp8BlockWeight]) -> Fp8BlockWeight:
+        """The parts' rows one after another (one block size; every part but the last a whole number
+        of blocks, so each block's scale stays its own); ValueError otherwise."""
+        import torch
+
+        block = parts[0].block
+        if any(p.block != block for p in parts) or any(p.shape[0] % block[0] for p in parts[:-1]):
+            raise ValueError(f"cannot join FP8 weights of {[p.shape[0] for p in parts]} rows in blocks "
+                             f"{[p.block for p in parts]}: every part but the last must fill whole "
+                             f"{block[0]}-row blocks")
+        return Fp8BlockWeight(torch.cat([p.weight for p in parts]), torch.cat([p.scale_inv for p in parts]), block)
+
+    def reorder_rows(self, order: torch.Tensor) -> Fp8BlockWeight:
+        """Rows in ``order`` (``new[i] = old[order[i]]``); ValueError when a row would leave its block
+        (its scale would no longer apply)."""
+        import torch
+
+        bn = self.block[0]
+        if not torch.equal(order // bn, torch.arange(len(order)) // bn):
+            raise ValueError(f"the row order moves FP8 rows across {bn}-row blocks")
+        return Fp8BlockWeight(self.weight[order].contiguous(), self.scale_inv, self.block)
+
+
+def fp8_block_weights(stored: dict[str, torch.Tensor], block: tuple[int, int],
+                      source: str) -> dict[str, Fp8BlockWeight]:
+    """Every FP8 weight of ``stored`` with its ``<name>_scale_inv`` as an :class:`Fp8BlockWeight`
+    (the same checks as :func:`dequantize_fp8_weights`, which the loader runs first)."""
+    import torch
+
+    out: dict[str, Fp8BlockWeight] = {}
+    for name, weight in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        try:
+            out[name] = Fp8BlockWeight(weight, stored[name + "_scale_inv"].to(torch.float32), block)
+        except (KeyError, ValueError) as exc:
+            raise ModelLoadError(f"{source}: {name}: {exc}") from exc
+    return out
+
+
+def keep_fp8_weights(stored: dict[str, torch.Tensor], block: tuple[int, int], config: dict[str, Any],
+                     source: str) -> dict[str, Fp8BlockWeight]:
+    """The FP8 weights of ``stored`` as published, under the common decoder's names (a family's
+    ``convert_tensors`` applied, e.g. Phi-3's fused projections split at block boundaries): what
+    ``Checkpoint.fp8_weights`` holds for a CUDA model. {} when the family's conversion cannot keep
+    the blocks (a cut inside a block): the dequantized tensors then serve everywhere."""
+    from kvbatch.engine.models.family import FAMILIES
+
+    kept = fp8_block_weights(stored, block, source)
+    family = FAMILIES.get(config.get("model_type", ""))
+    if family is None or family.convert_tensors is None:
+        return kept
+    try:
+        return family.convert_tensors(kept, config)
+    except ValueError:
+        return {}

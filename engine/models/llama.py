@@ -1,20 +1,27 @@
 """The Llama-family transformer (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache,
-with mixture-of-experts MLPs where the config has them (Mixtral, Qwen2-MoE, Qwen3-MoE).
+with mixture-of-experts MLPs where the config has them (Mixtral, Qwen2-MoE, Qwen3-MoE), and the
+common decoder of the families declared in :mod:`~kvbatch.engine.models.family` (Qwen3, Phi-3,
+Gemma 3): q/k norms, partial rotary, norms by ``1 + w``, sandwich norms, embedding scale, GELU,
+per-layer sliding windows and rope bases, logit soft-capping, each as its ``ModelConfig`` says.
 
 Weights are plain tensors, not ``nn.Module``s: the forward pass is a flat loop over layers with
 fused QKV and gate/up projections, which keeps the per-layer Python overhead small enough for
-batch-1 decode on a CPU. Every hot operation goes through :mod:`kvbatch.kernels.dispatch`.
+batch-1 decode on a CPU. Every hot operation goes through :mod:`kvbatch.kernels.dispatch`, but
+a sliding layer's attention (:func:`sliding_plans`: the dispatcher takes no window yet).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.fp8 import Fp8BlockWeight
 from kvbatch.engine.models.moe import (
     ExpertCompute,
     LocalExperts,
@@ -25,7 +32,9 @@ from kvbatch.engine.models.moe import (
 )
 from kvbatch.engine.models.rope import cos_sin_table, partial_rotary_rows
 from kvbatch.kernels import dispatch as K
+from kvbatch.kernels import reference
 from kvbatch.kernels.cpu import greedy_head, huge_pages, mkl_packed
+from kvbatch.kernels.cpu import native as native_kernels
 from kvbatch.kernels.cpu.greedy_head import GreedyHead, make_greedy_head
 from kvbatch.kernels.cpu.huge_pages import HugePageArena
 from kvbatch.kernels.cpu.linear import GGUF, INT8, NATIVE_MAX_ROWS, LinearFormat, choose_linear_format
@@ -102,6 +111,9 @@ class LayerWeights:
     is_moe: bool = False  # the MLP is LlamaModel.moe_layers[layer index]
     q_norm: torch.Tensor | None = None  # [D], Qwen3: RMSNorm per query head before rotary
     k_norm: torch.Tensor | None = None
+    # Sandwich norms (Gemma): on the attention output and on the MLP output, before each residual add
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -133,6 +145,57 @@ class ForwardBatch:
     greedy_only: bool = False
 
 
+@dataclass
+class SlidingStep:
+    """How one step's sliding layers of one window attend (:func:`sliding_plans`)."""
+
+    # "reference": every row through ``plan``; "native": decode rows through the native kernel's
+    # window, prefill rows through ``plan``; "triton": both through the Triton kernels' window
+    route: str
+    tables: torch.Tensor  # block tables, cu_query_lens and context_lens of the rows ``plan`` covers
+    cu: torch.Tensor
+    lens: torch.Tensor
+    plan: reference.PrefillPlan | None  # None: no row for it, or the Triton route
+
+
+def sliding_plans(model: "LlamaModel", h: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                  num_layers: int) -> dict[int, SlidingStep]:
+    """For each sliding window among the first ``num_layers`` layers, how the step attends under
+    it; {} when no layer slides, and in batch-invariant mode (``invariant_attention`` takes the
+    window itself). The cache keeps every key; each path reads from the window's first block.
+
+    Where the Triton kernels run, their decode and prefill kernels take the window. Elsewhere decode
+    rows take the native decode kernel's window where the native kernels run (fp32 or bf16 CPU
+    tensors), or else join the prefill chunks as chunks of one token; prefill chunks run through the
+    reference's prefill path with a plan keeping the window (:func:`reference.plan_prefill`).
+    (``K.paged_decode_attention`` and ``K.prefill_attention`` take no window, hence the kernels
+    called here by the same rules and the reference's plan passed to the dispatcher.)"""
+    c = model.config
+    if not c.layer_windows or model.batch_invariant:
+        return {}
+    windows = set(c.layer_windows[:num_layers]) - {0}
+    if not windows:
+        return {}
+    nd = batch.num_decode
+    if K.backend(h) == "triton":
+        return {w: SlidingStep("triton", batch.prefill_block_tables, batch.prefill_cu_query_lens,
+                               batch.prefill_context_lens, None) for w in windows}
+    group = c.num_heads // c.num_kv_heads
+    native = nd > 0 and K.native(h, bf16=True) and kv_cache.dtype == h.dtype
+    if native or nd == 0:  # the prefill rows alone (if any)
+        tables, cu, lens = batch.prefill_block_tables, batch.prefill_cu_query_lens, batch.prefill_context_lens
+    else:  # every row, decode ones as chunks of one token first
+        dt, pt = batch.decode_block_tables, batch.prefill_block_tables
+        width = max(dt.shape[1], pt.shape[1])
+        tables = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (dt, pt)])
+        cu = torch.cat([torch.arange(nd, dtype=torch.int32, device=tables.device), nd + batch.prefill_cu_query_lens])
+        lens = torch.cat([batch.decode_context_lens, batch.prefill_context_lens])
+    rows = lens.shape[0] > 0
+    return {w: SlidingStep("native" if native else "reference", tables, cu, lens,
+                           reference.plan_prefill(tables, cu, lens, kv_cache.shape[3], group, w) if rows else None)
+            for w in windows}
+
+
 class LlamaModel:
     """Holds the weights; ``forward`` runs one step over a packed batch of tokens.
 
@@ -144,7 +207,8 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  batch_invariant: bool = False, device: torch.device | str = "cpu",
-                 expert_ids: dict[int, list[int]] | None = None) -> None:
+                 expert_ids: dict[int, list[int]] | None = None,
+                 fp8_weights: Mapping[str, Fp8BlockWeight] | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.batch_invariant = batch_invariant
@@ -163,9 +227,22 @@ class LlamaModel:
         # (kernels/cpu/huge_pages.py; KVBATCH_HUGE_PAGES=0 leaves them where torch put them).
         arena = HugePageArena() if huge_pages_wanted(device) else None
         self.arena = arena  # the runner's KV cache comes from it too
+        # CUDA: the projections an FP8 checkpoint published stay FP8 (Checkpoint.fp8_weights), multiplied
+        # by the block-scaled Triton GEMM (_linear); where a join or a reorder would cut a block, and on
+        # the CPU, the dequantized tensor serves.
+        fp8 = dict(fp8_weights or {}) if device.type == "cuda" else {}
 
-        def take_t(*names: str) -> torch.Tensor:
-            return self.linear.prepare(torch.cat([take(n) for n in names]), arena)
+        def take_fp8(names: tuple[str, ...], reorder: Any = None) -> Fp8BlockWeight | None:
+            if not names or not all(n in fp8 for n in names):
+                return None
+            try:
+                return Fp8BlockWeight.cat([fp8[n] if reorder is None else reorder(n, fp8[n]) for n in names]).to(device)
+            except ValueError:
+                return None
+
+        def take_t(*names: str) -> Any:
+            kept = take_fp8(names)
+            return kept if kept is not None else self.linear.prepare(torch.cat([take(n) for n in names]), arena)
 
         # Partial rotary (Phi): each q/k head's dims reordered so rotary over the whole head turns
         # the right pairs (rope.partial_rotary_rows); q/k weights, biases and norms alike.
@@ -179,8 +256,24 @@ class LlamaModel:
             rows = t.shape[0] // c.head_dim
             return t.view(rows, c.head_dim, *t.shape[1:])[:, order].reshape(t.shape).contiguous()
 
-        def take_qkv_t(*names: str) -> torch.Tensor:
-            return self.linear.prepare(torch.cat([take_qk(n) for n in names]), arena)
+        def fp8_qk_rows(name: str, w: Fp8BlockWeight) -> Fp8BlockWeight:
+            if order is None or not name.endswith(("q_proj.weight", "k_proj.weight")):
+                return w
+            heads = w.shape[0] // c.head_dim
+            return w.reorder_rows((torch.arange(heads)[:, None] * c.head_dim + order[None, :]).reshape(-1))
+
+        def take_qkv_t(*names: str) -> Any:
+            kept = take_fp8(names, fp8_qk_rows)
+            return kept if kept is not None else self.linear.prepare(torch.cat([take_qk(n) for n in names]), arena)
+
+        def norm_weight(t: torch.Tensor) -> torch.Tensor:
+            # Gemma scales by 1 + w, added in fp32 to the weight as the model dtype holds it, and
+            # kept in fp32 (16 bits would round 1 + w to 1/128 steps)
+            return t.float() + 1.0 if c.norm_unit_offset else t
+
+        # Sandwich norms: the pre-MLP norm is the checkpoint's pre_feedforward_layernorm, and its
+        # post_attention_layernorm norms the attention output instead
+        pre_mlp = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
 
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
@@ -192,16 +285,20 @@ class LlamaModel:
             if c.attention_bias:
                 bias = torch.cat([take_qk(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
             lw = LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
+                input_norm=norm_weight(take(p + "input_layernorm.weight")),
                 qkv=qkv,
                 qkv_bias=bias,
                 o_proj=take_t(p + "self_attn.o_proj.weight"),
-                post_norm=take(p + "post_attention_layernorm.weight"),
+                post_norm=norm_weight(take(p + f"{pre_mlp}.weight")),
                 gate_up=None,
                 down=None,
             )
             if c.qk_norm:
-                lw.q_norm, lw.k_norm = take_qk(p + "self_attn.q_norm.weight"), take_qk(p + "self_attn.k_norm.weight")
+                lw.q_norm = norm_weight(take_qk(p + "self_attn.q_norm.weight"))
+                lw.k_norm = norm_weight(take_qk(p + "self_attn.k_norm.weight"))
+            if c.sandwich_norms:
+                lw.attn_out_norm = norm_weight(take(p + "post_attention_layernorm.weight"))
+                lw.mlp_out_norm = norm_weight(take(p + "post_feedforward_layernorm.weight"))
             if c.moe is not None and c.moe.is_moe_layer(i):
                 lw.is_moe = True
                 self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype, device,
@@ -212,7 +309,7 @@ class LlamaModel:
             self.layers.append(lw)
         self.expert_compute: ExpertCompute = LocalExperts(self.moe_layers)
         self.routing_observers: list[RoutingObserver] = []
-        self.norm = take("model.norm.weight")
+        self.norm = norm_weight(take("model.norm.weight"))
         tied = c.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = take_t("model.embed_tokens.weight" if tied else "lm_head.weight")
         # Greedy rows' head: an int8 screen, exact fp32 logits for what it keeps (fp32 CPU models whose
@@ -224,7 +321,23 @@ class LlamaModel:
             self.greedy_head = make_greedy_head(self.embed if tied else take("lm_head.weight"), arena)
         self.cos_sin = cos_sin_table(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings,
                                      c.rotary_dim).to(device)
-        self.scale = c.head_dim ** -0.5
+        # Per layer: the sliding layers' own rope base (Gemma: unscaled local rotary), else cos_sin
+        local = (cos_sin_table(c.head_dim, c.local_rope_theta, None, c.max_position_embeddings, c.rotary_dim).to(device)
+                 if c.local_rope_theta is not None and any(c.layer_windows) else None)
+        self.layer_cos_sin = [local if local is not None and c.window(i) else self.cos_sin for i in range(c.num_layers)]
+        self.rope_tables = [self.cos_sin] if local is None else [self.cos_sin, local]  # the distinct ones
+        self.scale = c.attention_scale if c.attention_scale is not None else c.head_dim ** -0.5
+        self.embed_multiplier = (None if c.embedding_multiplier is None  # rounded to the embeddings' dtype, as HF does
+                                 else torch.tensor(c.embedding_multiplier).to(device=device, dtype=dtype))
+        if c.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"{c.model_type}: hidden_act {c.hidden_act!r} (silu or gelu_pytorch_tanh)")
+        self.act = K.silu_and_mul if c.hidden_act == "silu" else reference.gelu_tanh_and_mul
+        # Norms multiplied by their fp32 weight in fp32 (Gemma's 1 + w): in fp32 every norm kernel
+        # computes that; a 16-bit model takes the reference's fp32 norm
+        self.norm_fp32 = c.norm_unit_offset and dtype != torch.float32
+        # Whether every layer is the plain Llama layer the fused native decode layers compute
+        self.plain_layers = not (c.sandwich_norms or c.hidden_act != "silu" or any(c.layer_windows)
+                                 or c.embedding_multiplier is not None or c.norm_unit_offset)
         # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).
         self.lean_ops = lean_ops_enabled()
         self.fused_decode = fused_decode_enabled()
@@ -239,6 +352,8 @@ class LlamaModel:
         return (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, Fp8BlockWeight):  # CUDA, an FP8 checkpoint: the block-scaled Triton GEMM
+            return w.linear(x, b)
         return self.linear(x, w, b, self.batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
@@ -252,9 +367,10 @@ class LlamaModel:
         nd = batch.num_decode
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = Hq * D, Hkv * D
-        cos_sin = self.cos_sin
 
         h = self.embed.index_select(0, input_ids)
+        if self.embed_multiplier is not None:
+            h = h * self.embed_multiplier
         residual: torch.Tensor | None = None
         # Attention bookkeeping that is the same in every layer, worked out once.
         plan = decode_plan = None
@@ -264,37 +380,43 @@ class LlamaModel:
                                       batch.prefill_context_lens, kv_cache.shape[3], Hq // Hkv)
             if nd:
                 decode_plan = K.plan_decode(h, batch.decode_block_tables, batch.decode_context_lens, kv_cache.shape[3])
+        layers = self.layers[:num_layers]
+        windows = sliding_plans(self, h, batch, kv_cache, len(layers))
         # The lean path (fewer small ops, the same bits: see _lean_qkv and tests/test_small_ops.py)
         # everywhere but the batch-invariant mode, which keeps the code it was pinned with; layers
         # with Qwen3's q/k norms take its norms but rotate and store q and k one by one.
         lean = self.lean_ops and not self.batch_invariant
-        norm = K.add_rms_norm if lean else K.rms_norm
-        rope = K.rotary_table(h, batch.positions, cos_sin) if lean else None
-        layers = self.layers[:num_layers]
+        norm = reference.rms_norm_fp32 if self.norm_fp32 else K.add_rms_norm if lean else K.rms_norm
+        head_norm = reference.rms_norm_fp32 if self.norm_fp32 else K.rms_norm
+        # one rotary table per distinct rope (sliding layers may have their own)
+        ropes = {id(t): K.rotary_table(h, batch.positions, t) for t in self.rope_tables} if lean else {}
         fused = self._fused_layers(kv_cache, T) if lean and nd == T else None
         if fused is not None:  # every layer in one native call; the loop below then has nothing left
             h, residual = K.decode_layers(fused, len(layers), h, residual, batch.positions, batch.slot_mapping,
-                                          cos_sin, batch.decode_block_tables, batch.decode_context_lens,
+                                          self.cos_sin, batch.decode_block_tables, batch.decode_context_lens,
                                           c.rms_norm_eps, self.scale)
             layers = []
         for li, lw in enumerate(layers):
+            cos_sin, window = self.layer_cos_sin[li], c.window(li)
             x, residual = norm(h, lw.input_norm, c.rms_norm_eps, residual)
             qkv = self._linear(x, lw.qkv, lw.qkv_bias)
             if lean and lw.q_norm is None:
-                q, k_cache, v_cache = self._lean_qkv(qkv, li, kv_cache, batch, rope)
+                q, k_cache, v_cache = self._lean_qkv(qkv, li, kv_cache, batch, ropes.get(id(cos_sin)), cos_sin)
             else:
                 q = qkv[:, :q_size].view(T, Hq, D)
                 k = qkv[:, q_size:q_size + kv_size].view(T, Hkv, D)
                 v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
-                if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before rotary
-                    q = K.rms_norm(q.reshape(T * Hq, D), lw.q_norm, c.rms_norm_eps)[0].view(T, Hq, D)
-                    k = K.rms_norm(k.reshape(T * Hkv, D), lw.k_norm, c.rms_norm_eps)[0].view(T, Hkv, D)
+                if lw.q_norm is not None:  # Qwen3, Gemma: per-head RMSNorm of q and k, before rotary
+                    q = head_norm(q.reshape(T * Hq, D), lw.q_norm, c.rms_norm_eps)[0].view(T, Hq, D)
+                    k = head_norm(k.reshape(T * Hkv, D), lw.k_norm, c.rms_norm_eps)[0].view(T, Hkv, D)
                 q, k = K.apply_rotary(q, k, batch.positions, cos_sin)
                 k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
                 K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
             if self.batch_invariant:
                 attn = K.invariant_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
-                                             batch.positions, self.scale)
+                                             batch.positions, self.scale, window)
+            elif window:
+                attn = self._sliding_attention(q, k_cache, v_cache, batch, window, windows[window])
             elif nd == T:
                 attn = K.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
                                                 batch.decode_context_lens, self.scale, None,
@@ -309,29 +431,65 @@ class LlamaModel:
                                                  batch.prefill_cu_query_lens, batch.prefill_context_lens,
                                                  self.scale, plan, batch.max_query_len)
             h = self._linear(attn.view(T, q_size), lw.o_proj)
+            if lw.attn_out_norm is not None:  # Gemma: the attention output normed before the residual add
+                h = norm(h, lw.attn_out_norm, c.rms_norm_eps)[0]
             x, residual = norm(h, lw.post_norm, c.rms_norm_eps, residual)
             if lw.is_moe:
                 h = moe_forward(x, self.moe_layers[li], c.moe, li, self.expert_compute, self.routing_observers)
-                continue
-            # gate_up output is [T, 2 I] in either layout: gate columns, then up
-            h = self._linear(K.silu_and_mul(self._linear(x, lw.gate_up)), lw.down)
+            else:  # gate_up output is [T, 2 I] in either layout: gate columns, then up
+                h = self._linear(self.act(self._linear(x, lw.gate_up)), lw.down)
+            if lw.mlp_out_norm is not None:
+                h = norm(h, lw.mlp_out_norm, c.rms_norm_eps)[0]
         assert residual is not None
         rows = batch.logits_rows
         # The last residual join, only for the rows whose logits are wanted: one fused add + norm.
         x, _ = norm(h.index_select(0, rows), self.norm, c.rms_norm_eps, residual.index_select(0, rows))
         if batch.greedy_only and greedy_head.takes(self.greedy_head, x.shape[0]):
-            return greedy_head.screened_logits(self.greedy_head, x)  # the argmax's logits; -inf where it cannot be
-        return self._linear(x, self.lm_head).float()
+            logits = greedy_head.screened_logits(self.greedy_head, x)  # the argmax's logits; -inf where it cannot be
+        else:
+            logits = self._linear(x, self.lm_head).float()
+        cap = c.final_logit_softcap
+        if cap:  # cap * tanh(logits / cap): -inf (a screened-out token) stays -inf, the order stays
+            logits = torch.where(torch.isinf(logits), logits, torch.tanh(logits / cap) * cap)
+        return logits
+
+    def _sliding_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           batch: ForwardBatch, window: int, step: SlidingStep) -> torch.Tensor:
+        """Attention of a sliding layer's rows over the last ``window`` keys (see :func:`sliding_plans`)."""
+        nd, T = batch.num_decode, q.shape[0]
+        if step.route == "reference":
+            return K.prefill_attention(q, k_cache, v_cache, step.tables, step.cu, step.lens, self.scale, step.plan,
+                                       max(batch.max_query_len, 1))
+        triton = None
+        if step.route == "triton":  # importable: the dispatcher chose it
+            from kvbatch.kernels import triton_attention as triton
+        attn = torch.empty_like(q)
+        if nd:
+            decode = (native_kernels.paged_decode_attention if triton is None else triton.paged_decode_attention)
+            out = decode(q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
+                         window=window)
+            if nd == T:
+                return out
+            attn[:nd] = out
+        if nd < T:
+            if triton is None:
+                attn[nd:] = K.prefill_attention(q[nd:], k_cache, v_cache, step.tables, step.cu, step.lens, self.scale,
+                                                step.plan, batch.max_query_len)
+            else:
+                attn[nd:] = triton.prefill_attention(q[nd:], k_cache, v_cache, step.tables, step.cu, step.lens,
+                                                     self.scale, max_query_len=batch.max_query_len or None,
+                                                     window=window)
+        return attn
 
     def _lean_qkv(self, qkv: torch.Tensor, li: int, kv_cache: torch.Tensor, batch: ForwardBatch,
-                  rope: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rope: object, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotary and the cache write of one layer on the fused qkv output [T, (Hq + 2 Hkv) D], in
         place: in the reference, three kernel calls (q and k rotated together, K and V stored
         together) with the same bits as the per-tensor path; natively one call. Returns q [T, Hq,
         D] and the layer's K and V caches."""
         Hq, Hkv = self.config.num_heads, self.config.num_kv_heads
         layer, slots, k_cache, v_cache = self._cache_views(kv_cache)[li]
-        qk = K.rotate_and_store(qkv, Hq, Hkv, batch.positions, self.cos_sin, rope, layer, batch.slot_mapping, slots)
+        qk = K.rotate_and_store(qkv, Hq, Hkv, batch.positions, cos_sin, rope, layer, batch.slot_mapping, slots)
         return qk[:, :Hq], k_cache, v_cache
 
     def _fused_layers(self, kv_cache: torch.Tensor, rows: int) -> K.FusedLayers | None:
@@ -355,7 +513,7 @@ class LlamaModel:
         held = self._fused.get(gemm)
         if held is None or held[0] is not kv_cache:
             fused = None
-            if all(not lw.is_moe and lw.q_norm is None for lw in self.layers):
+            if self.plain_layers and all(not lw.is_moe and lw.q_norm is None for lw in self.layers):
                 projs = [[self.linear.fused_weight(w, rows) for w in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
                          for lw in self.layers]
                 if all(w is not None for ws in projs for w in ws):  # None: a weight with no such layout

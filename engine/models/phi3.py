@@ -7,8 +7,9 @@ decoder's ``q/k/v_proj`` and ``gate/up_proj`` (which the decoder fuses again its
 fingerprint, the kernel choice and the model see one naming. ``partial_rotary_factor`` (Phi-4-mini:
 0.75) turns only the first part of each head (:attr:`ModelConfig.rotary_dims`). A stated
 ``sliding_window`` applies as transformers applies it (shorter than the context: refused, as
-sliding windows are not implemented); ``longrope`` scaling (the 128k variants) is refused by the
-config.
+sliding windows are not implemented). ``longrope`` scaling (Phi-3-*-128k, Phi-3.5, Phi-4-mini) is
+the rotary table's (:func:`~kvbatch.engine.models.rope.cos_sin_table`): short factors below
+``original_max_position_embeddings``, long factors from there on, keyed by position.
 """
 
 from __future__ import annotations

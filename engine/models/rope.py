@@ -31,6 +31,31 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     return inv_freq
 
 
+def longrope_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
+    """LongRoPE's cos/sin factor, as transformers' ``_compute_longrope_parameters`` sets it: the
+    stated ``attention_factor``, else ``sqrt(1 + ln(factor) / ln(original))`` where ``factor`` (stated,
+    else ``max_positions / original``) stretches the context, 1 where it does not."""
+    original = int(scaling["original_max_position_embeddings"])
+    stated = scaling.get("attention_factor")
+    if stated is not None:
+        return float(stated)
+    factor = float(scaling.get("factor") or max_positions / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def longrope_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any], long: bool) -> torch.Tensor:
+    """LongRoPE's per-pair inverse frequencies with the ``long_factor`` (``long``) or ``short_factor``
+    list, in transformers' order of operations: ``1 / (factor_i * theta ** (2i / dim))``."""
+    ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * theta**shape)
+
+
+def _angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
 def cos_sin_table(
     head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, rotary_dim: int = 0
 ) -> torch.Tensor:
@@ -39,13 +64,33 @@ def cos_sin_table(
     ``rotary_dim`` (0: all of ``head_dim``): partial rotary, the frequencies of a ``rotary_dim``
     head, then pairs of angle 0 (cos 1, sin 0: left as they are) for the rest. This turns pair
     ``(i, i + head_dim / 2)``, so it matches transformers' partial rotary (pairs ``(i, i + rotary_dim
-    / 2)`` of the first ``rotary_dim`` dims) on heads whose rows :func:`partial_rotary_rows` reordered."""
-    inv_freq = inverse_frequencies(rotary_dim or head_dim, theta, scaling)
-    if rotary_dim and rotary_dim != head_dim:
-        inv_freq = torch.cat((inv_freq, inv_freq.new_zeros((head_dim - rotary_dim) // 2)))
-    positions = torch.arange(max_positions, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    / 2)`` of the first ``rotary_dim`` dims) on heads whose rows :func:`partial_rotary_rows` reordered.
+
+    ``longrope`` scaling: rows below ``original_max_position_embeddings`` from the short factors,
+    the rows from there on from the long factors, the turned pairs' cos and sin times
+    :func:`longrope_attention_factor` (pass-through pairs stay cos 1, sin 0). A row is a function
+    of its position alone, so a cached key (prefix cache, KV store, chunked prefill) never depends on
+    what else was computed with it. transformers' model picks by the largest position of each forward
+    call, and its generate turns the whole sequence with the long factors once it is longer than
+    ``original`` (re-prefilling it when it first passes): the same for sequences of at most
+    ``original`` tokens, not past it (docs/models.md)."""
+    dim = rotary_dim or head_dim
+    positions = torch.arange(max_positions, dtype=torch.int64)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "longrope":
+        assert scaling is not None
+        original = int(scaling["original_max_position_embeddings"])
+        short = _angles(longrope_inverse_frequencies(dim, theta, scaling, long=False), positions[:original])
+        long = _angles(longrope_inverse_frequencies(dim, theta, scaling, long=True), positions[original:])
+        factor = longrope_attention_factor(scaling, max_positions)
+        cos, sin = (torch.cat((a, b)) * factor for a, b in zip(short, long))
+    else:
+        cos, sin = _angles(inverse_frequencies(dim, theta, scaling), positions)
+    if dim != head_dim:
+        rest = (head_dim - dim) // 2
+        cos = torch.cat((cos, cos.new_ones(max_positions, rest)), dim=-1)
+        sin = torch.cat((sin, sin.new_zeros(max_positions, rest)), dim=-1)
+    return torch.cat((cos, sin), dim=-1)
 
 
 def partial_rotary_rows(head_dim: int, rotary_dim: int) -> torch.Tensor:

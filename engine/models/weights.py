@@ -29,7 +29,8 @@ from fsspec.implementations.local import LocalFileSystem
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import ModelLoadError, UnsupportedModelError
 from kvbatch.engine.models.family import FAMILIES
-from kvbatch.engine.models.fp8 import dequantize_fp8_weights, fp8_block_size, is_float8, is_fp8
+from kvbatch.engine.models.fp8 import (Fp8BlockWeight, dequantize_fp8_weights, fp8_block_size, is_float8, is_fp8,
+                                       keep_fp8_weights)
 from kvbatch.kernels.cpu.gguf_blocks import NATIVE_QTYPES, GGUFBlocks
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: tokenizing steps read only
@@ -150,6 +151,10 @@ class Checkpoint:
     tokenizer_source: TokenizerSource
     expert_ids: dict[int, list[int]] | None = None
     gguf_blocks: dict[str, GGUFBlocks] = field(default_factory=dict)
+    # An FP8 block-scaled checkpoint's projections as published (fp8.keep_fp8_weights), by the names
+    # of ``tensors`` (which hold them dequantized), when loaded with ``keep_fp8``: what a CUDA model
+    # multiplies. Not fingerprinted (the same weights either way).
+    fp8_weights: dict[str, Fp8BlockWeight] = field(default_factory=dict)
 
 
 def resolve_model(model: str) -> str:
@@ -170,8 +175,11 @@ def resolve_model(model: str) -> str:
 
 
 def load_checkpoint(model: str, dtype: torch.dtype | None = None,
-                    experts: Mapping[int, Sequence[int]] | None = None) -> Checkpoint:
+                    experts: Mapping[int, Sequence[int]] | None = None, keep_fp8: bool = False) -> Checkpoint:
     """Load a GGUF file or an HF folder from a path or fsspec URL, with tensors cast to `dtype`.
+
+    ``keep_fp8``: an FP8 checkpoint's projections are also kept as published in
+    ``Checkpoint.fp8_weights`` (for a CUDA model; off, the CPU holds only the dequantized tensors).
 
     ``experts`` (HF folders with MoE layers): layer index -> the logical experts to keep; every
     other expert's weights are read once (for the fingerprint, one expert at a time, through
@@ -187,12 +195,13 @@ def load_checkpoint(model: str, dtype: torch.dtype | None = None,
             raise ModelLoadError(f"{source}: loading only some experts needs an HF folder (GGUF models have none)")
         return _load_hf_experts(fs, path, source, dtype, {int(k): sorted(set(map(int, v))) for k, v in experts.items()})
     blocks: dict[str, GGUFBlocks] = {}
+    fp8: dict[str, Fp8BlockWeight] = {}
     if fs.isfile(path):
         if not _is_gguf(fs, path):
             raise ModelLoadError(f"{source}: not a GGUF file (bad magic); pass a .gguf file or an HF folder")
         config, tensors, tok = _with_local_gguf(fs, path, lambda local: _read_gguf(local, source, dtype, blocks))
     else:
-        config, tensors, tok = _load_hf_folder(fs, path, source, dtype)
+        config, tensors, tok, fp8 = _load_hf_folder(fs, path, source, dtype, keep_fp8)
     return Checkpoint(
         config=config,
         tensors=tensors,
@@ -200,6 +209,7 @@ def load_checkpoint(model: str, dtype: torch.dtype | None = None,
         fingerprint=checkpoint_fingerprint(config, tensors),
         tokenizer_source=tok,
         gguf_blocks=blocks,
+        fp8_weights=fp8,
     )
 
 
@@ -250,8 +260,8 @@ def checkpoint_fingerprint(config: dict[str, Any], tensors: dict[str, torch.Tens
 
 
 def _load_hf_folder(
-    fs: fsspec.AbstractFileSystem, path: str, source: str, dtype: torch.dtype
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], TokenizerSource]:
+    fs: fsspec.AbstractFileSystem, path: str, source: str, dtype: torch.dtype, keep_fp8: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], TokenizerSource, dict[str, Fp8BlockWeight]]:
     config_path = _join(path, "config.json")
     if not fs.exists(config_path):
         raise ModelLoadError(f"{source}: no config.json in this folder (expected an HF model folder or a .gguf file)")
@@ -273,8 +283,10 @@ def _load_hf_folder(
                 quantized[name] = tensor
             else:
                 tensors[name] = tensor.to(dtype)
+    fp8: dict[str, Fp8BlockWeight] = {}
     if quantized:
         tensors.update(dequantize_fp8_weights(quantized, block, dtype, source))
+        fp8 = keep_fp8_weights(quantized, block, config, source) if keep_fp8 else {}
     elif any(is_float8(t) for t in tensors.values()):
         raise ModelLoadError(f"{source}: float8 weights but no fp8 quantization_config with weight_block_size")
     if config["tie_word_embeddings"]:
@@ -283,7 +295,7 @@ def _load_hf_folder(
     tensors = _convert_family_tensors(tensors, config, source)
     _check_tensors(tensors, config, source)
 
-    return config, tensors, _hf_tokenizer_source(fs, path, source)
+    return config, tensors, _hf_tokenizer_source(fs, path, source), fp8
 
 
 # A fused expert tensor of the final (in-memory) layout and where each expert's rows come from:
@@ -560,6 +572,8 @@ def _required_layer_tensors(config: dict[str, Any], moe: MoEConfig | None, layer
     family = FAMILIES.get(config["model_type"])
     if config["model_type"] == "qwen3_moe" or (family is not None and family.qk_norm):
         names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if family is not None:
+        names += list(family.layer_tensors)  # Gemma 3's pre/post-feedforward norms
     if moe is not None and moe.is_moe_layer(layer):
         names += ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         if moe.has_correction_bias:

@@ -15,6 +15,7 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.factory import build_model
+from kvbatch.engine.models.llama import LlamaModel
 from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_checkpoint
 from kvbatch.engine.runtime.block_hash import chain_keys, kv_layout_dtype, root_key
 from kvbatch.engine.runtime.block_manager import BlockManager
@@ -107,7 +108,11 @@ class LLM:
         seed: int = 0,
         num_threads: int | None = None,
         speculative: SpecConfig | None = None,
+        built_model: LlamaModel | None = None,
     ) -> None:
+        """``built_model``: the model an earlier engine of this process built from this checkpoint
+        with this dtype, device and engine config (``ops.engine_build`` keeps it, keyed by those):
+        its weights are used as they are instead of being transposed and packed again."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.engine_config = ec = engine_config or EngineConfig()
@@ -120,11 +125,13 @@ class LLM:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         configure_matmul(self.device, ec.matmul_precision)
-        self.checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model)
+        self.checkpoint = (model if isinstance(model, Checkpoint)
+                           else load_checkpoint(model, keep_fp8=self.device.type == "cuda"))
         self.model_config = ModelConfig.from_hf(self.checkpoint.config)
-        self.model = build_model(self.model_config, self.checkpoint.tensors, self.dtype, ec.batch_invariant,
-                                 self.device, self.checkpoint.expert_ids, ec.linear, ec.weights,
-                                 self.checkpoint.gguf_blocks)
+        self.model = built_model if built_model is not None else build_model(
+            self.model_config, self.checkpoint.tensors, self.dtype, ec.batch_invariant, self.device,
+            self.checkpoint.expert_ids, ec.linear, ec.weights, self.checkpoint.gguf_blocks,
+            self.checkpoint.fp8_weights)
         self.tokenizer: ChatTokenizer | None = None
         self._tokenizer_error = ""
         try:

@@ -58,7 +58,7 @@ def _library() -> ctypes.CDLL | str:
         bf16_fn.restype, bf16_fn.argtypes = fp32_fn.restype, fp32_fn.argtypes
     lib.kvb_decode_attention.restype = _INT
     lib.kvb_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT, _I64, _I64, _P, _I64, _P,
-                                         _F32, _P, _INT]
+                                         _F32, _P, _INT, _I64]
     lib.kvb_decode_layers.restype = _INT
     lib.kvb_decode_layers.argtypes = [_P, _I64, _P, _P, _P, _INT, _P, _INT]
     lib.kvb_attention_parts.restype = _I64
@@ -213,11 +213,16 @@ def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int = 0) -> torch.Tensor:
     """:func:`kvbatch.kernels.reference.paged_decode_attention`, reading K and V where they lie:
     ``q`` [B, Hq, D] (rows may be strided), caches [num_blocks, block_size, Hkv, D], all fp32, or
     all bf16 (computed in fp32, K and V widened as they are read, or on a CPU with AVX512-BF16 the
-    query-key products by ``vdpbf16ps``, exact products summed in fp32; the result rounded to bf16)."""
+    query-key products by ``vdpbf16ps``, exact products summed in fp32; the result rounded to bf16).
+    ``window`` > 0: a sliding window, each query sees the last ``window`` positions of its context
+    only (read from the block holding the first of them); 0: the whole context."""
+    if window < 0:
+        raise ValueError(f"paged_decode_attention: window must be >= 0, got {window}")
     bf16 = q.dtype == torch.bfloat16
     if bf16:
         if k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16 or q.device.type != "cpu":
@@ -239,7 +244,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = q.new_empty((B, Hq, D))
     rc = _lib().kvb_decode_attention(q.data_ptr(), B, q.stride(0), Hq, Hkv, D, k_cache.data_ptr(),
                                      v_cache.data_ptr(), int(bf16), num_blocks, block_size, tables.data_ptr(),
-                                     tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+                                     tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
+                                     int(window))
     _check(rc, "paged_decode_attention")
     return out.to(torch.bfloat16) if bf16 else out
 

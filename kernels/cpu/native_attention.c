@@ -1,7 +1,9 @@
 /* Decode attention read in place from the paged K/V cache (fp32 or bf16): one query token per
  * sequence, each (sequence, KV head) a task, long contexts split into parts combined afterwards
- * (split_t, plan_split, attend_tasks; the fused decode layers run the same tasks). A part of native.c,
- * compiled inside it after native_common.h and native_small_ops.c.
+ * (split_t, plan_split, attend_tasks; the fused decode layers run the same tasks). A sliding window
+ * (kvb_decode_attention's `window`: Gemma 3) reads each context from its window's first block and
+ * weighs the positions before the window 0. A part of native.c, compiled inside it after
+ * native_common.h and native_small_ops.c.
  */
 #include "native_common.h"
 
@@ -246,16 +248,17 @@ static void pv_cols(const float *scores, int64_t p_begin, int64_t p_end, int64_t
 #endif
 
 /* Attention of the `group` query heads sharing KV head g, for one sequence, over its positions
- * [p_begin, p_end) (p_begin a multiple of block_size): og gets the softmax-weighted sum of V over
- * those positions, normalized by their own softmax sum; stats (when not NULL) gets each head's
- * score maximum and sum of exp(score - maximum), so that parts of one sequence can be combined
- * (attend_tasks). scores: scratch of group * (p_end - p_begin) floats. */
+ * [p_from, p_end), read from p_begin (a multiple of block_size, at or below p_from; positions
+ * [p_begin, p_from), a sliding window's start inside its first block, weigh exactly 0): og gets the
+ * softmax-weighted sum of V over those positions, normalized by their own softmax sum; stats (when
+ * not NULL) gets each head's score maximum and sum of exp(score - maximum), so that parts of one
+ * sequence can be combined (attend_tasks). scores: scratch of group * (p_end - p_begin) floats. */
 static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t hkv, int64_t d,
                    const void *k_cache, const void *v_cache, int bf16, int64_t block_size, const int32_t *table,
-                   int64_t p_begin, int64_t p_end, float scale, float *scores, float *stats) {
-    const int64_t pos_stride = hkv * d, len = p_end - p_begin;
+                   int64_t p_begin, int64_t p_end, int64_t p_from, float scale, float *scores, float *stats) {
+    const int64_t pos_stride = hkv * d, len = p_end - p_begin, skip = p_from > p_begin ? p_from - p_begin : 0;
     float tmp[MAX_HEAD_DIM];
-    if (len <= 0) {
+    if (len <= skip) {
         memset(og, 0, (size_t)(group * d) * sizeof(float));
         if (stats != NULL)
             for (int64_t j = 0; j < group; j++) stats[2 * j] = -INFINITY, stats[2 * j + 1] = 0.0f;
@@ -302,10 +305,11 @@ static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t
     }
     float inv[MAX_GROUP];
     for (int64_t j = 0; j < group; j++) {
-        float *sj = scores + j * len, mx = sj[0];
+        float *sj = scores + j * len, mx = sj[skip];
 #pragma omp simd reduction(max : mx)
-        for (int64_t p = 1; p < len; p++) mx = sj[p] > mx ? sj[p] : mx;
-        const float sum = exp_sub_sum(sj, len, mx);
+        for (int64_t p = skip + 1; p < len; p++) mx = sj[p] > mx ? sj[p] : mx;
+        const float sum = exp_sub_sum(sj + skip, len - skip, mx);
+        if (skip) memset(sj, 0, (size_t)skip * sizeof(float));  /* before the window: weight 0 */
         inv[j] = 1.0f / sum;
         if (stats != NULL) stats[2 * j] = mx, stats[2 * j + 1] = sum;
     }
@@ -356,8 +360,19 @@ static int64_t parts_of(const split_t *sp, int64_t len) {
     return sp->part && len > sp->part ? (len + sp->part - 1) / sp->part : 1;
 }
 
-static int plan_split(split_t *sp, int64_t n_seqs, const int32_t *context_lens, int64_t total, int64_t hkv,
-                      int64_t hq, int64_t d, int64_t block_size, int nthreads) {
+/* The first position a query at len - 1 sees under a sliding window of `window` keys (0: none). */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+/* The first position read: window_start's block's first. */
+static inline int64_t read_start(int64_t len, int64_t window, int64_t block_size) {
+    return window_start(len, window) / block_size * block_size;
+}
+
+/* plan_split over each sequence's positions from read_start (window 0: all of them). */
+static int plan_split_window(split_t *sp, int64_t n_seqs, const int32_t *context_lens, int64_t total, int64_t hkv,
+                             int64_t hq, int64_t d, int64_t block_size, int nthreads, int64_t window) {
     memset(sp, 0, sizeof *sp);
     sp->n_seqs = n_seqs;
     const int64_t want = (int64_t)TASKS_PER_THREAD * nthreads;
@@ -366,16 +381,18 @@ static int plan_split(split_t *sp, int64_t n_seqs, const int32_t *context_lens, 
         part = part < MIN_PART ? MIN_PART : part;
         sp->part = (part + block_size - 1) / block_size * block_size;
     }
-    for (int64_t n = 0; n < n_seqs; n++) sp->n_items += parts_of(sp, context_lens[n]);
+    for (int64_t n = 0; n < n_seqs; n++)
+        sp->n_items += parts_of(sp, context_lens[n] - read_start(context_lens[n], window, block_size));
     sp->item_seq = malloc((size_t)(2 * sp->n_items + n_seqs + 1) * sizeof(int64_t));
     if (sp->item_seq == NULL) return KVB_NO_MEMORY;
     sp->item_begin = sp->item_seq + sp->n_items;
     sp->seq_first = sp->item_begin + sp->n_items;
     int64_t k = 0;
     for (int64_t n = 0; n < n_seqs; n++) {
+        const int64_t a0 = read_start(context_lens[n], window, block_size);
         sp->seq_first[n] = k;
-        for (int64_t c = 0; c < parts_of(sp, context_lens[n]); c++, k++)
-            sp->item_seq[k] = n, sp->item_begin[k] = c * sp->part;
+        for (int64_t c = 0; c < parts_of(sp, context_lens[n] - a0); c++, k++)
+            sp->item_seq[k] = n, sp->item_begin[k] = a0 + c * sp->part;
     }
     sp->seq_first[n_seqs] = k;
     if (sp->n_items > n_seqs) {
@@ -387,6 +404,11 @@ static int plan_split(split_t *sp, int64_t n_seqs, const int32_t *context_lens, 
         sp->part_stats = sp->part_out + sp->n_items * hq * d;
     }
     return KVB_OK;
+}
+
+static int plan_split(split_t *sp, int64_t n_seqs, const int32_t *context_lens, int64_t total, int64_t hkv,
+                      int64_t hq, int64_t d, int64_t block_size, int nthreads) {
+    return plan_split_window(sp, n_seqs, context_lens, total, hkv, hq, d, block_size, nthreads, 0);
 }
 
 /* Whether decode attention over n_seqs sequences (total positions) runs on several threads: the
@@ -404,23 +426,23 @@ static void free_split(split_t *sp) {
 /* Every task of the split, then the combination of the split sequences' parts: called by every
  * thread of an OpenMP region (each with its own scores scratch of group * max(part, longest
  * unsplit context) floats). q: row n, head h at q + n * q_row_stride + h * d; out [n_seqs, hq, d]. */
-static void attend_tasks(const split_t *sp, const float *q, int64_t q_row_stride, float *out, int64_t hq,
-                         int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, int bf16,
-                         int64_t block_size, const int32_t *block_tables, int64_t table_stride,
-                         const int32_t *context_lens, float scale, float *scores) {
+static void attend_tasks_window(const split_t *sp, const float *q, int64_t q_row_stride, float *out, int64_t hq,
+                                int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, int bf16,
+                                int64_t block_size, const int32_t *block_tables, int64_t table_stride,
+                                const int32_t *context_lens, float scale, float *scores, int64_t window) {
     const int64_t group = hq / hkv, tasks = sp->n_items * hkv;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t k = task / hkv, g = task % hkv, n = sp->item_seq[k], len = context_lens[n];
-        const int64_t begin = sp->item_begin[k], h0 = g * group;
+        const int64_t begin = sp->item_begin[k], h0 = g * group, from = window_start(len, window);
         const float *qg = q + n * q_row_stride + h0 * d;
-        if (parts_of(sp, len) == 1)
+        if (parts_of(sp, len - read_start(len, window, block_size)) == 1)
             attend(qg, out + (n * hq + h0) * d, group, g, hkv, d, k_cache, v_cache, bf16, block_size,
-                   block_tables + n * table_stride, 0, len, scale, scores, NULL);
+                   block_tables + n * table_stride, begin, len, from, scale, scores, NULL);
         else
             attend(qg, sp->part_out + (k * hq + h0) * d, group, g, hkv, d, k_cache, v_cache, bf16, block_size,
-                   block_tables + n * table_stride, begin, begin + sp->part < len ? begin + sp->part : len, scale,
-                   scores, sp->part_stats + (k * hq + h0) * 2);
+                   block_tables + n * table_stride, begin, begin + sp->part < len ? begin + sp->part : len, from,
+                   scale, scores, sp->part_stats + (k * hq + h0) * 2);
     }
     if (sp->part_out == NULL) return;
     /* out = sum over parts of w_c o_c / sum of w_c, w_c = sum_c exp(max_c - max): the softmax over
@@ -446,6 +468,14 @@ static void attend_tasks(const split_t *sp, const float *q, int64_t q_row_stride
     }
 }
 
+static void attend_tasks(const split_t *sp, const float *q, int64_t q_row_stride, float *out, int64_t hq,
+                         int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, int bf16,
+                         int64_t block_size, const int32_t *block_tables, int64_t table_stride,
+                         const int32_t *context_lens, float scale, float *scores) {
+    attend_tasks_window(sp, q, q_row_stride, out, hq, hkv, d, k_cache, v_cache, bf16, block_size, block_tables,
+                        table_stride, context_lens, scale, scores, 0);
+}
+
 /* How many (sequence, part) items plan_split cuts n_seqs contexts into on nthreads threads (the
  * tests pin the split with it); -1 when out of memory. */
 int64_t kvb_attention_parts(int64_t n_seqs, const int32_t *context_lens, int64_t hkv, int64_t block_size,
@@ -459,7 +489,8 @@ int64_t kvb_attention_parts(int64_t n_seqs, const int32_t *context_lens, int64_t
     return items;
 }
 
-/* One query token per sequence against its paged context, read where it lies.
+/* One query token per sequence against its paged context, read where it lies (window > 0: a
+ * sliding window, the last `window` positions of each context only; 0: all of them).
  * q: row n, head h at q + n * q_row_stride + h * d; k_cache / v_cache [num_blocks, block_size,
  * hkv, d], fp32, or bf16 when bf16 is set (q and out stay fp32); block_tables int32 [n_seqs,
  * table_stride]; context_lens int32 [n_seqs]; out [n_seqs, hq, d]. Query head h reads KV head
@@ -467,15 +498,18 @@ int64_t kvb_attention_parts(int64_t n_seqs, const int32_t *context_lens, int64_t
 int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, int64_t hq, int64_t hkv, int64_t d,
                          const void *k_cache, const void *v_cache, int bf16, int64_t num_blocks, int64_t block_size,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
-                         float scale, float *out, int nthreads) {
+                         float scale, float *out, int nthreads, int64_t window) {
+    if (window < 0) return KVB_BAD_SHAPE;
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || block_size <= 0) return KVB_BAD_SHAPE;
     int64_t max_len, total;
     if (check_decode_indices(n_seqs, block_tables, table_stride, context_lens, num_blocks, block_size, &max_len,
                              &total))
         return KVB_BAD_INDEX;
+    if (window > 0)  /* the positions read: from each window's first block */
+        for (int64_t n = 0; n < n_seqs; n++) total -= read_start(context_lens[n], window, block_size);
     const int parallel = attention_parallel(n_seqs, hkv, d, total);
     split_t sp;
-    if (plan_split(&sp, n_seqs, context_lens, total, hkv, hq, d, block_size, parallel ? nthreads : 1))
+    if (plan_split_window(&sp, n_seqs, context_lens, total, hkv, hq, d, block_size, parallel ? nthreads : 1, window))
         return KVB_NO_MEMORY;
     const int64_t group = hq / hkv;
     int failed = 0;
@@ -488,8 +522,8 @@ int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, i
         }
 #pragma omp barrier
         if (!failed)
-            attend_tasks(&sp, q, q_row_stride, out, hq, hkv, d, k_cache, v_cache, bf16, block_size, block_tables,
-                         table_stride, context_lens, scale, scores);
+            attend_tasks_window(&sp, q, q_row_stride, out, hq, hkv, d, k_cache, v_cache, bf16, block_size,
+                                block_tables, table_stride, context_lens, scale, scores, window);
         free(scores);
     }
     free_split(&sp);
