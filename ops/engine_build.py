@@ -6,9 +6,12 @@ builds its engine here and nowhere else, so a prefill and the decode that reads 
 the shard step that keys blocks without loading weights, always agree on the KV layout.
 
 A long-lived process (the Dagster code location's steps) keeps checkpoints (``keep=True``: by
-model and, for an expert-parallel rank, the experts it holds), so every step of an in-process
-run shares one load; a one-shot process (the CLI, a worker rank) does not hold them past its
-engine. A kept checkpoint's fingerprint is also remembered (:mod:`kvbatch.ops.fingerprint`) for
+model and, for an expert-parallel rank, the experts it holds) and the model built from each (by
+everything its weights' preparation depends on: dtype, device, numerics mode, linear kernels,
+weight format), so every step of an in-process run shares one load and one preparation: a shard
+run's decode builds its engine in well under a second after its prefill built the same one
+(docs/pipeline.md#one-process-per-run). A one-shot process (the CLI, a worker rank) does not hold
+them past its engine. A kept checkpoint's fingerprint is also remembered (:mod:`kvbatch.ops.fingerprint`) for
 steps that only tokenize.
 """
 
@@ -20,7 +23,8 @@ from typing import Any
 
 from kvbatch.engine.spec import EngineSpec
 
-_CHECKPOINTS: dict[tuple[str, Any], Any] = {}
+_CHECKPOINTS: dict[tuple[str, Any, bool], Any] = {}  # by (model, experts, keep_fp8)
+_MODELS: dict[tuple[Any, ...], Any] = {}  # built models of kept checkpoints (module docstring)
 _LOCK = threading.Lock()
 
 
@@ -28,18 +32,20 @@ def _experts_key(experts: Mapping[int, Sequence[int]] | None) -> Any:
     return None if experts is None else tuple(sorted((int(k), tuple(sorted(v))) for k, v in experts.items()))
 
 
-def load_checkpoint(model: str, experts: Mapping[int, Sequence[int]] | None = None, *, keep: bool = False) -> Any:
+def load_checkpoint(model: str, experts: Mapping[int, Sequence[int]] | None = None, *, keep: bool = False,
+                    keep_fp8: bool = False) -> Any:
     """``model``'s checkpoint (``experts``: an expert-parallel rank's share of a MoE model's
     experts, see :func:`~kvbatch.engine.models.weights.load_checkpoint`); ``keep``: loaded once
-    per process and kept for later calls."""
+    per process and kept for later calls; ``keep_fp8``: an FP8 checkpoint's projections also as
+    published, for a CUDA model's block-scaled GEMM."""
     from kvbatch.engine.models import weights
     from kvbatch.ops.fingerprint import identity_of_checkpoint, remember
 
-    key = (model, _experts_key(experts))
+    key = (model, _experts_key(experts), keep_fp8)
     with _LOCK:
         ckpt = _CHECKPOINTS.get(key)
         if ckpt is None:
-            ckpt = weights.load_checkpoint(model, experts=experts)
+            ckpt = weights.load_checkpoint(model, experts=experts, keep_fp8=keep_fp8)
             if keep:
                 _CHECKPOINTS[key] = ckpt
                 # Its weights were just hashed: keep the fingerprint for the steps that only tokenize.
@@ -53,7 +59,7 @@ def model_fingerprint(model: str) -> str:
     weights it has seen before."""
     from kvbatch.ops.fingerprint import model_identity
 
-    loaded = next((c for (m, _), c in _CHECKPOINTS.items() if m == model), None)
+    loaded = next((c for (m, *_), c in _CHECKPOINTS.items() if m == model), None)
     return loaded.fingerprint if loaded is not None else model_identity(model).fingerprint
 
 
@@ -90,8 +96,11 @@ def build_llm(spec: EngineSpec, kv_store: Any = None, *, decode: bool = True,
     from kvbatch.engine.runtime.llm import LLM
     from kvbatch.io.kvstore.store import KVStoreConfig
 
+    from kvbatch.engine.runtime.engine_config import resolve_device
+
     spec = resolved(spec)
-    ckpt = load_checkpoint(spec.model, experts, keep=keep)
+    on_cuda = resolve_device(spec.device).type == "cuda"  # FP8 projections stay FP8 there
+    ckpt = load_checkpoint(spec.model, experts, keep=keep, keep_fp8=on_cuda)
     if isinstance(kv_store, KVStoreConfig):
         kv_store = open_kv_store(spec, kv_store)
     expected = spec.kv_fingerprint(ckpt.fingerprint)
@@ -99,5 +108,16 @@ def build_llm(spec: EngineSpec, kv_store: Any = None, *, decode: bool = True,
         raise ValueError(f"the KV store checks blocks against fingerprint {kv_store.fingerprint}, but this engine "
                          f"({spec.model}, {spec.kv_dtype()}, block {spec.block_size}) writes {expected}: "
                          f"open the store with open_kv_store(spec, ...)")
-    return LLM(ckpt, dtype=spec.dtype, engine_config=spec.engine_config(), kv_store=kv_store, seed=spec.seed,
-               num_threads=spec.threads, speculative=spec.spec_config() if decode else None)
+    config = spec.engine_config()
+    # What the prepared weights depend on; the rest of the config (batch limits, KV budget) is the
+    # engine's, built fresh each time. A model is shared by engines used one after another (a
+    # run's steps), never by two engines stepping at once: each step builds and drops its own.
+    model_key = (spec.model, _experts_key(experts), spec.dtype, config.device, config.batch_invariant,
+                 config.linear, config.weights)
+    llm = LLM(ckpt, dtype=spec.dtype, engine_config=config, kv_store=kv_store, seed=spec.seed,
+              num_threads=spec.threads, speculative=spec.spec_config() if decode else None,
+              built_model=_MODELS.get(model_key) if keep else None)
+    if keep:
+        with _LOCK:
+            _MODELS[model_key] = llm.model
+    return llm

@@ -67,7 +67,7 @@ attributes:
   # shards: 10000                       # rows per shard
   # pricing: {{usd_per_device_hour: {{cpu-host: 0.08}}}}
   # slo: {{ttft_s_p95_max: 30, tpot_s_p95_max: 1.0, severity: WARN}}
-  # executor: multiprocess              # or k8s
+  # executor: in_process                # (default) or multiprocess, k8s
   # decode: {{launcher: in_process, world_size: 1}}
   # tags: {{team: support}}
   # owners: ["team:kvbatch"]

@@ -17,8 +17,9 @@ Resources default from the environment, so one module serves a laptop and a depl
   ``KVBATCH_DTYPE``, ``KVBATCH_DECODE_LAUNCHER``, ``KVBATCH_DECODE_WORLD_SIZE``,
   ``KVBATCH_DECODE_IMAGE``;
 - the batch API's model (``model``): ``KVBATCH_MODEL``, ``KVBATCH_DTYPE``;
-- ``KVBATCH_EXECUTOR``: ``multiprocess`` (default) or ``k8s``, every step a Kubernetes Job
-  (``k8s_job_executor``, the ``kvbatch[k8s]`` extra: see ``executor``);
+- ``KVBATCH_EXECUTOR``: ``in_process`` (default: a run's steps in the run's process),
+  ``multiprocess`` or ``k8s``, every step a Kubernetes Job (``k8s_job_executor``, the
+  ``kvbatch[k8s]`` extra: see ``executor``);
 - partitions: ``KVBATCH_MAX_SHARDS`` (the most shards a day may have, default 1024),
   ``KVBATCH_START_DATE``, ``KVBATCH_TIMEZONE`` (see ``partitions``); ``KVBATCH_MAX_ROWS_PER_SHARD``
   (default 10000), the default rows per shard. ``KVBATCH_NUM_SHARDS`` is refused.
@@ -69,7 +70,7 @@ def load_definitions() -> dg.Definitions:
     pipelines = dg.load_from_defs_folder(path_within_project=project_root())
     return dg.Definitions.merge(pipelines, dg.Definitions(
         jobs=[batch_api_job], resources={**shared_resources(), **_batch_api_resources()},
-        executor=executor_def(executor_choice())))  # None: Dagster's multiprocess executor
+        executor=executor_def(executor_choice())))  # None (multiprocess): Dagster's default executor
 
 
 __all__ = ["DecodeClusterResource", "default_resources", "defs", "load_definitions", "project_root"]

@@ -1,9 +1,18 @@
-"""Which executor runs the steps of every job: Dagster's multiprocess executor, or on Kubernetes
-dagster-k8s's ``k8s_job_executor`` (each step its own Kubernetes Job).
+"""Which executor runs the steps of every job: one process per run (Dagster's in-process
+executor, the default), Dagster's multiprocess executor, or on Kubernetes dagster-k8s's
+``k8s_job_executor`` (each step its own Kubernetes Job).
 
 ``KVBATCH_EXECUTOR`` (read at import, like the partitions: a deployment setting) picks it:
 
-- ``multiprocess`` (default): Dagster's default executor, steps as processes of the run worker;
+- ``in_process`` (default): every step of a run in the run's own process, one after another. A
+  shard run's steps are a chain (prefill -> decode -> cost), so separate step processes buy no
+  parallelism (that comes from many shard runs at once); they cost a process start and a code
+  location load per step (2-3 s each), and the decode step built its engine again after the
+  prefill step had built the same one: 10-25 s a shard on a 2-vCPU machine
+  (docs/pipeline.md#one-process-per-run). Runs stay isolated from each other: the run launcher
+  starts each in a process of its own.
+- ``multiprocess``: Dagster's default executor, each step a process of the run worker (a step that
+  crashes the interpreter fails alone; retries of a step start a fresh process).
 - ``k8s``: ``dagster_k8s.k8s_job_executor`` for every job of the code location. It needs the
   ``kvbatch[k8s]`` extra; without it the code location refuses to load, naming the extra. The
   executor is left unconfigured, so each run's ``execution: config:`` block (for instance
@@ -27,12 +36,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvbatch.resources.kubernetes import require_dagster_k8s
 
 EXECUTOR_ENV = "KVBATCH_EXECUTOR"
-EXECUTORS = ("multiprocess", "k8s")
+EXECUTORS = ("in_process", "multiprocess", "k8s")
+DEFAULT_EXECUTOR = "in_process"
 
 
 def executor_choice(env: Mapping[str, str] | None = None) -> str:
-    """The executor ``KVBATCH_EXECUTOR`` names (default ``multiprocess``); a clear error otherwise."""
-    value = (os.environ if env is None else env).get(EXECUTOR_ENV, "multiprocess").strip().lower() or "multiprocess"
+    """The executor ``KVBATCH_EXECUTOR`` names (default ``in_process``); a clear error otherwise."""
+    value = (os.environ if env is None else env).get(EXECUTOR_ENV, DEFAULT_EXECUTOR).strip().lower() or DEFAULT_EXECUTOR
     if value not in EXECUTORS:
         raise ValueError(f"{EXECUTOR_ENV}={value!r} is not an executor kvbatch knows; use one of {list(EXECUTORS)}")
     return value
@@ -40,6 +50,8 @@ def executor_choice(env: Mapping[str, str] | None = None) -> str:
 
 def executor_def(choice: str) -> dg.ExecutorDefinition | None:
     """The executor of every job for ``choice`` (None: Dagster's default, the multiprocess executor)."""
+    if choice == "in_process":
+        return dg.in_process_executor
     if choice == "multiprocess":
         return None
     if choice == "k8s":

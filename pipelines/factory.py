@@ -34,6 +34,7 @@ import functools
 import inspect
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -144,8 +145,8 @@ class PipelineSpec(BaseModel):
                                                          "(default KVBATCH_MAX_ROWS_PER_SHARD, else 10000)")
     pricing: dict[str, Any] = Field(default_factory=dict, description="PricingResource fields")
     slo: SLOSpec = Field(default_factory=SLOSpec, description="latency SLO of the checks")
-    executor: Literal["multiprocess", "k8s"] | None = Field(default=None, description=(
-        "the executor of this pipeline's jobs (default: the code location's, KVBATCH_EXECUTOR)"))
+    executor: Literal["in_process", "multiprocess", "k8s"] | None = Field(default=None, description=(
+        "the executor of this pipeline's jobs (default: the code location's, KVBATCH_EXECUTOR, in_process)"))
     decode: dict[str, Any] = Field(default_factory=dict, description="the decode worker group: "
                                                                      "DecodeClusterResource fields")
     tags: dict[str, str] = Field(default_factory=dict, description="tags on every asset")
@@ -376,7 +377,7 @@ class PipelineParts:
         """``body`` as the asset ``[pipeline, name]`` of this pipeline's group."""
         fn, keys = self.compute_fn(body, config)
         return dg.asset(key=self.key(name), group_name=self.name, owners=self.owners, tags=dict(self.spec.tags),
-                        description=inspect.cleandoc(body.__doc__ or ""), required_resource_keys=keys,
+                        description=ui_description(body.__doc__), required_resource_keys=keys,
                         **kwargs)(fn)
 
     def multi_asset(self, body: Callable, *, name: str, deps: list, partitions_def: dg.PartitionsDefinition,
@@ -386,9 +387,17 @@ class PipelineParts:
         fn, keys = self.compute_fn(body, config)
         spec = dg.AssetSpec(self.key(name), deps=deps, partitions_def=partitions_def, group_name=self.name,
                             kinds=kinds, owners=self.owners, tags=dict(self.spec.tags),
-                            description=inspect.cleandoc(body.__doc__ or ""))
+                            description=ui_description(body.__doc__))
         return dg.multi_asset(name=f"{self.name}__{name}", specs=[spec], check_specs=check_specs, can_subset=True,
                               required_resource_keys=keys, **kwargs)(fn)
+
+
+def ui_description(doc: str | None) -> str:
+    """A step's docstring as the UI shows it: Markdown, whose previews (the catalog's one-line
+    descriptions) print it raw, so reST's ``double backticks`` and ``:func:`x``` roles become
+    single backticks."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", inspect.cleandoc(doc or ""))
+    return text.replace("``", "`")
 
 
 class Pipeline:

@@ -81,6 +81,10 @@ def test_two_pipelines_load_each_with_its_own_assets_schedule_and_jobs(tmp_path,
         for sensor in ("shards_after_ingest", "rollup_after_shard", "rollup_after_failed_shard", "new_dataset_files"):
             defs.resolve_sensor_def(f"{name}_{sensor}")
     graph = defs.resolve_asset_graph()
+    # Descriptions are Markdown the catalog previews raw: no reST double backticks or roles.
+    for key in graph.get_all_asset_keys():
+        text = graph.get(key).description or ""
+        assert text and "``" not in text and ":func:" not in text, key
     assert graph.get(dg.AssetKey(["tickets", "prompts"])).owners == ["team:support"]
     assert graph.get(dg.AssetKey(["evals", "prompts"])).group_name == "evals"
     # Shared resources are one key; a pipeline's own are keyed by its name.

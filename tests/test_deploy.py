@@ -143,14 +143,17 @@ def test_k8s_executor_without_the_extra_is_refused_naming_it(monkeypatch):
     with pytest.raises(MissingK8sExtra, match=r"KVBATCH_EXECUTOR=k8s .*pip install 'kvbatch\[k8s\]'"):
         executor_def("k8s")
     assert executor_def("multiprocess") is None
+    import dagster as dg
+
+    assert executor_def("in_process") is dg.in_process_executor
 
 
 def test_an_unknown_executor_name_is_refused():
     from kvbatch.pipelines.executor import executor_choice
 
-    with pytest.raises(ValueError, match=r"KVBATCH_EXECUTOR='k9s' .*\['multiprocess', 'k8s'\]"):
+    with pytest.raises(ValueError, match=r"KVBATCH_EXECUTOR='k9s' .*\['in_process', 'multiprocess', 'k8s'\]"):
         executor_choice({"KVBATCH_EXECUTOR": "k9s"})
-    assert executor_choice({}) == "multiprocess"
+    assert executor_choice({}) == "in_process"
 
 
 def test_kvbatch_executor_k8s_puts_every_job_on_the_k8s_job_executor(monkeypatch):
@@ -172,7 +175,15 @@ def test_kvbatch_executor_k8s_puts_every_job_on_the_k8s_job_executor(monkeypatch
         monkeypatch.delenv("KVBATCH_EXECUTOR")
         monkeypatch.delitem(sys.modules, "dagster_k8s")
         defs = importlib.reload(definitions).defs
-    assert defs.resolve_job_def("kvbatch_decode").executor_def.name == "multi_or_in_process_executor"
+    # Unset: a run's steps share the run's process (and the engine its prefill built).
+    assert defs.resolve_job_def("kvbatch_decode").executor_def.name == "in_process"
+    monkeypatch.setenv("KVBATCH_EXECUTOR", "multiprocess")
+    try:
+        defs = importlib.reload(definitions).defs
+        assert defs.resolve_job_def("kvbatch_shard").executor_def.name == "multi_or_in_process_executor"
+    finally:
+        monkeypatch.delenv("KVBATCH_EXECUTOR")
+        importlib.reload(definitions)
 
 
 def test_the_run_config_execution_block_is_what_the_k8s_job_executor_gets():

@@ -617,7 +617,7 @@ def _is_gguf(fs: fsspec.AbstractFileSystem, path: str) -> bool:
 
 
 def _with_local_gguf(fs: fsspec.AbstractFileSystem, path: str, read: Callable[[str], _T]) -> _T:
-    """Run `read` on a local path; a remote file is copied to a temporary file first (GGUFReader memory-maps)."""
+    """Run `read` on a local path; a remote file is copied to a temporary file first (the GGUF reader memory-maps it)."""
     if isinstance(fs, LocalFileSystem):
         return read(path)
     with tempfile.TemporaryDirectory(prefix="kvbatch-gguf-") as tmp:
@@ -627,16 +627,16 @@ def _with_local_gguf(fs: fsspec.AbstractFileSystem, path: str, read: Callable[[s
 
 
 def _gguf_reader(path: str, source: str) -> Any:
-    import gguf
+    from kvbatch.engine.models.gguf_file import GGUFFile
 
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+        return GGUFFile(path)
+    except Exception as exc:  # GGUFFormatError names the problem; struct/numpy errors on other bad bytes
         raise ModelLoadError(f"{source}: corrupt or truncated GGUF ({_reason(exc)})") from exc
 
 
 def _gguf_metadata(reader: Any) -> dict[str, Any]:
-    return {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    return reader.metadata
 
 
 def _gguf_tokenizer_source(metadata: dict[str, Any], source: str) -> TokenizerSource:
@@ -694,12 +694,6 @@ def _read_gguf(
     _check_tensors(tensors, config, source)
 
     return config, tensors, _gguf_tokenizer_source(metadata, source)
-
-
-def _field_value(f: Any) -> Any:
-    """A GGUF metadata field as a Python value (arrays as lists, strings decoded)."""
-    value = f.contents()
-    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

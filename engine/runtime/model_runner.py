@@ -86,12 +86,15 @@ class ModelRunner:
         self.uploader = StepUploader(self.device)
         # [layers, K/V, blocks, ...] as the model lays it out (Llama: [L, 2, blocks, block_size,
         # kv_heads, head_dim]; MLA: [L, 1, blocks, block_size, 1, latent + rope]): one block of
-        # every layer is the unit the KV store saves and loads. Allocated (and touched) once, on
-        # the model's device; on the CPU in the model's huge-page arena where it keeps one (attention
-        # streams the cache as the projections stream the weights: kernels/cpu/huge_pages.py).
+        # every layer is the unit the KV store saves and loads. Allocated once, on the model's
+        # device; on the CPU in the model's huge-page arena where it keeps one (attention streams
+        # the cache as the projections stream the weights: kernels/cpu/huge_pages.py), untouched:
+        # a fresh mapping reads zero and takes memory as blocks are first written, so an engine
+        # whose work fills a tenth of its budget neither zeroes nor holds the rest (zeroing the
+        # default 1 GiB up front was 1-5 s of every engine build on a 2-vCPU machine).
         shape = model.kv_cache_shape(num_blocks, block_size)
         arena = getattr(model, "arena", None)
-        self.kv_cache = (arena.zeros(shape, kv_dtype) if arena is not None and self.device.type == "cpu"
+        self.kv_cache = (arena.empty(shape, kv_dtype) if arena is not None and self.device.type == "cpu"
                          else torch.zeros(shape, dtype=kv_dtype, device=self.device))
         self.graphs = None  # a CudaGraphRunner once captured (LLM does it on CUDA, unless eager)
         self.released = False

@@ -82,8 +82,9 @@ class HugePageArena:
         return self.empty(tuple(t.shape), t.dtype).copy_(t)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zero tensor in the arena, every page touched now (the KV cache: its faults at
-        allocation, not in the steps that first write each block)."""
+        """A zero tensor in the arena, every page touched now (its faults at allocation, not in
+        the code that first writes it; the KV cache takes :meth:`empty` instead, which also reads
+        zero, so that a cache larger than its work costs nothing for the part never written)."""
         if torch.Size(shape).numel() == 0:
             return torch.zeros(shape, dtype=dtype)
         return self.empty(tuple(shape), dtype).zero_()
