@@ -39,7 +39,7 @@ from typing import IO, Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from kvbatch.io.batch_requests import RejectedRow
+from kvbatch.io.batch_requests import CHAT_COMPLETIONS_URL, COMPLETIONS_URL, RESPONSES_URL, RejectedRow
 from kvbatch.io.urls import redact_text
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "error_line",
     "remove_stale_temps",
     "result_line",
+    "usage_counts",
 ]
 
 FINISH_REASONS = frozenset({"stop", "length"})
@@ -120,21 +121,50 @@ def result_line(
     logprobs: Sequence[TokenLogprob] | None = None,
     created: int | None = None,
     draft_tokens: tuple[int, int] | None = None,
+    endpoint: str = CHAT_COMPLETIONS_URL,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """One successful request as an OpenAI Batch output line.
+    """One successful request as an OpenAI Batch output line, its ``response.body`` in the shape of
+    the ``endpoint`` the row was written for: a chat completion, a Responses object
+    (:func:`_response_body`) or a text completion (:func:`_completion_body`).
 
     ``request_index`` should be the request's input line number (``ChatRequest.line_no``):
     it and ``custom_id`` seed the ids, so a request keeps its ids whether it succeeds or is
     rejected (see :func:`error_line`). ``token_ids`` goes into the choice as ``token_ids``,
     as vLLM's ``return_token_ids`` does. ``created`` defaults to now (Unix seconds).
     ``draft_tokens``: (accepted, rejected) drafted tokens under speculative decoding, reported
-    where OpenAI reports predicted-output tokens (``usage.completion_tokens_details``).
+    where OpenAI reports predicted-output tokens (``usage.completion_tokens_details``; a Responses
+    object has no such field). ``cached_tokens``: prompt tokens not computed for this request (the
+    prefix cache or the KV store served them), OpenAI's ``usage.prompt_tokens_details.cached_tokens``
+    (``input_tokens_details`` in a Responses object, where it is always present: 0 when not given).
     """
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
     if prompt_tokens < 0 or completion_tokens < 0:
         raise ValueError(f"token counts must be >= 0, got {prompt_tokens}, {completion_tokens}")
     h = _stable_hex(request_index, custom_id)
+    created = int(time.time()) if created is None else created
+    if endpoint == RESPONSES_URL:
+        body = _response_body(h, text, finish_reason, prompt_tokens, completion_tokens, model, created,
+                              cached_tokens)
+    elif endpoint in (CHAT_COMPLETIONS_URL, COMPLETIONS_URL):
+        usage = _usage(prompt_tokens, completion_tokens, draft_tokens, cached_tokens)
+        body = (_chat_body(h, text, finish_reason, model, created, token_ids, logprobs, usage)
+                if endpoint == CHAT_COMPLETIONS_URL else
+                _completion_body(h, text, finish_reason, model, created, token_ids, logprobs, usage))
+    else:
+        raise ValueError(f"endpoint must be one of {CHAT_COMPLETIONS_URL}, {RESPONSES_URL}, {COMPLETIONS_URL}, "
+                         f"got {endpoint!r}")
+    return {
+        "id": f"batch_req_{h}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": f"req_{h}", "body": body},
+        "error": None,
+    }
+
+
+def _chat_body(h: str, text: str, finish_reason: str, model: str, created: int, token_ids: list[int] | None,
+               logprobs: Sequence[TokenLogprob] | None, usage: dict[str, Any]) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
@@ -143,35 +173,95 @@ def result_line(
     }
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
+    return {"id": f"chatcmpl-{h}", "object": "chat.completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage}
+
+
+def _completion_body(h: str, text: str, finish_reason: str, model: str, created: int, token_ids: list[int] | None,
+                     logprobs: Sequence[TokenLogprob] | None, usage: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's text completion (``/v1/completions``): ``choices[0].text``, and the legacy logprobs
+    shape: parallel lists of the tokens, their logprobs, their alternatives (token -> logprob, the
+    ``logprobs`` most likely) and each token's character offset in the text."""
+    choice: dict[str, Any] = {
+        "text": text,
+        "index": 0,
+        "logprobs": None if logprobs is None else _completion_logprobs(logprobs),
+        "finish_reason": finish_reason,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {"id": f"cmpl-{h}", "object": "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage}
+
+
+def _completion_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    offsets, at = [], 0
+    for t in logprobs:
+        offsets.append(at)
+        at += len(t.token)
     return {
-        "id": f"batch_req_{h}",
-        "custom_id": custom_id,
-        "response": {
-            "status_code": 200,
-            "request_id": f"req_{h}",
-            "body": {
-                "id": f"chatcmpl-{h}",
-                "object": "chat.completion",
-                "created": int(time.time()) if created is None else created,
-                "model": model,
-                "choices": [choice],
-                "usage": _usage(prompt_tokens, completion_tokens, draft_tokens),
-            },
-        },
-        "error": None,
+        "tokens": [t.token for t in logprobs],
+        "token_logprobs": [_clamp(t.logprob) for t in logprobs],
+        "top_logprobs": [{tok: _clamp(lp) for tok, lp in t.top_logprobs} for t in logprobs],
+        "text_offset": offsets,
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, draft_tokens: tuple[int, int] | None) -> dict[str, Any]:
+def _response_body(h: str, text: str, finish_reason: str, input_tokens: int, output_tokens: int, model: str,
+                   created: int, cached_tokens: int | None) -> dict[str, Any]:
+    """OpenAI's Responses object (``/v1/responses``): one assistant message of one ``output_text``.
+    A row cut by ``max_output_tokens`` is ``incomplete``, as OpenAI marks it. The tool fields are
+    those of a request without tools (the only kind answered: tools are refused)."""
+    done = finish_reason == "stop"
+    status = "completed" if done else "incomplete"
+    return {
+        "id": f"resp_{h}",
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": None if done else {"reason": "max_output_tokens"},
+        "model": model,
+        "output": [{"type": "message", "id": f"msg_{h}", "status": status, "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "usage": {
+            "input_tokens": input_tokens,
+            # cache_write_tokens: prompt tokens billed for writing a prompt cache; kvbatch bills none.
+            "input_tokens_details": {"cached_tokens": min(cached_tokens or 0, input_tokens), "cache_write_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens,
+        },
+    }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, draft_tokens: tuple[int, int] | None,
+           cached_tokens: int | None = None) -> dict[str, Any]:
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": min(cached_tokens, prompt_tokens)}
     if draft_tokens is not None:
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": draft_tokens[0],
                                               "rejected_prediction_tokens": draft_tokens[1]}
     return usage
+
+
+def usage_counts(body: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(input, cached input, output) tokens of a success line's ``response.body``, whichever
+    endpoint's shape it has (a Responses object counts ``input_tokens``/``output_tokens``)."""
+    usage = body["usage"]
+    if "input_tokens" in usage:
+        return (usage["input_tokens"], usage.get("input_tokens_details", {}).get("cached_tokens", 0),
+                usage["output_tokens"])
+    return (usage["prompt_tokens"], usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+            usage["completion_tokens"])
 
 
 def error_line(rejected: RejectedRow) -> dict[str, Any]:

@@ -14,7 +14,8 @@ before the break and then raises :class:`InputStreamError`, which says where it 
 Accepted row shapes (one JSON object per line):
 
 - OpenAI Batch: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}``
-  where ``body`` is a chat-completions request.
+  where ``body`` is a chat-completions request; ``"url": "/v1/responses"`` and ``"/v1/completions"``
+  rows are read by :mod:`kvbatch.io.endpoints` into the same :class:`ChatRequest`.
 - Plain chat (what the pipeline's shards feed): ``{"custom_id", "messages", <sampling fields>}``.
   A row is taken as plain when it has none of ``body``, ``method`` or ``url``.
 
@@ -43,10 +44,13 @@ Decisions, each one documented because a user will eventually ask:
   :attr:`SamplingParams.response_format`, one canonical JSON string per schema (sorted keys), which
   the engine decodes under a grammar (:mod:`kvbatch.engine.text.structured`). A malformed value is
   rejected naming the sub-field; whether a schema compiles is checked when the row is tokenized.
+- ``logit_bias``: an object of token ids (strings of integers, as JSON keys are) to biases in
+  [-100, 100], at most 300 entries (OpenAI's rules); ``presence_penalty`` and ``frequency_penalty``
+  in [-2, 2]. Whether each id is in the model's vocabulary is checked when the row is tokenized.
 - OpenAI fields we do not act on are of two kinds (:data:`REFUSED_FIELDS`, :data:`IGNORED_FIELDS`;
   docs/batch-api.md has the table of every field). One that would change the answer (``tools``,
-  ``logit_bias``, ``presence_penalty``...) is a rejected row naming it, whenever its value is not
-  the neutral one (``presence_penalty: 0``, ``tools: []``, ``tool_choice: "none"`` change nothing
+  ``audio``...) is a rejected row naming it, whenever its value is not
+  the neutral one (``tools: []``, ``tool_choice: "none"`` change nothing
   and pass): answering as if it were absent would be a confident, wrong answer. One that changes
   nothing in the answer (``user``, ``metadata``, ``store``, ``service_tier``...) is accepted and
   ignored, without a warning, under ``--strict`` too.
@@ -83,14 +87,35 @@ from typing import Annotated, Any, Literal
 
 import fsspec
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
 )
 
+from kvbatch.io.endpoints import Problem, read_endpoint_row
+from kvbatch.io.request_fields import (
+    _STRICT,
+    BATCH_URLS,
+    CHAT_COMPLETIONS_URL,
+    COMPLETIONS_URL,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_SEQUENCES,
+    MISSING,
+    RESPONSES_URL,
+    WHOLE_LINE,
+    StopString,
+    Text,
+    _error_field,
+    _error_reason,
+    _neutral,
+    _short,
+    _utf8_encodable,
+    json_type,
+    parse_response_format,
+)
 from kvbatch.io.urls import redact_text
 
 __all__ = [
@@ -103,13 +128,7 @@ __all__ = [
     "reject",
 ]
 
-CHAT_COMPLETIONS_URL = "/v1/chat/completions"
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-INT32_MAX = 2**31 - 1
-WHOLE_LINE = "$"
-MISSING = "required field is missing"
 BLANK = "blank line"
 
 log = logging.getLogger(__name__)
@@ -135,6 +154,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # Structured outputs: the canonical JSON of response_format json_schema / json_object (None: text).
     response_format: str | None = None
+    # (token id, bias) pairs sorted by id; penalties on the output's tokens (OpenAI's semantics).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -150,6 +173,11 @@ class ChatRequest:
     messages: list[dict[str, str]]  # [{"role": "system"|"user"|"assistant", "content": str}]
     sampling: SamplingParams
     model: str | None
+    # The OpenAI API the row was written for (its batch ``url``; a plain row is chat): it decides the
+    # answer's shape (io.batch_output). A ``/v1/completions`` row has no messages: ``prompt`` is its
+    # raw text or token ids, which no chat template touches (io.endpoints).
+    endpoint: str = CHAT_COMPLETIONS_URL
+    prompt: str | tuple[int, ...] | None = None
     # A diagnostic about the line, not part of the request: two rows asking the same are equal.
     unknown_fields: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
@@ -173,22 +201,6 @@ def reject(req: ChatRequest, field: str, reason: str) -> RejectedRow:
 
 # --------------------------------------------------------------------------------------------
 # Edge schemas (pydantic)
-
-
-def _utf8_encodable(s: str) -> str:
-    # json.loads accepts lone surrogates ("\ud800"); they would crash the tokenizer or the
-    # output writer much later, far from the line that caused it.
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"contains an unpaired surrogate at position {e.start}") from None
-    return s
-
-
-Text = Annotated[str, AfterValidator(_utf8_encodable)]
-StopString = Annotated[str, Field(min_length=1), AfterValidator(_utf8_encodable)]
-
-_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class _Message(BaseModel):
@@ -237,6 +249,9 @@ class _ChatBody(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     n: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -244,12 +259,49 @@ class _ChatBody(BaseModel):
         """OpenAI allows ``stop`` as one string or a list; normalize to a list."""
         return [v] if isinstance(v, str) else v
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v: Any) -> Any:
+        return v if v is None else logit_bias_ids(v)
+
+
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
+def logit_bias_ids(v: Any) -> dict[int, float]:
+    """``logit_bias`` (an object of token-id strings to numbers in [-100, 100], at most 300) with
+    integer keys; ValueError naming the first bad key or value (ranges against the vocabulary are
+    the tokenizer's: ops.jobs)."""
+    if not isinstance(v, dict):
+        raise ValueError(f"must be an object of token ids to biases, got {json_type(v)}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"has {len(v)} entries, at most {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)) or int(key) > INT32_MAX:
+            raise ValueError(f"key {_short(key)} is not a token id (a string of an integer from 0 to {INT32_MAX})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ValueError(f"the bias of token {key} must be a number in [-100, 100], got {_short(bias)}")
+        if int(key) in out:
+            raise ValueError(f"token {int(key)} is given twice")
+        out[int(key)] = float(bias)
+    return out
+
 
 class _BatchEnvelope(BaseModel):
     model_config = _STRICT
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions"]
+    url: str
     body: _ChatBody
+
+    @field_validator("url")
+    @classmethod
+    def _chat_url(cls, v: str) -> str:
+        # The other endpoints' rows never get here (parse_request_line hands them to io.endpoints).
+        if v != CHAT_COMPLETIONS_URL:
+            raise ValueError(f"must be one of {', '.join(map(repr, BATCH_URLS))}, got {_short(v)}")
+        return v
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,6 +354,12 @@ def parse_request_line(
         return RejectedRow(line_no, None, "custom_id", str(e))
 
     is_batch = any(k in obj for k in ("body", "method", "url"))
+    if is_batch and obj.get("url") in (RESPONSES_URL, COMPLETIONS_URL):
+        got = read_endpoint_row(obj, default_max_tokens=default_max_tokens, strict=strict)
+        if isinstance(got, Problem):
+            return RejectedRow(line_no, custom_id, got.path, got.reason)
+        return ChatRequest(line_no, custom_id, got.messages, SamplingParams(**got.sampling), got.model,
+                           endpoint=obj["url"], prompt=got.prompt, unknown_fields=got.unknown_fields)
     prefix = "body." if is_batch else ""
     raw = obj.get("body") if is_batch else obj
     refused = [(prefix + name, why) for name, why in _refused_fields(raw)] if isinstance(raw, dict) else []
@@ -345,9 +403,6 @@ REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "tool_choice": ("tool calling is not supported", ("none",)),
     "functions": ("function calling is not supported", ([],)),
     "function_call": ("function calling is not supported", ("none",)),
-    "logit_bias": ("logit_bias is not supported", ({},)),
-    "presence_penalty": ("presence_penalty is not supported (only 0)", (0,)),
-    "frequency_penalty": ("frequency_penalty is not supported (only 0)", (0,)),
     "audio": ("audio output is not supported", ()),
     "modalities": ("only text output is supported", (["text"],)),
     "moderation": ("moderation of the request and the answer is not supported", ()),
@@ -364,48 +419,11 @@ IGNORED_FIELDS = frozenset({
 })
 
 
-def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    # bool is an int to Python: ``presence_penalty: false`` is not 0 to a JSON author.
-    return value is None or any(type(value) is type(n) and value == n for n in neutral) or (
-        isinstance(value, float) and any(type(n) is int and value == n for n in neutral))
-
-
 def _refused_fields(body: dict[str, Any]) -> list[tuple[str, str]]:
     """(field, reason) for each field of ``body``, in its order, that would change the answer and is
     not honoured."""
     return [(name, f"{REFUSED_FIELDS[name][0]}, got {_short(value)}") for name, value in body.items()
             if name in REFUSED_FIELDS and not _neutral(value, REFUSED_FIELDS[name][1])]
-
-
-def parse_response_format(v: Any) -> str | None | tuple[str, str]:
-    """``response_format`` as the engine's canonical string (None: plain text), or (the field
-    path below ``response_format``, the reason) when it is malformed. ``json_schema`` needs a
-    ``json_schema`` object whose ``schema`` is an object (``strict`` a boolean, default false);
-    whether the schema compiles is checked where the grammar engine is (ops.jobs)."""
-    if not isinstance(v, dict):
-        return "", f"must be an object, got {json_type(v)}"
-    kind = v.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return json.dumps({"type": "json_object"}, separators=(",", ":"))
-    if kind != "json_schema":
-        return ".type", f"must be one of 'text', 'json_object', 'json_schema', got {_short(kind)}"
-    spec = v.get("json_schema")
-    if not isinstance(spec, dict):
-        return ".json_schema", f"must be an object with a schema, got {json_type(spec)}"
-    schema, strict = spec.get("schema", {}), spec.get("strict", False)
-    if not isinstance(schema, dict):
-        return ".json_schema.schema", f"must be an object, got {json_type(schema)}"
-    if strict is None:
-        strict = False
-    if not isinstance(strict, bool):
-        return ".json_schema.strict", f"must be a boolean, got {json_type(strict)}"
-    try:
-        return json.dumps({"schema": schema, "strict": strict, "type": "json_schema"}, sort_keys=True,
-                          separators=(",", ":"), ensure_ascii=False)
-    except ValueError as e:  # NaN cannot reach here (json.loads made it), but keep the row's error a row's
-        return ".json_schema.schema", str(e)
 
 
 def _unknown_fields(obj: dict[str, Any], is_batch: bool) -> tuple[str, ...]:
@@ -444,6 +462,9 @@ def _to_request(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logprobs=logprobs,
         ignore_eos=bool(body.ignore_eos),
+        logit_bias=tuple(sorted((body.logit_bias or {}).items())),
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
     )
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.content}
@@ -462,49 +483,6 @@ def describe_validation_error(e: ValidationError) -> tuple[str, str]:
     for err in errors[1:]:
         msg += f"; {_error_field(err)}: {_error_reason(err)}"
     return field, msg
-
-
-def _error_field(err: Any) -> str:
-    return ".".join(str(p) for p in err["loc"]) or WHOLE_LINE
-
-
-def _error_reason(err: Any) -> str:
-    msg = _CLASS_NAME.sub("", err["msg"])
-    if err["type"] == "value_error":  # our own validators: the message already says it all
-        return msg.removeprefix("Value error, ")
-    if err["type"] == "missing":
-        return MISSING
-    return f"{msg}, got {_short(err.get('input'))}"
-
-
-_CLASS_NAME = re.compile(r" or instance of _\w+")
-
-
-def json_type(v: Any) -> str:
-    """The JSON name of a Python value's type, for messages a JSON author understands."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, (int, float)):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    return "object"
-
-
-def _short(v: Any, limit: int = 60) -> str:
-    """A value as JSON, cut short: reasons quote the bad value without copying a whole prompt."""
-    try:
-        s = json.dumps(v, ensure_ascii=False)
-        s.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates: keep the reason itself writable
-        s = json.dumps(v, ensure_ascii=True)
-    except (TypeError, ValueError):
-        s = repr(v)
-    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------------------------

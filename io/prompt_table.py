@@ -10,6 +10,16 @@ a side table: Parquet dictionary-encodes it, so a column chunk stores each disti
 (ten million rows sharing three schemas store three strings per row group, and an index per row),
 a null costs a bit, and every reader (prefill, decode, the CLI) gets the format from the row
 itself, with nothing to join.
+
+``logit_bias`` holds a row's (token id, bias) pairs, ``presence_penalty`` and ``frequency_penalty``
+its penalties; null is the neutral value (no bias, 0), so a table of rows without them is what it
+was before the columns existed.
+
+``endpoint`` is the OpenAI API a row was written for (null: ``/v1/chat/completions``, so a table of
+chat rows is what it was before the column existed), which decides the answer's shape. A
+``/v1/completions`` row has no messages: its raw prompt is ``prompt`` (text) or ``prompt_ids``
+(token ids), which the shard step tokenizes without the chat template
+(:func:`~kvbatch.ops.jobs.prompt_ids`).
 """
 
 from __future__ import annotations
@@ -19,9 +29,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvbatch.io.batch_requests import ChatRequest, RejectedRow, SamplingParams
+from kvbatch.io.batch_requests import CHAT_COMPLETIONS_URL, ChatRequest, RejectedRow, SamplingParams
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+LOGIT_BIAS_TYPE = pa.list_(pa.struct([("token", pa.int64()), ("bias", pa.float64())]))
 
 
 PROMPTS_SCHEMA = pa.schema([
@@ -40,7 +51,15 @@ PROMPTS_SCHEMA = pa.schema([
     ("logprobs", pa.int64()),
     ("ignore_eos", pa.bool_()),
     ("response_format", pa.string()),  # canonical JSON of json_schema / json_object; null: free text
+    ("logit_bias", LOGIT_BIAS_TYPE),  # (token id, bias) pairs sorted by id; null: no bias
+    ("presence_penalty", pa.float64()),  # null: 0
+    ("frequency_penalty", pa.float64()),  # null: 0
+    ("endpoint", pa.string()),  # /v1/responses or /v1/completions; null: /v1/chat/completions
+    ("prompt", pa.string()),  # a /v1/completions row's raw text prompt
+    ("prompt_ids", pa.list_(pa.int64())),  # a /v1/completions row's prompt given as token ids
 ])
+# The request's columns that are not sampling parameters.
+_REQUEST_FIELDS = ("row", "custom_id", "messages", "model", "endpoint", "prompt", "prompt_ids")
 
 
 REJECTS_SCHEMA = pa.schema([
@@ -51,7 +70,7 @@ REJECTS_SCHEMA = pa.schema([
 ])
 
 
-SAMPLING_FIELDS = [f.name for f in PROMPTS_SCHEMA if f.name not in ("row", "custom_id", "messages", "model")]
+SAMPLING_FIELDS = [f.name for f in PROMPTS_SCHEMA if f.name not in _REQUEST_FIELDS]
 
 
 def request_record(req: ChatRequest) -> dict[str, Any]:
@@ -59,7 +78,12 @@ def request_record(req: ChatRequest) -> dict[str, Any]:
     return {"row": req.line_no, "custom_id": req.custom_id, "messages": req.messages, "model": req.model,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "min_p": s.min_p, "seed": s.seed, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
-            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos, "response_format": s.response_format}
+            "logprobs": s.logprobs, "ignore_eos": s.ignore_eos, "response_format": s.response_format,
+            "logit_bias": [{"token": t, "bias": b} for t, b in s.logit_bias] or None,
+            "presence_penalty": s.presence_penalty or None, "frequency_penalty": s.frequency_penalty or None,
+            "endpoint": None if req.endpoint == CHAT_COMPLETIONS_URL else req.endpoint,
+            "prompt": req.prompt if isinstance(req.prompt, str) else None,
+            "prompt_ids": list(req.prompt) if isinstance(req.prompt, tuple) else None}
 
 
 def record_request(rec: Mapping[str, Any]) -> ChatRequest:
@@ -68,9 +92,15 @@ def record_request(rec: Mapping[str, Any]) -> ChatRequest:
         max_tokens=rec["max_tokens"], temperature=rec["temperature"], top_p=rec["top_p"], top_k=rec["top_k"],
         min_p=rec["min_p"], seed=rec["seed"], stop=tuple(rec["stop"] or ()),
         stop_token_ids=tuple(rec["stop_token_ids"] or ()), logprobs=rec["logprobs"],
-        ignore_eos=bool(rec["ignore_eos"]), response_format=rec.get("response_format"))
+        ignore_eos=bool(rec["ignore_eos"]), response_format=rec.get("response_format"),
+        logit_bias=tuple((p["token"], p["bias"]) for p in rec.get("logit_bias") or ()),
+        presence_penalty=rec.get("presence_penalty") or 0.0, frequency_penalty=rec.get("frequency_penalty") or 0.0)
     messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
-    return ChatRequest(rec["row"], rec["custom_id"], messages, sampling, rec["model"])
+    prompt = rec.get("prompt")
+    if prompt is None and rec.get("prompt_ids") is not None:
+        prompt = tuple(rec["prompt_ids"])
+    return ChatRequest(rec["row"], rec["custom_id"], messages, sampling, rec["model"],
+                       endpoint=rec.get("endpoint") or CHAT_COMPLETIONS_URL, prompt=prompt)
 
 
 def outcome_record(item: ChatRequest | RejectedRow) -> dict[str, Any]:

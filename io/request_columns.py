@@ -23,7 +23,10 @@ What makes a row "unsure" (and so per-row):
   ``"body"``/``"method"``/``"url"`` given as null (a plain row with such a key is a batch row to the
   per-row parser, and Arrow cannot tell null from absent);
 - any value outside the rules of ``_ChatBody`` (ranges, roles, ``n``, ``stop`` lengths,
-  ``top_logprobs`` without ``logprobs``), NaN included.
+  ``top_logprobs`` without ``logprobs``), NaN included;
+- the body fields read only per row (:data:`PER_ROW_FIELDS`: ``logit_bias``, an object keyed by
+  token ids, which Arrow would read as a struct of its keys, and the penalties beside it): rare
+  rows, not worth columns here.
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ _BODY = [
     ("stop_token_ids", pa.list_(pa.int64())), ("logprobs", pa.bool_()), ("top_logprobs", pa.int64()),
     ("n", pa.int64()), ("ignore_eos", pa.bool_()),
 ]
-assert {name for name, _ in _BODY} == set(_BODY_FIELDS), "the columns are the per-row body's fields"
+# Body fields no column holds: a row that sets one goes to the per-row parser, which reads it.
+PER_ROW_FIELDS = frozenset({"logit_bias", "presence_penalty", "frequency_penalty"})
+_BODY_COLUMNS = frozenset(name for name, _ in _BODY)
+assert _BODY_COLUMNS == set(_BODY_FIELDS) - PER_ROW_FIELDS, "the columns are the per-row body's fields"
 # One schema for both shapes: a batch row fills custom_id/method/url/body, a plain row custom_id
 # and the body's fields at the top level.
 READ_SCHEMA = pa.schema([("custom_id", pa.string()), ("method", pa.string()), ("url", pa.string()),
@@ -153,7 +159,7 @@ def _without_unknown_fields(table: pa.Table, lines: list[bytes], where: np.ndarr
     extra = [n for n in table.schema.names if n not in READ_SCHEMA.names]
     body_type = table.schema.field("body").type
     extra += [body_type.field(i).name for i in range(body_type.num_fields)
-              if body_type.field(i).name not in _BODY_FIELDS]
+              if body_type.field(i).name not in _BODY_COLUMNS]
     extra = [n for n in extra if n not in _ENVELOPE_FIELDS]
     if not extra:
         return table if table.schema == READ_SCHEMA else _known(table)
@@ -296,6 +302,13 @@ def _validate(table: pa.Table, line_nos: np.ndarray, default_max_tokens: int) ->
         # A row with a response_format never gets here: the field is not one of this reader's
         # columns, so the row goes to the per-row parser (which canonicalizes the format).
         "response_format": pa.nulls(int(ok.sum()), pa.string()),
+        # Only chat rows get here: another endpoint's url sends its row to the per-row parser.
+        "endpoint": pa.nulls(int(ok.sum()), pa.string()),
+        "prompt": pa.nulls(int(ok.sum()), pa.string()),
+        "prompt_ids": pa.nulls(int(ok.sum()), pa.list_(pa.int64())),
     }
-    out = pa.Table.from_arrays([columns[f.name].cast(f.type) for f in PROMPTS_SCHEMA], schema=PROMPTS_SCHEMA)
+    # A row that sets a per-row field never gets here: those columns (where the table has them) are
+    # null, their neutral value.
+    out = pa.Table.from_arrays([pa.nulls(int(ok.sum()), f.type) if f.name in PER_ROW_FIELDS
+                                else columns[f.name].cast(f.type) for f in PROMPTS_SCHEMA], schema=PROMPTS_SCHEMA)
     return ok, out

@@ -26,7 +26,7 @@ import dagster as dg
 from fsspec.core import url_to_fs
 
 from kvbatch.io.batch_output import JsonlWriter, error_line, result_line
-from kvbatch.io.batch_requests import read_requests
+from kvbatch.io.batch_requests import ChatRequest, RejectedRow, read_requests, reject
 from kvbatch.io.urls import one_line
 from kvbatch.resources import KVStoreResource, ModelResource, ObjectStoreResource
 
@@ -140,14 +140,6 @@ class RunSummary:
     response_cache: dict[str, Any] | None = None  # the response cache's counters, when it is on
 
 
-def _with_cached_tokens(line: dict[str, Any], cached: int) -> dict[str, Any]:
-    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: prompt tokens not computed for
-    this request (the engine's prefix cache or the KV store served them)."""
-    usage = line["response"]["body"]["usage"]
-    usage["prompt_tokens_details"] = {"cached_tokens": min(cached, usage["prompt_tokens"])}
-    return line
-
-
 def run_batch_parts(
     llm: Any,
     input_url: str,
@@ -159,12 +151,14 @@ def run_batch_parts(
     cancel_poll_s: float = 0.5,
     is_cancelled: Callable[[], bool] | None = None,
     response_cache: Any = None,
+    endpoint: str | None = None,
 ) -> RunSummary:
     """Answer every row of ``input_url`` not yet in a committed part of ``work_url``, committing a
     part each time ``chunk_rows`` more rows are finished in order; stop early (keeping every
     finished row) when the server asks to cancel. Writes ``done.json`` last and returns it.
     ``response_cache``: a :class:`~kvbatch.ops.decode.response_cache.ResponseCache` (its counters:
-    ``summary.response_cache``)."""
+    ``summary.response_cache``). ``endpoint``: the batch's; a row written for another one is its 400
+    (as OpenAI requires every row of a batch to use the batch's endpoint)."""
     from kvbatch.ops.decode.generate import result_draft_tokens, result_logprobs
     from kvbatch.ops.decode.report import BatchReport
     from kvbatch.ops.decode.loop import DecodeLoop, Refused
@@ -202,7 +196,10 @@ def run_batch_parts(
             next_lo = hi
 
     report = BatchReport.start(llm)
-    loop = DecodeLoop(llm, tokenize_requests(llm, read_requests(input_url, storage_options=opts)), report,
+    rows = read_requests(input_url, storage_options=opts)
+    if endpoint is not None:
+        rows = (other_endpoint(item, endpoint) for item in rows)
+    loop = DecodeLoop(llm, tokenize_requests(llm, rows), report,
                       skip=lambda job: job.index < resume, response_cache=response_cache)
     last_check = time.monotonic()
     cancelled = stop()
@@ -214,10 +211,13 @@ def run_batch_parts(
             job, result = outcome.job, outcome.result
             # A row the response cache answered computed no prompt token at all.
             cached = len(result.prompt_token_ids) if outcome.cached else result.num_cached_tokens + result.num_loaded_tokens
-            lines[job.index] = _with_cached_tokens(result_line(
+            # Each row answers in its endpoint's shape, with OpenAI's cached_tokens: prompt tokens not
+            # computed for it (the engine's prefix cache or the KV store served them).
+            lines[job.index] = result_line(
                 job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
                 prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
-                model=model_name, logprobs=result_logprobs(llm, result), draft_tokens=result_draft_tokens(llm, result)), cached)
+                model=model_name, logprobs=result_logprobs(llm, result), draft_tokens=result_draft_tokens(llm, result),
+                endpoint=job.endpoint, cached_tokens=cached)
             summary.prompt_tokens += len(result.prompt_token_ids)
             summary.cached_tokens += min(cached, len(result.prompt_token_ids))
             summary.output_tokens += len(result.output_token_ids)
@@ -247,6 +247,13 @@ def run_batch_parts(
     return summary
 
 
+def other_endpoint(item: ChatRequest | RejectedRow, endpoint: str) -> ChatRequest | RejectedRow:
+    """The row, or its rejection when it was written for another endpoint than its batch's."""
+    if isinstance(item, ChatRequest) and item.endpoint != endpoint:
+        return reject(item, "url", f"the batch's endpoint is {endpoint}; this row's url is {item.endpoint}")
+    return item
+
+
 def write_failed(work_url: str, exc: BaseException, storage_options: Mapping[str, Any] | None = None) -> None:
     """Record a run that died of an error (the model did not load, the store is unreachable):
     the server then fails the batch with this one line as its reason."""
@@ -263,6 +270,7 @@ class BatchApiRunConfig(dg.Config):
     input_url: str
     work_url: str
     chunk_rows: int = 256
+    endpoint: str | None = None  # the batch's; None: each row answers for its own url
 
 
 @dg.op(description="Answer one kvbatch serve batch: every row of its input file, one output line each, "
@@ -278,7 +286,8 @@ def batch_api_run(context: dg.OpExecutionContext, config: BatchApiRunConfig, mod
         cache = kv_store.open_response_cache(object_store.url, object_store.storage_options(), llm)
         try:
             summary = run_batch_parts(llm, config.input_url, config.work_url, model_name=model.model,
-                                      chunk_rows=config.chunk_rows, storage_options=opts, response_cache=cache)
+                                      chunk_rows=config.chunk_rows, storage_options=opts, response_cache=cache,
+                                      endpoint=config.endpoint)
         finally:
             if cache is not None:
                 cache.close()
@@ -302,6 +311,10 @@ def batch_api_job() -> None:
     batch_api_run()
 
 
-def batch_run_config(batch_id: str, input_url: str, work_url: str, chunk_rows: int) -> dict[str, Any]:
-    return {"ops": {"batch_api_run": {"config": {"batch_id": batch_id, "input_url": input_url,
-                                                 "work_url": work_url, "chunk_rows": chunk_rows}}}}
+def batch_run_config(batch_id: str, input_url: str, work_url: str, chunk_rows: int,
+                     endpoint: str | None = None) -> dict[str, Any]:
+    config: dict[str, Any] = {"batch_id": batch_id, "input_url": input_url, "work_url": work_url,
+                              "chunk_rows": chunk_rows}
+    if endpoint is not None:
+        config["endpoint"] = endpoint
+    return {"ops": {"batch_api_run": {"config": config}}}

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from kvbatch.io.batch_output import usage_counts
 from kvbatch.io.batch_requests import ChatRequest, InputStreamError, RejectedRow, read_requests
 from kvbatch.pipelines.batch_api import Part, list_parts, read_done, read_part_lines, request_cancel
 from kvbatch.serve.errors import ApiError, not_found
@@ -285,10 +286,10 @@ class BatchService:
                     if (row.get("error") is None) != ok:
                         continue
                     if ok:
-                        u = row["response"]["body"]["usage"]
-                        usage["input_tokens"] += u["prompt_tokens"]
-                        usage["output_tokens"] += u["completion_tokens"]
-                        usage["cached_tokens"] += u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                        tokens_in, cached, tokens_out = usage_counts(row["response"]["body"])  # any endpoint's shape
+                        usage["input_tokens"] += tokens_in
+                        usage["output_tokens"] += tokens_out
+                        usage["cached_tokens"] += cached
                     yield line
 
         total = obj.request_counts.total or rec.get("lines") or 0

@@ -13,10 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvbatch.io.batch_requests import BATCH_URLS
+
 BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired",
                   "cancelling", "cancelled")
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
-ENDPOINT = "/v1/chat/completions"
+# The endpoints a batch may name: its rows' ``url``, and the shape of its output's response bodies.
+ENDPOINTS = BATCH_URLS
 COMPLETION_WINDOW = "24h"
 WINDOW_S = 24 * 3600
 
@@ -89,8 +92,8 @@ class CreateBatch(BaseModel):
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str) -> str:
-        if v != ENDPOINT:
-            raise ValueError(f"only {ENDPOINT} is supported, got {v!r}")
+        if v not in ENDPOINTS:
+            raise ValueError(f"must be one of {', '.join(ENDPOINTS)}, got {v!r}")
         return v
 
     @field_validator("completion_window")

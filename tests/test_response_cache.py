@@ -136,7 +136,8 @@ def test_every_sampling_field_is_in_the_key_and_so_is_a_new_one():
     base = SamplingParams(max_tokens=8, temperature=0.0, seed=1)
     key = row_key("engine", [1, 2, 3], base)
     other = {"max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 2,
-             "stop": ("x",), "stop_token_ids": (7,), "logprobs": 1, "ignore_eos": True}
+             "stop": ("x",), "stop_token_ids": (7,), "logprobs": 1, "ignore_eos": True,
+             "logit_bias": ((7, 1.0),), "presence_penalty": 0.5, "frequency_penalty": -0.5}
     for f in dataclasses.fields(SamplingParams):
         # A field added since (structured outputs' response_format): another value of its kind.
         if f.name in other:

@@ -35,7 +35,7 @@ from kvbatch.engine.runtime.scheduler import Scheduler
 from kvbatch.engine.runtime.sequence import Sequence
 from kvbatch.engine.speculative.controller import SpecConfig, SpecController
 from kvbatch.engine.speculative.drafters import DraftRequest, build_drafter
-from kvbatch.engine.speculative.verifier import VerifyRow, verify_batch
+from kvbatch.engine.speculative.verifier import VerifyRow, penalize_positions, verify_batch
 from kvbatch.engine.text.stop_checker import StopChecker
 from kvbatch.engine.text.structured import GrammarCompiler
 from kvbatch.engine.text.tokenizer import ChatTokenizer
@@ -214,6 +214,9 @@ class LLM:
                 f"request {request.request_id!r}: prompt has {len(ids)} tokens, the context window is "
                 f"{self.max_model_len}")
         p = request.sampling
+        if p.logit_bias and p.logit_bias[-1][0] >= self.model_config.vocab_size:
+            raise ValueError(f"request {request.request_id!r}: logit_bias token {p.logit_bias[-1][0]} is outside "
+                             f"the vocabulary (0..{self.model_config.vocab_size - 1})")
         gen = None
         if not p.greedy:
             seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
@@ -315,6 +318,9 @@ class LLM:
         """Sample the plain entries and verify the speculative ones (one batched verifier call)
         on the logits' device, compute the logprobs asked for there too, then read all of it to
         the host in one copy: the step's one device-to-host sync (``self.readback.syncs``)."""
+        if any(s.seq.sampling.penalized for s in sampled):  # logit bias and penalties, before any mask
+            logits = penalize_positions(logits, [(s.seq.sampling, s.seq.output_token_ids,
+                                                  s.seq.spec_token_ids[:s.num_spec]) for s in sampled])
         rb = self.readback
         lp_rows: list[torch.Tensor] = []  # logits rows whose logprobs are wanted, and their tokens
         lp_tokens: list[torch.Tensor] = []

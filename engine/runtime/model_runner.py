@@ -161,10 +161,10 @@ class ModelRunner:
                 tokens = tokens + seq.spec_token_ids[:s.num_spec]
             items.append(WorkItem(tokens, start, seq.block_table, s.num_spec + 1 if s.samples else 0))
         ids, batch, order = self.build(items)
-        # Only argmaxes will be read from this step's logits (LLM samples greedy rows by argmax, and
-        # the verifier keeps a greedy request's drafts while they are the argmax)
-        batch.greedy_only = all(s.seq.sampling.greedy and s.seq.sampling.logprobs is None
-                                and s.seq.sampling.response_format is None for s in step if s.samples)
+        # Only argmaxes of the raw logits will be read from this step (LLM samples greedy rows by
+        # argmax, and the verifier keeps a greedy request's drafts while they are the argmax); a
+        # bias or penalty moves logits after the head, so such a row needs every one of them.
+        batch.greedy_only = all(s.seq.sampling.argmax_only for s in step if s.samples)
         return ids, batch, [step[i] for i in order if items[i].num_logits]
 
     def build(self, items: list[WorkItem]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:

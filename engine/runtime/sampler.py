@@ -1,5 +1,11 @@
 """Token selection: greedy, temperature, top-k, top-p, min-p, with per-request generators;
-repetition, presence and frequency penalties and logit bias for callers that pass them.
+repetition, presence and frequency penalties and logit bias.
+
+The engine applies each request's logit bias and presence and frequency penalties
+(:class:`~kvbatch.engine.runtime.sampling_params.SamplingParams`) with :func:`penalize_rows`
+before anything chooses from its logits: the sampler, greedy argmax, the speculative verifier
+(each draft position seeing the drafts before it), and before a grammar's mask, so a token the
+grammar forbids stays forbidden whatever its bias.
 
 A step samples every row of its batch at once, on the logits' device: the parameters travel as
 ``[N]`` tensors (:class:`SamplingTensors`, one host-to-device copy), the filters run over the
@@ -206,6 +212,25 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     x = torch.where(pen.seen, torch.where(x > 0, x / r, x * r), x)
     x = x - pen.output_counts * pen.frequency[:, None] - (pen.output_counts > 0) * pen.presence[:, None]
     return x
+
+
+def penalize_rows(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
+    """``logits`` [R, V] with each row's logit bias, presence and frequency penalties applied
+    (row ``r``: ``params[r]``, the output so far ``outputs[r]``), as :func:`penalize_logits`
+    specifies. ``logits`` itself when no row asks for any (no copy, no upload); otherwise only the
+    rows that ask are computed (one :class:`Penalties` over them) and copied into a new tensor."""
+    if len(params) != logits.shape[0] or len(outputs) != len(params):
+        raise ValueError(f"penalize_rows: {logits.shape[0]} logits rows, {len(params)} params, {len(outputs)} outputs")
+    rows = [r for r, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    pen = Penalties.build([[] for _ in rows], [outputs[r] for r in rows], [1.0] * len(rows),
+                          [params[r].presence_penalty for r in rows], [params[r].frequency_penalty for r in rows],
+                          [dict(params[r].logit_bias) for r in rows], logits.shape[1], logits.device)
+    if len(rows) == len(params):
+        return apply_penalties(logits, pen)
+    idx = host_to_device(torch.tensor(rows, dtype=torch.long), logits.device)
+    return logits.float().index_copy(0, idx, apply_penalties(logits.index_select(0, idx), pen))
 
 
 def draw_uniforms(params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:

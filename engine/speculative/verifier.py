@@ -12,7 +12,10 @@ Greedy requests keep a draft exactly while it equals the target's argmax, so the
 token for token that of plain greedy decoding.
 
 ``p`` is the target's *filtered* distribution (temperature, top-k/p, min-p), the same one the
-plain sampler draws from, so speculation changes speed, never what is sampled.
+plain sampler draws from, so speculation changes speed, never what is sampled. A request's logit
+bias and presence and frequency penalties are part of it: :func:`penalize_positions` applies them
+to every draft position's logits as the plain sampler would have at that point of the output (the
+output so far plus the drafts before the position), before the verifier reads them.
 
 :func:`verify` is the specification, one request at a time on the host. The engine runs
 :func:`verify_batch`: every request of a step at once, on the logits' device, through the batched
@@ -29,9 +32,25 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbatch.engine.runtime.sampler import filter_logits, host_to_device
+from kvbatch.engine.runtime.sampler import filter_logits, host_to_device, penalize_rows
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.kernels import dispatch as K
+
+
+def penalize_positions(logits: torch.Tensor,
+                       entries: list[tuple[SamplingParams, list[int], list[int]]]) -> torch.Tensor:
+    """A step's ``logits`` with each entry's bias and penalties applied. ``entries``, in the order
+    of their rows: (params, the output so far, the drafts verified this step); an entry owns
+    ``len(drafts) + 1`` rows, row ``j`` scoring the token after ``drafts[:j]``, so its penalties
+    count the output plus those drafts, exactly what plain decoding counts when it reaches that
+    position."""
+    params: list[SamplingParams] = []
+    outputs: list[list[int]] = []
+    for p, output, drafts in entries:
+        for j in range(len(drafts) + 1):
+            params.append(p)
+            outputs.append(output + drafts[:j] if p.penalized else [])
+    return penalize_rows(logits, params, outputs)
 
 
 @dataclass

@@ -19,9 +19,11 @@ the logit each err by at most about (D + 2) 2^-24 of sum |x_i w_i|:
 9 at the 90th percentile and 93 at most (``tests/test_greedy_head.py`` pins the bound, and the
 argmax against float64).
 
-The logits this returns are -inf for every token the screen ruled out: only a greedy argmax may
-read them, so the model runner asks for them only when every logits row of a step belongs to a
-greedy request that wants no logprobs (``ForwardBatch.greedy_only``). ``KVBATCH_GREEDY_HEAD=0``
+The logits this returns are -inf for every token the screen ruled out: only a greedy argmax of the
+raw logits may read them, so the model runner asks for them only when every logits row of a step
+belongs to a greedy request that wants no logprobs, no grammar and no logit bias or penalty
+(``SamplingParams.argmax_only``, ``ForwardBatch.greedy_only``): a bias cannot lift a token the
+screen dropped, and a penalty can sink the one it kept (``tests/test_penalties.py``). ``KVBATCH_GREEDY_HEAD=0``
 turns the screen off (the full fp32 head for every row; read by the model, beside its other switches).
 
 **Batched rows** (more than :data:`SCREEN_MAX_ROWS`, a batched decode step). There the head's GEMM

@@ -96,7 +96,8 @@ def run_jobs(
                 out.put(job.index, result_line(
                     job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
                     prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
-                    model=model_name, logprobs=result_logprobs(llm, result), draft_tokens=result_draft_tokens(llm, result)))
+                    model=model_name, logprobs=result_logprobs(llm, result), draft_tokens=result_draft_tokens(llm, result),
+                    endpoint=job.endpoint))
             if on_progress:
                 on_progress(report.succeeded + report.rejected, report.rejected)
     report.finish(llm)

@@ -18,7 +18,9 @@ holds from the entry, without the engine. Docs: ``docs/response-cache.md``.
 - the whole engine :class:`~kvbatch.engine.runtime.sampling_params.SamplingParams` dataclass,
   every field, serialized canonically (:func:`sampling_identity`): a field added later is in
   the key without a change here; a field value this module cannot serialize makes the row not
-  reusable (never a key that ignores it).
+  reusable (never a key that ignores it). ``logit_bias`` and the presence and frequency penalties
+  are fields like the others; the bias is held canonically (pairs sorted by token id, float
+  biases), so one bias is one key however the row spelled it.
 
 **Only reproducible rows** are looked up or written (:func:`reproducible`): greedy rows and
 sampled rows with an explicit ``seed``. A sampled row without one gets its seed from the engine's

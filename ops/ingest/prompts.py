@@ -53,6 +53,7 @@ import pyarrow.parquet as pq
 
 from kvbatch.io.batch_output import AtomicSink, ParquetSinkFile
 from kvbatch.io.batch_requests import (
+    CHAT_COMPLETIONS_URL,
     ChatRequest,
     RejectedRow,
     parse_request_line,
@@ -61,6 +62,7 @@ from kvbatch.io.batch_requests import (
     reject,
     warn_unknown_fields,
 )
+from kvbatch.io.endpoints import schema_field
 from kvbatch.io.prompt_table import (
     PROMPTS_SCHEMA,
     REJECTS_SCHEMA,
@@ -79,8 +81,9 @@ ID_SCHEMA = pa.schema([("row", pa.int64()), ("custom_id", pa.string())])
 PARQUET_TARGETS = ("custom_id", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                    "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos",
                    "response_format")
-# The field a schema the grammar engine refuses is rejected under (as ops.jobs names it).
-SCHEMA_FIELD = "body.response_format.json_schema.schema"
+# The field a chat row's schema the grammar engine refuses is rejected under (as ops.jobs names it;
+# a /v1/responses row's: io.endpoints.schema_field).
+SCHEMA_FIELD = schema_field(CHAT_COMPLETIONS_URL)
 
 
 def outcome(item: ChatRequest | RejectedRow) -> dict[str, Any]:
@@ -92,7 +95,7 @@ def outcome(item: ChatRequest | RejectedRow) -> dict[str, Any]:
 
         problem = schema_error(item.sampling.response_format)
         if problem is not None:
-            return reject_record(reject(item, SCHEMA_FIELD, problem))
+            return reject_record(reject(item, schema_field(item.endpoint), problem))
     return outcome_record(item)
 
 

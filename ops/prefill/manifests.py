@@ -7,7 +7,8 @@ refuses manifests made for another model (:class:`ManifestMismatch`) instead of 
 
 Manifest line (JSONL), one per input row, in input order:
 ``{"v", "index", "custom_id", "line_no", "model", "fingerprint", "kv_root", "block_size", "dtype",
-"prompt_token_ids", "block_keys", "block_locations", "sampling", "request_model"}`` or, for a
+"prompt_token_ids", "block_keys", "block_locations", "sampling", "request_model"}`` (and ``"endpoint"``
+for a ``/v1/responses`` or ``/v1/completions`` row: the shape decode answers it in) or, for a
 rejected row, ``{"v", "index", "custom_id", "line_no", "rejected": {"field", "reason"}}``.
 
 ``block_locations`` (version 2) gives, for each of ``block_keys``, where the durable store holds
@@ -50,8 +51,10 @@ from kvbatch.engine.runtime.llm import LLM
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.structured import schema_error
 from kvbatch.io.batch_requests import (
+    CHAT_COMPLETIONS_URL,
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGIT_BIAS,
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
     WHOLE_LINE,
@@ -105,6 +108,7 @@ def manifest_line(llm: LLM, job: Job, model_name: str) -> dict[str, Any]:
         "block_keys": llm.prompt_block_keys(job.prompt_token_ids),
         "sampling": dataclasses.asdict(job.sampling),
         "request_model": job.model,
+        **({} if job.endpoint == CHAT_COMPLETIONS_URL else {"endpoint": job.endpoint}),  # the answer's shape
     }
 
 
@@ -117,6 +121,9 @@ _Id = Annotated[Text, Field(min_length=1)]
 
 
 _MAX_RESPONSE_FORMAT = 1 << 20  # bytes of a response format's canonical JSON
+
+
+_BiasPair = Annotated[list[int | float], Field(min_length=2, max_length=2)]
 
 
 class _Sampling(BaseModel):
@@ -137,6 +144,11 @@ class _Sampling(BaseModel):
     # The canonical JSON of a constrained format (structured outputs), checked again below: a
     # line altered after prefill must not reach the grammar engine unchecked.
     response_format: str | None = Field(default=None, max_length=_MAX_RESPONSE_FORMAT)
+    # OpenAI's logit bias, (token id, bias) pairs (ids checked against the vocabulary below, the
+    # rest by the engine's SamplingParams), and the output penalties.
+    logit_bias: list[_BiasPair] = Field(default=[], max_length=MAX_LOGIT_BIAS)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
 
 
 class _Head(BaseModel):
@@ -161,6 +173,7 @@ class _Job(_Head):
     block_locations: list[dict[str, Any] | None] | None = None  # checked in _check_locations
     sampling: _Sampling
     request_model: Text | None = None
+    endpoint: Literal["/v1/chat/completions", "/v1/responses", "/v1/completions"] = CHAT_COMPLETIONS_URL
 
 
 class _RejectedReason(BaseModel):
@@ -252,8 +265,9 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
         raise ManifestMismatch(f"manifest line {item.line} ({j.custom_id!r}) was made for another model or "
                                f"layout ({diff})")
     ids = j.prompt_token_ids
-    problem = (_out_of_vocab(ids, vocab, "prompt_token_ids") or _out_of_vocab(j.sampling.stop_token_ids, vocab,
-                                                                                "sampling.stop_token_ids"))
+    problem = (_out_of_vocab(ids, vocab, "prompt_token_ids")
+               or _out_of_vocab(j.sampling.stop_token_ids, vocab, "sampling.stop_token_ids")
+               or _out_of_vocab([int(p[0]) for p in j.sampling.logit_bias], vocab, "sampling.logit_bias"))
     if problem is None and len(ids) >= llm.max_model_len:
         problem = ("prompt_token_ids", f"prompt is {len(ids)} tokens; the context window is {llm.max_model_len}")
     if problem is None:
@@ -270,7 +284,7 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
         sampling = SamplingParams(**sp)
     except ValueError as exc:  # the engine's own guard; the schema above should have said so first
         return _bad(position, item.line, m, "sampling", str(exc))
-    return Job(position, j.custom_id, j.line_no, list(ids), sampling, j.request_model)
+    return Job(position, j.custom_id, j.line_no, list(ids), sampling, j.request_model, j.endpoint)
 
 
 def _format_problem(response_format: str) -> tuple[str, str] | None:

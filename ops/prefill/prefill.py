@@ -200,7 +200,7 @@ def shard_jobs(table: pa.Table) -> Iterator[tuple[Job, list[str]]]:
         for rec in batch.to_pylist():
             req = record_request(rec)
             yield (Job(index, req.custom_id, req.line_no, list(rec["prompt_token_ids"]), to_engine_sampling(req),
-                       req.model), list(rec["block_keys"]))
+                       req.model, req.endpoint), list(rec["block_keys"]))
             index += 1
 
 

@@ -68,9 +68,10 @@ SHARD_SCHEMA = pa.schema([
 # statistics until it closes, and with message contents and block keys among them each of a
 # night's thousand open shard files grew by ~4 MB per 100,000 input rows (1,000,000 rows into 100
 # shards: peak RSS 777 MB against 357 at 100,000 rows). A response format (a JSON schema, up to
-# kilobytes: PROMPTS_SCHEMA's ``response_format``) is as long as a message and no one filters by it.
+# kilobytes: PROMPTS_SCHEMA's ``response_format``) is as long as a message and no one filters by it;
+# so is a completions row's raw ``prompt``.
 SHARD_STATISTICS_COLUMNS = [f.name for f in SHARD_SCHEMA
-                            if not pa.types.is_nested(f.type) and f.name not in ("model", "response_format")]
+                            if not pa.types.is_nested(f.type) and f.name not in ("model", "response_format", "prompt")]
 
 
 @dataclass

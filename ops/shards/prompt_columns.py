@@ -23,6 +23,8 @@ thing what must be done, and the rest with Arrow:
 - **A distinct conversation is tokenized and hashed once per batch**: contents are
   dictionary-encoded by Arrow, rows that repeat a conversation share its ids and block keys,
   and the per-row columns are an Arrow ``take`` of the per-conversation ones.
+- **A ``/v1/completions`` row has no conversation**: its raw prompt (``prompt`` text or ``prompt_ids``)
+  skips the chat template, so those rows take the per-row path and join the others' columns.
 - **Block keys** chain sha256 over raw digests and the ids' little-endian int32 bytes: the
   bytes :func:`~kvbatch.engine.runtime.block_hash.block_key` hashes, without numpy per block.
 
@@ -45,7 +47,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbatch.engine.text.tokenizer import ChatTokenizer
-from kvbatch.io.batch_requests import ChatRequest, RejectedRow, SamplingParams
+from kvbatch.io.batch_requests import CHAT_COMPLETIONS_URL, ChatRequest, RejectedRow, SamplingParams
+from kvbatch.io.endpoints import prompt_field
+from kvbatch.io.prompt_table import record_request
 from kvbatch.ops.jobs import prompt_ids
 from kvbatch.ops.shards.prompt_tokens import DEFAULT_CACHE_PIECES, CachedChatEncoder
 
@@ -266,8 +270,12 @@ class ColumnarTokenizer:
         """Every row through :func:`~kvbatch.ops.jobs.prompt_ids`, as the per-row path reads it."""
         outcomes = []
         for rec in batch.to_pylist():
-            messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"] or []]
-            req = ChatRequest(rec["row"], rec["custom_id"], messages, SamplingParams(), None)
+            if rec.get("prompt") is not None or rec.get("prompt_ids") is not None:
+                req = record_request(rec)  # a raw completions prompt: no template
+            else:
+                messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"] or []]
+                req = ChatRequest(rec["row"], rec["custom_id"], messages, SamplingParams(), None,
+                                  endpoint=rec.get("endpoint") or CHAT_COMPLETIONS_URL)
             outcomes.append(prompt_ids(self.encoder, self.max_model_len, req))
         ok = np.array([not isinstance(o, RejectedRow) for o in outcomes], dtype=bool)
         good = [o for o in outcomes if not isinstance(o, RejectedRow)]
@@ -277,6 +285,34 @@ class ColumnarTokenizer:
 
     def tokenize(self, batch: pa.RecordBatch | pa.Table) -> BatchTokens:
         """Token ids and block keys of every row of a ``PROMPTS_SCHEMA`` batch (or why not)."""
+        raw = _raw_prompt_rows(batch)
+        if raw.any():
+            return self._tokenize_mixed(batch, raw)
+        return self._tokenize_chat(batch)
+
+    def _tokenize_mixed(self, batch: pa.RecordBatch | pa.Table, raw: np.ndarray) -> BatchTokens:
+        """Chat rows columnar, raw-prompt rows (``/v1/completions``) per row, joined in row order."""
+        table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+        chat_rows, raw_rows = np.flatnonzero(~raw), np.flatnonzero(raw)
+        chat = self._tokenize_chat(table.take(pa.array(chat_rows))) if len(chat_rows) else None
+        parts = [(chat_rows, chat), (raw_rows, self._tokenize_rows(table.take(pa.array(raw_rows))))]
+        ok = np.zeros(len(raw), dtype=bool)
+        conversation = np.full(len(raw), -1, dtype=np.int64)
+        ids, keys, rejects, base = [], [], [], 0
+        for rows, part in parts:
+            if part is None:
+                continue
+            ok[rows] = part.ok
+            conversation[rows] = np.where(part.ok, part.conversation + base, -1)
+            ids.append(part.token_ids)
+            keys.append(part.block_keys)
+            rejects += zip(rows[~part.ok].tolist(), part.rejects, strict=True)
+            base += len(part.token_ids)
+        return BatchTokens(ok, conversation, pa.concat_arrays(ids), pa.concat_arrays(keys),
+                           [r for _, r in sorted(rejects, key=lambda x: x[0])],
+                           chat.fast_rows if chat is not None else 0)
+
+    def _tokenize_chat(self, batch: pa.RecordBatch | pa.Table) -> BatchTokens:
         n = batch.num_rows
         messages = batch.column("messages")
         if isinstance(messages, pa.ChunkedArray):
@@ -342,10 +378,28 @@ class ColumnarTokenizer:
         rejects = []
         if not ok.all():
             rows, cids = batch.column("row").to_pylist(), batch.column("custom_id").to_pylist()
+            endpoints = _endpoints(batch)
             for i in np.flatnonzero(~ok):
                 r = conv_ids[row_conv[i]]
-                rejects.append(RejectedRow(rows[i], cids[i], r.field, r.reason))  # type: ignore[union-attr]
+                # A conversation is shared by rows of any endpoint: each names its own prompt field.
+                field = prompt_field(endpoints[i]) if r.field == "body.messages" else r.field  # type: ignore[union-attr]
+                rejects.append(RejectedRow(rows[i], cids[i], field, r.reason))  # type: ignore[union-attr]
         spliced = np.array([s is not None for s in segs], dtype=bool)
         return BatchTokens(ok, np.where(ok, remap[row_conv], -1), ids_arr, keys_arr, rejects,
                            int(spliced[row_conv].sum()))
 
+
+def _raw_prompt_rows(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
+    """Which rows have a raw prompt (``/v1/completions``: ``prompt`` or ``prompt_ids`` set)."""
+    raw = np.zeros(batch.num_rows, dtype=bool)
+    for name in ("prompt", "prompt_ids"):
+        if name in batch.schema.names:
+            raw |= np.asarray(pc.is_valid(batch.column(name)), dtype=bool)
+    return raw
+
+
+def _endpoints(batch: pa.RecordBatch | pa.Table) -> list[str | None]:
+    """Each row's endpoint (None: chat completions, as in a table without the column)."""
+    if "endpoint" not in batch.schema.names:
+        return [None] * batch.num_rows
+    return batch.column("endpoint").to_pylist()
