@@ -370,3 +370,52 @@ def _lines(work: Path, read_part_lines) -> list[dict]:
     from kvbatch.pipelines.batch_api import list_parts
 
     return [json.loads(line) for p in list_parts(str(work), {}) for line in read_part_lines(str(work), p, {})]
+
+
+def test_a_night_of_hits_never_builds_the_engine(tiny_chat, tmp_path, monkeypatch):
+    """ops/decode/lazy_engine.py: the first run records the engine's identity; the next one keys the
+    cache from the record and builds the engine only at its first miss, with the same answers and
+    counters; a record that no longer matches the built engine fails loudly and is removed."""
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.io.batch_requests import read_requests
+    from kvbatch.ops.decode import lazy_engine
+    from kvbatch.ops.decode.generate import run_jobs
+    from kvbatch.ops.decode.response_cache import ResponseCache, engine_identity
+    from kvbatch.ops.engine_build import build_llm
+    from kvbatch.ops.jobs import tokenize_requests
+
+    monkeypatch.setattr(lazy_engine, "identity_dir", lambda: tmp_path / "identities")
+    spec = EngineSpec(model=str(tiny_chat), deterministic=True)
+    builds: list[object] = []
+
+    def build():
+        builds.append(build_llm(spec))
+        return builds[-1]
+
+    def night(name: str, rows: list[dict]) -> tuple[lazy_engine.LazyEngine, dict, dict]:
+        engine = lazy_engine.LazyEngine.open(spec, build)
+        src = _write(tmp_path / f"{name}.in.jsonl", rows)
+        out = tmp_path / f"{name}.out.jsonl"
+        cache = ResponseCache(str(tmp_path / "cache"), engine.engine_id)
+        report = run_jobs(engine, tokenize_requests(engine, read_requests(str(src))), str(out), response_cache=cache)
+        cache.close()
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        return engine, _answers(lines), report.to_json()
+
+    rows = GREEDY + SEEDED
+    first, answers1, m1 = night("first", rows)
+    assert first.built and len(builds) == 1  # no record yet: built, and its identity recorded
+    assert first.engine_id == engine_identity(builds[0])
+    assert m1["response_cache"]["misses"] == len(rows)
+    second, answers2, m2 = night("second", rows)
+    assert not second.built and len(builds) == 1
+    assert answers2 == answers1
+    assert m2["response_cache"]["hits"] == len(rows) and m2["succeeded"] == m1["succeeded"]
+    third, answers3, m3 = night("third", rows + [_row("new", "Something else", temperature=0)])
+    assert third.built and len(builds) == 2  # the one miss built it
+    assert m3["response_cache"]["misses"] == 1 and {k: answers3[k] for k in answers1} == answers1
+    [record] = (tmp_path / "identities").glob("*.json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "engine_id": "0" * 64}))
+    with pytest.raises(lazy_engine.EngineIdentityChanged, match="record was removed"):
+        night("fourth", rows + [_row("newer", "Yet another", temperature=0)])
+    assert not record.exists()

@@ -269,10 +269,8 @@ class LLM:
             self.connector.poll()  # store writes of landed saves, while the device computes
         now = time.perf_counter()
         self.stats["steps"] += 1
-        if self.spec is not None and all(s.seq.num_computed_tokens >= s.seq.num_prompt_tokens for s in step):
-            # A decode-only step: a sample of what target passes and drafting cost.
-            self.spec.observe_step(sum(s.num_new_tokens for s in step), now - started,
-                                   slots_offered, started - drafted_at)
+        # A decode-only step: a sample of what target passes and drafting cost (fed after sampling).
+        decode_only = self.spec is not None and all(s.seq.num_computed_tokens >= s.seq.num_prompt_tokens for s in step)
         prompt_tokens = 0
         for s in step:
             seq = s.seq
@@ -299,17 +297,35 @@ class LLM:
             offsets.append(offsets[-1] + s.num_spec + 1)
         plain: list[int] = []
         verified: list[int] = []
+        undrafted: list[tuple[Sequence, int]] = []  # speculative rows sampled as plain ones, tokens before
         for i, s in enumerate(sampled):
             if s.seq.prefill_only:
                 s.seq.finish_time = now
                 self._finish(s.seq, "prefilled")
                 finished.append(self._result(s.seq))
             elif self.spec is not None and s.seq.num_output_tokens > 0 and s.seq.sampling.response_format is None:
-                verified.append(i)
+                if s.num_spec or not s.seq.sampling.greedy:
+                    verified.append(i)
+                else:
+                    # A greedy row without drafts: the verifier would emit the argmax of its one
+                    # row, which is what the plain sampler picks, without the verdict's [N, 1, V]
+                    # tensors (most of a batched step's speculative overhead when few rows draft).
+                    # A sampled row stays with the verifier, whose random draws it has been making.
+                    plain.append(i)
+                    undrafted.append((s.seq, s.seq.num_tokens))
+                    self._count_verdict(s.seq, 0, 0)
             else:
                 plain.append(i)
         if plain or verified:
             self._sample_and_verify(sampled, logits, offsets, plain, verified, now, finished)
+        for seq, before in undrafted:
+            if seq.finish_reason is None:
+                self._roll_back(seq, before, 0)
+        if self.spec is not None and decode_only:
+            # The step's cost as the controller must weigh it: the target pass, and the sampling
+            # and verification after it (the verifier's tensors grow with the drafting rows).
+            self.spec.observe_step(sum(s.num_new_tokens for s in step), time.perf_counter() - started,
+                                   slots_offered, started - drafted_at, drafted=any(s.num_spec for s in step))
         self.stats["step_s"] += time.perf_counter() - t0
         return finished
 
@@ -427,17 +443,26 @@ class LLM:
         drafts = seq.spec_token_ids
         before = seq.num_tokens
         seq.spec_token_ids, seq.spec_draft_probs = [], None
-        seq.spec_draft_tokens += len(drafts)
+        self._count_verdict(seq, len(drafts), num_accepted)
+        if self._emit(seq, tokens, logprobs, now, finished):
+            return
+        self._roll_back(seq, before, num_accepted)
+
+    def _count_verdict(self, seq: Sequence, drafted: int, num_accepted: int) -> None:
+        """Count one target pass of a speculative row (before its tokens are emitted: a row that
+        finishes now reports it) and tell the controller how its drafts fared."""
+        seq.spec_draft_tokens += drafted
         seq.spec_accepted_tokens += num_accepted
         seq.spec_target_steps += 1
-        self.stats["spec_draft_tokens"] += len(drafts)
+        self.stats["spec_draft_tokens"] += drafted
         self.stats["spec_accepted_tokens"] += num_accepted
         self.stats["spec_target_steps"] += 1
         assert self.spec is not None
-        self.spec.observe(seq, len(drafts), num_accepted)
-        if self._emit(seq, tokens, logprobs, now, finished):
-            return
-        # The kept drafts' K/V were written by this pass; later slots held rejected drafts.
+        self.spec.observe(seq, drafted, num_accepted)
+
+    def _roll_back(self, seq: Sequence, before: int, num_accepted: int) -> None:
+        """After a speculative row's pass (it had ``before`` tokens): the kept drafts' K/V were
+        written by this pass; later slots held rejected drafts (or draft slots nothing filled)."""
         seq.num_computed_tokens += num_accepted
         self.block_manager.commit(seq)
         self.block_manager.trim(seq)

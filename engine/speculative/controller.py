@@ -30,13 +30,21 @@ per-token rate would miss. The j-th draft of a step survives with probability
   threshold decides; with many requests in a step, compute dominates and only drafts that are
   very likely kept get a slot;
 - a request whose estimate drops so low that it gets no slot probes with one draft every
-  ``probe_every`` steps, so it can recover when the text turns repetitive.
+  ``probe_every`` steps, so it can recover when the text turns repetitive; but only in a step
+  that verifies drafts anyway, or where a step with drafts costs at most :data:`PROBE_SURCHARGE`
+  more than one without. A step that verifies no draft runs the plain path (no verifier, on the
+  CPU the fused decode layers), and with many requests a step that verifies even one draft costs
+  measurably more (the engine's rows take the verifier's tensors and the batch leaves the fused
+  decode path): a probe that turned every step into one would cost more than all it could find.
+  The cost model therefore keeps steps that verified drafts apart from those that did not, both
+  measured through sampling and verification.
 
 With ``adaptive`` off, every request drafts ``max_len`` tokens whenever the drafter has them.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -44,6 +52,11 @@ from typing import Callable, Literal
 from kvbatch.engine.runtime.sequence import Sequence
 
 Method = Literal["ngram", "draft", "early-exit", "suffix"]
+
+# A probe (a row's one draft after it stopped drafting) in a step that would verify no other draft
+# is granted only while a step with drafts is predicted to cost at most this share more than one
+# without: the probe's step then pays for the verifier and, on the CPU, leaves the fused decode path.
+PROBE_SURCHARGE = 0.02
 
 
 @dataclass(frozen=True)
@@ -144,8 +157,9 @@ class Acceptance:
 
 @dataclass
 class StepCostModel:
-    """Seconds of a target pass over ``tokens`` tokens, plus ``per_draft`` seconds of drafter
-    time per draft slot offered, learned from decode-only steps.
+    """Seconds of a target pass over ``tokens`` tokens (with the sampling and verification after
+    it), plus ``per_draft`` seconds of drafter time per draft slot offered, learned from
+    decode-only steps.
 
     Two parts. A table of measured step times per token count (decayed means) answers for sizes
     the engine has run; between two measured sizes it interpolates. The curve is not a line on a
@@ -154,6 +168,12 @@ class StepCostModel:
     Elsewhere a line ``fixed + per_token * tokens`` (decayed least squares over every step, with
     a prior that a pass of ``prior_break_even`` tokens costs twice a one-token pass) extends the
     nearest measurement.
+
+    Steps that verified drafts are measured apart (``drafted_table``): at the same token count
+    they cost more than steps without (the verifier's work, and on the CPU the batch leaves the
+    fused decode path), so a draft slot is priced at what a drafted step of that size measured.
+    Until one was measured, drafted steps are priced as plain ones (drafting is tried, then
+    learned).
     """
 
     prior_break_even: float = 16.0
@@ -162,6 +182,7 @@ class StepCostModel:
     per_token: float = 1.0 / 16.0
     per_draft: float = 0.0
     table: dict[int, float] = field(default_factory=dict)  # tokens -> decayed mean seconds
+    drafted_table: dict[int, float] = field(default_factory=dict)  # the same, steps that verified drafts
     _n: float = 0.0
     _st: float = 0.0
     _stt: float = 0.0
@@ -170,21 +191,26 @@ class StepCostModel:
     _draft_s: float = 0.0
     _drafted: float = 0.0
 
-    def step_time(self, tokens: int) -> float:
-        if tokens in self.table:
-            return self.table[tokens]
-        known = sorted(self.table)
-        lower = max((t for t in known if t < tokens), default=None)
-        upper = min((t for t in known if t > tokens), default=None)
+    def step_time(self, tokens: int, drafted: bool = False) -> float:
+        """Predicted seconds of a step of ``tokens`` tokens; ``drafted``: one that verifies drafts."""
+        table = self.drafted_table if drafted and self.drafted_table else self.table
+        if tokens in table:
+            return table[tokens]
+        known = sorted(table)  # a step's allocation asks for every size it weighs: bisect, no scan
+        at = bisect.bisect_left(known, tokens)
+        lower = known[at - 1] if at > 0 else None
+        upper = known[at] if at < len(known) else None
         if lower is not None and upper is not None:
             w = (tokens - lower) / (upper - lower)
-            return (1 - w) * self.table[lower] + w * self.table[upper]
+            return (1 - w) * table[lower] + w * table[upper]
         anchor = lower if lower is not None else upper
         if anchor is None:
             return self.fixed + self.per_token * tokens
-        return max(self.table[anchor] + self.per_token * (tokens - anchor), 1e-9)
+        return max(table[anchor] + self.per_token * (tokens - anchor), 1e-9)
 
-    def observe(self, tokens: int, target_s: float, drafted: int, draft_s: float) -> None:
+    def observe(self, tokens: int, target_s: float, drafted: int, draft_s: float, verified: bool = False) -> None:
+        """One decode-only step: ``tokens`` tokens in ``target_s`` seconds, ``drafted`` draft slots
+        offered to the drafter in ``draft_s`` seconds; ``verified``: the step verified drafts."""
         if self._n == 0.0:
             # Anchor the prior's scale on the first real step.
             unit = target_s / (1.0 + tokens / self.prior_break_even)
@@ -200,8 +226,9 @@ class StepCostModel:
             a = (self._sy - b * self._st) / self._n
             self.per_token = max(b, 1e-7)
             self.fixed = max(a, 1e-6)
-        old = self.table.get(tokens)
-        self.table[tokens] = target_s if old is None else 0.8 * old + 0.2 * target_s
+        table = self.drafted_table if verified else self.table
+        old = table.get(tokens)
+        table[tokens] = target_s if old is None else 0.8 * old + 0.2 * target_s
         self._draft_s = d * self._draft_s + draft_s
         self._drafted = d * self._drafted + drafted
         self.per_draft = self._draft_s / self._drafted if self._drafted > 0 else 0.0
@@ -241,18 +268,28 @@ class SpecController:
     idle: dict[int, int] = field(default_factory=dict)  # request -> steps since it last drafted
     planned: dict[int, int] = field(default_factory=dict)  # request -> evidence of this step's draft
 
-    def rates(self, seq: Sequence, evidence: int | None = None) -> list[float]:
+    def rates(self, seq: Sequence, evidence: int | None = None,
+              priors: dict[int, list[float]] | None = None) -> list[float]:
         """``p_1 .. p_max_len`` for the request's draft with this evidence (default: the one
         planned this step): its own counts, shrunk towards the run's for that evidence, shrunk
-        towards the run's over all drafts, shrunk towards ``initial_alpha``."""
+        towards the run's over all drafts, shrunk towards ``initial_alpha``. ``priors``: the
+        run's rates per evidence, filled as met (a step's plan shares them across its rows)."""
         c, w = self.config, self.config.prior_weight
         ev = self.planned.get(seq.seq_id, 0) if evidence is None else evidence
-        own = self.states.get(seq.seq_id, {}).get(ev) or Acceptance()
+        own = self.states.get(seq.seq_id, {}).get(ev)
         if self_contained(seq):
+            own = own or Acceptance()
             return [own.rate(j, c.initial_alpha, w) for j in range(c.max_len)]
-        run = self.by_evidence.get(ev) or Acceptance()
-        g = self.overall
-        return [own.rate(j, run.rate(j, g.rate(j, c.initial_alpha, w), w), w) for j in range(c.max_len)]
+        prior = priors.get(ev) if priors is not None else None
+        if prior is None:
+            run = self.by_evidence.get(ev) or Acceptance()
+            g = self.overall
+            prior = [run.rate(j, g.rate(j, c.initial_alpha, w), w) for j in range(c.max_len)]
+            if priors is not None:
+                priors[ev] = prior
+        if own is None:
+            return list(prior)
+        return [own.rate(j, prior[j], w) for j in range(c.max_len)]
 
     def alpha(self, seq: Sequence) -> float:
         """The chance the request's first draft is kept (model drafters scale it by confidence)."""
@@ -279,6 +316,7 @@ class SpecController:
         ``outlook`` tells what the drafter has for a request (default: ``max_len`` tokens)."""
         c = self.config
         decoding: list[tuple[Sequence, int, list[float]]] = []
+        priors: dict[int, list[float]] = {}
         for seq in running:
             seq.num_lookahead = 0
             if seq.prefill_only or seq.num_pending_tokens != 1:
@@ -287,7 +325,7 @@ class SpecController:
             self.planned[seq.seq_id] = look.evidence
             room_out = seq.sampling.max_tokens - seq.num_output_tokens - 1
             room_ctx = max_model_len - seq.num_tokens - 1
-            rates = self.rates(seq, look.evidence) if c.adaptive else []
+            rates = self.rates(seq, look.evidence, priors) if c.adaptive else []
             cap = max(0, min(self.length(seq, rates), room_out, room_ctx, look.available))
             decoding.append((seq, cap, rates))
         if not c.adaptive:
@@ -308,14 +346,14 @@ class SpecController:
         expected = float(tokens)  # tokens this step is expected to emit
         drafts = 0
         heap: list[tuple[float, int]] = []
+        probes: list[Sequence] = []
         for i, (seq, cap, rates) in enumerate(decoding):
             if cap > 0 and self_contained(seq):
                 seq.num_lookahead = cap  # its own history decides, never its neighbours
                 tokens, drafts = tokens + cap, drafts + cap
                 expected += sum(_survivals(rates[:cap]))
             elif cap > 0 and rates[0] < self.config.accept_threshold:
-                seq.num_lookahead = 1  # a probe: granted whatever it costs, it is how the estimate recovers
-                tokens, drafts, expected = tokens + 1, drafts + 1, expected + rates[0]
+                probes.append(seq)  # how a stopped estimate recovers: granted below, if cheap enough
             elif cap > 0:
                 heapq.heappush(heap, (-rates[0], i))
         ranked: list[tuple[float, int]] = []
@@ -327,18 +365,23 @@ class SpecController:
             _, cap, rates = decoding[i]
             if granted[i] < cap:
                 heapq.heappush(heap, (neg_gain * rates[granted[i]], i))
-        best_m, best_rate, gain = 0, expected / (cost.step_time(tokens) + cost.per_draft * drafts), 0.0
+        best_m, best_rate, gain = 0, expected / (cost.step_time(tokens, drafts > 0) + cost.per_draft * drafts), 0.0
         for m, (g, _) in enumerate(ranked, start=1):
             gain += g
-            rate = (expected + gain) / (cost.step_time(tokens + m) + cost.per_draft * (drafts + m))
+            rate = (expected + gain) / (cost.step_time(tokens + m, True) + cost.per_draft * (drafts + m))
             if rate > best_rate:
                 best_m, best_rate = m, rate
         for _, i in ranked[:best_m]:
             decoding[i][0].num_lookahead += 1
+        if probes and (drafts + best_m > 0 or cost.step_time(tokens + len(probes), True)
+                       <= (1.0 + PROBE_SURCHARGE) * cost.step_time(tokens)):
+            for seq in probes:
+                seq.num_lookahead = 1
 
-    def observe_step(self, tokens: int, target_s: float, slots: int, draft_s: float) -> None:
-        """Feed the cost model one decode-only step (``slots``: draft slots offered to the drafter)."""
-        self.cost.observe(tokens, target_s, slots, draft_s)
+    def observe_step(self, tokens: int, target_s: float, slots: int, draft_s: float, drafted: bool = False) -> None:
+        """Feed the cost model one decode-only step (``slots``: draft slots offered to the drafter;
+        ``drafted``: the step verified drafts)."""
+        self.cost.observe(tokens, target_s, slots, draft_s, drafted)
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         if drafted == 0:

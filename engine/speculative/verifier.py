@@ -136,6 +136,8 @@ def verify_batch(rows: list[VerifyRow]) -> BatchVerdict:
     another request of the batch has real ones."""
     N = len(rows)
     assert N, "verify_batch needs at least one row"
+    if all(r.params.greedy for r in rows):
+        return _verify_greedy(rows)
     device = rows[0].logits.device
     V = rows[0].logits.shape[-1]
     k_max = max(len(r.drafts) for r in rows)
@@ -177,3 +179,20 @@ def verify_batch(rows: list[VerifyRow]) -> BatchVerdict:
     emitted = torch.cat([tokens_dev, torch.zeros((N, 1), dtype=torch.int64, device=device)], dim=1)
     emitted.scatter_(1, accepted.view(N, 1), nxt.view(N, 1))
     return BatchVerdict(accepted, emitted)
+
+
+def _verify_greedy(rows: list[VerifyRow]) -> BatchVerdict:
+    """:func:`verify_batch` when every row is greedy. A draft is kept while it equals its row's
+    argmax (the accept kernel on p = [draft is the argmax], q = 1, u = 1/2, as the general path's
+    one-hot rows give it) and the token after the kept ones is the next row's argmax, so the
+    emitted tokens are the rows' argmaxes themselves: no ``[N, k + 1, V]`` target and no recover
+    kernel, whose work is what a step with few drafts would otherwise spend most on."""
+    device = rows[0].logits.device
+    N, k_max = len(rows), max(len(r.drafts) for r in rows)
+    best = torch.nn.utils.rnn.pad_sequence([torch.argmax(r.logits, dim=-1) for r in rows], batch_first=True)
+    drafts = host_to_device(torch.tensor([r.drafts + [0] * (k_max - len(r.drafts)) for r in rows],
+                                         dtype=torch.int64).view(N, k_max), device)
+    num_drafts = host_to_device(torch.tensor([len(r.drafts) for r in rows], dtype=torch.int64), device)
+    p_tok = (drafts == best[:, :k_max]).float()
+    accepted = K.spec_accept(p_tok, torch.ones_like(p_tok), torch.full_like(p_tok, 0.5), num_drafts)
+    return BatchVerdict(accepted, best)

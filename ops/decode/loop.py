@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest, Result
 from kvbatch.io.batch_requests import WHOLE_LINE, InputStreamError, RejectedRow
 from kvbatch.io.urls import redact_text
+from kvbatch.ops.decode.lazy_engine import LazyEngine, engine_started
 from kvbatch.ops.decode.report import BatchReport
 from kvbatch.ops.decode.response_cache import (
     LOOKUP_BATCH,
@@ -79,7 +80,7 @@ class DecodeLoop:
         self._in_flight: dict[str, Job] = {}
         self._asked_for: set[str] = set()
         self.response_cache = response_cache
-        if response_cache is not None and type(llm).stream is not LLM.stream:
+        if response_cache is not None and not isinstance(llm, LazyEngine) and type(llm).stream is not LLM.stream:
             raise ValueError("the response cache runs with one engine, not an expert-parallel group's")
         self._ready: deque[Answered] = deque()  # cache hits not yet handed out
         self._verify: dict[str, tuple[str, dict]] = {}  # request id -> (key, entry) being recomputed
@@ -235,14 +236,15 @@ class DecodeLoop:
 
     def _iter_cached(self, cache: ResponseCache) -> Iterator[Answered | Refused]:
         """:meth:`LLM.stream`'s loop (admit, step, drain at the end) over the misses, handing out
-        the hits and refusals between steps."""
+        the hits and refusals between steps. A :class:`~kvbatch.ops.decode.lazy_engine.LazyEngine`
+        is built by the first miss's ``add_request``; until then nothing here touches it."""
         llm = self.llm
         cap = 2 * llm.engine_config.max_num_seqs
         source = self._cached_requests(cache)
         exhausted = False
         try:
             while True:
-                while not exhausted and len(llm.scheduler.waiting) < cap:
+                while not exhausted and (not engine_started(llm) or len(llm.scheduler.waiting) < cap):
                     request = next(source, _END)
                     if request is _END:
                         exhausted = True
@@ -252,7 +254,7 @@ class DecodeLoop:
                         llm.add_request(request)
                 while self._ready or self._refused:
                     yield self._ready.popleft() if self._ready else self._refused.popleft()
-                if not llm.scheduler.has_work():
+                if not engine_started(llm) or not llm.scheduler.has_work():
                     if exhausted:
                         if llm.connector is not None:
                             llm.connector.drain()
