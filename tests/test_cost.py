@@ -2,7 +2,9 @@
 dollars by token class add up to the total, device-seconds are charged per stage at that stage's
 devices, storage is GB-month per tier prorated by retention, requests are priced per 1,000 by
 kind, $/Mtok is left out (None) where a class has no tokens, and a day's rollup is the sum of
-its shards. Also the SLO verdict, the progress meter and the pricing resource's validation."""
+its shards. Also the SLO verdict, the progress meter and the pricing resource's validation; and
+the contract between the meter and the stats a real tiny prefill and decode commit (the meter reads
+every key with a default: on real stats it must default none but ``OPTIONAL_STATS``)."""
 
 from __future__ import annotations
 
@@ -269,3 +271,77 @@ def test_batch_report_keeps_response_cache_rows_apart_and_reconcilable():
     assert (got["succeeded"], got["prompt_tokens"], got["output_tokens"]) == (2, 10, 4)
     assert (got["response_cache_rows"], got["response_cache_prompt_tokens"], got["response_cache_output_tokens"]) == (
         1, 7, 3)
+
+
+# -- the contract with what a real run writes ---------------------------------------------------------
+
+
+class _Probe(dict):
+    """A stats document that records every key the meter asks for and does not find."""
+
+    def __init__(self, doc: dict, path: str, missing: set[str]) -> None:
+        super().__init__(doc)
+        self.path, self.missing = path, missing
+
+    def get(self, key, default=None):
+        if key not in self:
+            self.missing.add(f"{self.path}.{key}")
+        value = super().get(key, default)
+        if key == "connector" and isinstance(value, dict):  # its keys are schema; a *_by_tier dict's are data
+            return _Probe(value, f"{self.path}.connector", self.missing)
+        return value
+
+
+def test_the_meter_defaults_nothing_a_real_prefill_and_decode_commit(tmp_path):
+    """A tiny model's shard, prefilled into a KV store and decoded from it, exactly as the pipeline's
+    steps do: the results table has every column the meter sums, the stats files have every key it
+    reads (bar the optional ones), and the metered tokens are those the run reports."""
+    import json
+
+    from kvbatch.engine.runtime.engine_config import EngineConfig
+    from kvbatch.engine.runtime.llm import LLM
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
+    from kvbatch.io.shard_tables import read_table, shard_url
+    from kvbatch.ops.decode.shard import decode_shard
+    from kvbatch.ops.ingest.prompts import ingest
+    from kvbatch.ops.prefill.prefill import prefill_shard
+    from kvbatch.ops.results.cost import _SUMMED, OPTIONAL_STATS, SPEC_FIELDS
+    from kvbatch.ops.results.metrics import LATENCIES
+    from kvbatch.ops.shards.build import build_shards
+    from tests.tiny_models import build_tiny_chat_model
+
+    tiny = build_tiny_chat_model(tmp_path / "tiny", max_positions=256)
+    system = "You answer for a library: name one book and its author, in one sentence. " * 2
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": f"A book about {i}?"}],
+        "max_tokens": 3, "temperature": 0}) + "\n" for i in range(4)))
+    ingest(str(src), str(tmp_path / "prompts.parquet"), str(tmp_path / "rejects.parquet"))
+
+    def llm(store=None) -> LLM:
+        return LLM(str(tiny), engine_config=EngineConfig(batch_invariant=True, max_num_seqs=4), kv_store=store)
+
+    root = str(tmp_path / "day")
+    build_shards(llm(), str(tmp_path / "prompts.parquet"), root, 1, rejects_url=str(tmp_path / "sr.parquet"))
+    fingerprint = EngineSpec(dtype="fp32", block_size=16).kv_fingerprint(llm().checkpoint.fingerprint)
+    store = KVStore.from_config(KVStoreConfig(url=str(tmp_path / "kv"), memory_bytes=0), fingerprint)
+    manifests, results = shard_url(root, "manifests", "0000", "manifests.jsonl"), shard_url(root, "results", "0000")
+    prefill_url, decode_url = str(tmp_path / "prefill_stats.json"), str(tmp_path / "decode_stats.json")
+    prefill_shard(llm(store), shard_url(root, "shards", "0000"), manifests, stats_url=prefill_url)
+    decode_shard(llm(store), manifests, results, stats_url=decode_url)
+
+    table = read_table(results)
+    assert set(_SUMMED) - set(SPEC_FIELDS) | set(LATENCIES) <= set(table.schema.names)
+    missing: set[str] = set()
+    prefill = _Probe(json.loads(open(prefill_url).read()), "prefill", missing)
+    decode = _Probe(json.loads(open(decode_url).read()), "decode", missing)
+    m = shard_metrics(table, prefill, decode, PRICING)
+    assert missing <= OPTIONAL_STATS, sorted(missing - OPTIONAL_STATS)
+    metrics_table(m)  # the row fits the table the pipeline commits
+    assert m["requests"] == 4 and m["prompt_tokens"] == decode["prompt_tokens"] > 0
+    assert m["output_tokens"] == decode["output_tokens"] > 0
+    assert m["prompt_tokens_prefill_computed"] == prefill["prompt_tokens_computed"] > 0
+    assert m["prompt_tokens_decode_loaded"] == decode["loaded_prompt_tokens"] > 0
+    assert m["kv_blocks_written"] == prefill["connector"]["blocks_written"] > 0
+    assert m["prefill_wall_s"] > 0 and m["decode_wall_s"] > 0 and m["cost_usd"] > 0

@@ -13,7 +13,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,12 +37,6 @@ E, H, I, TOPK, LAYERS = 8, 16, 24, 2, 3
 MOE_LAYERS = (1, 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _synthetic_layers() -> dict[int, MoELayerWeights]:
     g = torch.Generator().manual_seed(0)
     return {li: MoELayerWeights(router=torch.randn(E, H, generator=g),
@@ -59,13 +52,17 @@ def _tokens(rank: int, n: int, step: int = 0) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _spawned(fn, world: int, *args) -> None:
-    mp.spawn(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    # The ranks meet at a store this process opens on a port the OS picks, and holds open while
+    # they run: no port is found free, released and bound again (where another test could take it),
+    # and no MASTER_PORT is set in any environment.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    mp.spawn(_rank_main, args=(world, store.port, fn, args), nprocs=world, join=True)
 
 
 def _rank_main(rank: int, world: int, port: int, fn, args) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
     finally:
@@ -310,26 +307,25 @@ def test_bad_slot_count_is_refused_before_work(moe_models, tmp_path, capfd):
 @pytest.mark.slow
 def test_a_killed_rank_fails_the_group_quickly(moe_models, tmp_path):
     """SIGKILL one worker mid-run: the launcher names the rank and stops the group, well
-    within the collective timeout, and writes no output."""
+    within the collective timeout (set to 600 s: a group that waited for it would outlive the
+    120 s the test gives it), and writes no output."""
     src = _requests(tmp_path / "in.jsonl", n=8, max_tokens=200)
     out = tmp_path / "o.jsonl"
     cmd = [sys.executable, "-m", "kvbatch.cli.main", "generate", "--model", str(moe_models["mixtral"]),
            "--input", str(src), "--output", str(out), "--no-progress", "--workers", "2",
            "--max-batch", "1"]  # one request at a time: ~1600 steps, long enough to be killed mid-run
-    env = {**os.environ, "KVBATCH_DIST_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "KVBATCH_DIST_TIMEOUT_S": "600", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         victim = _wait_for_worker(proc.pid, rank=1, timeout_s=120)
         time.sleep(2.0)  # let it get into the decode loop
         os.kill(victim, signal.SIGKILL)
-        started = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=120)  # a fifth of the collective timeout: a ratio, not a timed assert
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 2, err
     assert "worker rank 1 was killed by signal 9" in err
-    assert time.monotonic() - started < 30
     assert not out.exists()
 
 

@@ -1,10 +1,12 @@
 """The KV staging pool (engine/runtime/kv_staging.py) and the connector's loads and saves through it.
 
-The CUDA path cannot run here, so its order is proven with a fake copy engine whose copies run
-*late*: a copy queued on the "side stream" runs only when a fence after it is waited on (by the
-host, or by the compute stream). Any buffer reused too early, any step that reads a loaded block
-before its copy, any save taken out of its buffer before its copy or any block overwritten before
-its save's copy, then gives wrong bytes: the tests below see them.
+The CUDA path cannot run here, so its order is proven with a fake copy engine whose two streams
+run *late*: a copy queued on the "side stream" runs only when a fence after it is waited on (by the
+host, or by the compute stream), and a step a test queues on the "compute stream" runs only when
+the host waits for it or a copy ordered after it runs. Any buffer reused too early, any step that
+reads a loaded block before its copy, any copy that runs before the step it must follow, any save
+taken out of its buffer before its copy or any block overwritten before its save's copy, then
+gives wrong bytes: the tests below see them.
 """
 
 from __future__ import annotations
@@ -48,23 +50,31 @@ class LateFence:
 
 
 class LateCopyEngine:
-    """A side stream whose copies run only when a fence after them is waited on."""
+    """A side stream whose copies run only when a fence after them is waited on, and a compute
+    stream whose queued steps (:meth:`step`) run only when the host waits for them
+    (:meth:`finish_compute`) or when a copy ordered after them (``side_after_compute``) runs.
+
+    The engine tests queue no step: there the model computes on the host, so its work is done when
+    issued, and ``compute_after`` waits on the host (the GPU's wait, made stronger, not weaker)."""
 
     def __init__(self) -> None:
-        self.ops: list = []
+        self.ops: list = []  # the side stream: (steps that must run first, the copy)
         self.done = 0
+        self.steps: list = []  # the compute stream
+        self.steps_done = 0
         self.allocations = 0
         self.compute_waits = 0
+        self._after = 0  # the compute steps the next copies are ordered after
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         self.allocations += 1
         return torch.full((nbytes,), 0xAB, dtype=torch.uint8)  # garbage: a read before a write shows
 
     def side_after_compute(self) -> None:
-        return None  # the fake's compute stream is the host: its work is done when queued
+        self._after = len(self.steps)  # a real wait: the copies queued from now on run after these steps
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.ops.append(lambda: dst.copy_(src))
+        self.ops.append((self._after, lambda: dst.copy_(src)))
 
     def record(self) -> LateFence:
         return LateFence(self, len(self.ops))
@@ -73,9 +83,24 @@ class LateCopyEngine:
         self.compute_waits += 1
         self.run_until(fence.upto)
 
+    def step(self, fn) -> None:
+        """Queue work on the compute stream (a forward pass reading or writing the cache)."""
+        self.steps.append(fn)
+
+    def finish_compute(self) -> None:
+        """The host waits for the compute stream."""
+        self._run_steps(len(self.steps))
+
+    def _run_steps(self, n: int) -> None:
+        while self.steps_done < n:
+            self.steps[self.steps_done]()
+            self.steps_done += 1
+
     def run_until(self, n: int) -> None:
         while self.done < n:
-            self.ops[self.done]()
+            after, op = self.ops[self.done]
+            self._run_steps(after)
+            op()
             self.done += 1
 
 
@@ -209,6 +234,36 @@ def test_a_save_is_handed_over_only_after_its_copy_and_a_reused_block_waits_for_
     cache[:, :, 2] = -1.0
     (_, tensors), = late.collect(wait=True)
     assert _bits(tensors[0]) != _bits(before)
+
+
+def test_a_save_copies_what_the_step_before_it_wrote_not_what_was_there():
+    """The step that computed a block is still queued on the compute stream when its save is
+    issued: the save's copy must run after it (``side_after_compute``), or it copies stale bytes."""
+    engine = LateCopyEngine()
+    staging = KVStaging(engine, 4, 1024)
+    cache = _cache((2, 2, 4, 3), torch.float32, seed=4)
+    computed = _cache((2, 2, 3), torch.float32, seed=5)
+    engine.step(lambda: cache[:, :, 2].copy_(computed))  # the forward pass writing block 2
+    staging.save(cache, ["a"], [2])
+    assert engine.steps_done == 0  # nothing ran yet: the host did not wait
+    (keys, tensors), = staging.collect(wait=True)
+    assert keys == ["a"] and _bits(tensors[0]) == _bits(computed)
+
+
+def test_a_load_lands_after_the_step_in_flight_read_the_blocks_last_owner():
+    """A block just given to a sequence may still be read by a queued step for its last owner:
+    the load's copy must wait for that step (``side_after_compute``), or the step reads the new
+    sequence's bytes."""
+    engine = LateCopyEngine()
+    staging = KVStaging(engine, 1, 48)  # one buffer, two pieces: the pool waits on the first copy
+    cache = _cache((2, 2, 4, 3), torch.float32, seed=6)
+    old = cache[:, :, 1:3].clone()
+    seen: list[torch.Tensor] = []
+    engine.step(lambda: seen.append(cache[:, :, 1:3].clone()))  # the last owner's step, still queued
+    staging.load(cache, [torch.ones(2, 2, 3), torch.full((2, 2, 3), 2.0)], [1, 2])
+    engine.finish_compute()
+    assert _bits(seen[0]) == _bits(old)
+    assert torch.equal(cache[:, :, 1], torch.ones(2, 2, 3)) and torch.equal(cache[:, :, 2], torch.full((2, 2, 3), 2.0))
 
 
 def test_the_cpu_engine_uses_plain_buffers():

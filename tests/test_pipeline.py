@@ -269,11 +269,14 @@ def test_schedule_and_sensors(tmp_path, monkeypatch):
     again = new_file_requests(str(tmp_path), first.cursor)
     assert again.run_requests == []
     (tmp_path / "undated.jsonl").write_text("{}\n")  # no date in the path: the day it was written
+    # A written-at time of our choosing (one second before a UTC midnight), not "now": the
+    # answer must not depend on the day, or the hour, the test runs.
+    written = __import__("datetime").datetime(2026, 11, 26, 23, 59, 59, tzinfo=__import__("datetime").UTC)
+    os.utime(tmp_path / "undated.jsonl", (written.timestamp(), written.timestamp()))
     third = new_file_requests(str(tmp_path), first.cursor)
     [undated] = third.run_requests
     assert undated.run_key.split("@")[0] == str(tmp_path / "undated.jsonl")
-    assert undated.partition_key == __import__("datetime").datetime.now(__import__("datetime").timezone.utc).strftime(
-        "%Y-%m-%d")
+    assert undated.partition_key == "2026-11-26"
     assert date_of_file("in/1999-01-01.jsonl", {}) is None  # before the first date partition
     assert date_of_file("in/2026-13-45.jsonl", {}) is None
     assert shards_after_ingest.job_name == "kvbatch_shard"
@@ -467,24 +470,47 @@ def test_decode_with_two_ranks_under_torchrun_equals_one(tiny, tmp_path):
         r["custom_id"]: ref[r["custom_id"]] for r in results}
 
 
-def test_terminating_the_launcher_stops_every_rank(tmp_path):
+def test_terminating_the_launcher_stops_every_rank(tiny, tmp_path):
     """What Dagster does when a run is terminated: SIGINT to the launcher it started. torchrun
-    then stops its workers; none may outlive it."""
-    script = tmp_path / "sleeper.py"
-    script.write_text("import os, pathlib, sys, time\n"
-                      "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\n"
-                      "time.sleep(120)\n")
+    then stops its workers; none may outlive it. The ranks are the real decode worker, stopped
+    once each has committed a part of its own (so each is inside the decode loop, not starting)."""
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.resources.decode_cluster import WORKER_MODULE
+
+    rows = [json.dumps({"custom_id": f"r{i}", "messages": [{"role": "user", "content": f"Count to {i}"}],
+                        "max_tokens": 200, "ignore_eos": True, "temperature": 0}) for i in range(8)]
+    (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
+    parts = tmp_path / "parts"
+    spec = {"command": "generate", "input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out.jsonl"),
+            "parts_url": str(parts), "checkpoint_rows": 1,
+            "engine_spec": EngineSpec(model=str(tiny), dtype="fp32", max_batch=1).to_json()}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
     cluster = DecodeClusterResource(launcher="local", world_size=2, backend="gloo")
-    cmd = cluster.command(target=[str(script), str(tmp_path)])
+    cmd = cluster.command(target=["-m", WORKER_MODULE, "--spec", str(tmp_path / "spec.json")])
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def ranks() -> dict[str, int]:
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != proc.pid:
+                    continue
+                pairs = (stat.parent / "environ").read_bytes().split(b"\0")
+                env = dict(kv.split(b"=", 1) for kv in pairs if b"=" in kv)
+            except (OSError, ValueError):
+                continue
+            if b"RANK" in env:
+                found[env[b"RANK"].decode()] = int(stat.parent.name)
+        return found
+
     try:
-        deadline = time.monotonic() + 90
-        while not all((tmp_path / r).exists() for r in ("0", "1")):
-            assert proc.poll() is None and time.monotonic() < deadline, "workers did not start"
+        deadline = time.monotonic() + 240
+        while not all(list(parts.glob(f"part-*-r{r:05d}-*.parquet")) for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not commit a part each"
             time.sleep(0.2)
-        time.sleep(0.3)
-        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+        pids = ranks()
+        assert sorted(pids) == ["0", "1"], pids
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
 
@@ -496,9 +522,10 @@ def test_terminating_the_launcher_stops_every_rank(tmp_path):
             return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
         deadline = time.monotonic() + 30
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(alive(p) for p in pids)
+        assert not any(alive(p) for p in pids.values())
+        assert not (tmp_path / "out.jsonl").exists()  # stopped mid-run: no output passes for the whole
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -152,6 +152,17 @@ METRICS_SCHEMA = pa.schema([
 
 SPEC_FIELDS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
 
+# The stats keys (``prefill.<key>``, ``decode.<key>``, ``prefill.connector.<key>``...) a real run may
+# leave out: the meter reads every key with a default, so stats written before a key existed still
+# meter; any other key missing is a stats writer and this meter disagreeing, metered as 0 without
+# a word. tests/test_cost.py checks, on what a tiny prefill and decode really commit, that the meter
+# defaults no key but these.
+OPTIONAL_STATS = frozenset({
+    "decode.prompt_step_s",  # an engine that times its prompt steps apart
+    "decode.speculative",  # speculative decoding only
+    "decode.expert_load_balancedness",  # MoE only
+})
+
 
 def class_tokens(row: Mapping[str, Any]) -> dict[str, int]:
     """The tokens each cost class is about, from a metrics row (a shard's or a day's sums)."""
