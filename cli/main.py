@@ -144,8 +144,11 @@ def _open_response_cache(args: argparse.Namespace, llm: Any, stack: contextlib.E
         return None
     from kvbatch.ops.decode.response_cache import ResponseCache
 
+    from kvbatch.ops.decode.lazy_engine import LazyEngine
+
     try:
-        cache = ResponseCache.for_llm(url, llm, verify=args.response_cache_verify)
+        cache = (ResponseCache(url, llm.engine_id, verify=args.response_cache_verify) if isinstance(llm, LazyEngine)
+                 else ResponseCache.for_llm(url, llm, verify=args.response_cache_verify))
     except Exception as exc:  # noqa: BLE001 - an unusable cache URL is one line
         from kvbatch.io.urls import one_line, redact
 
@@ -411,7 +414,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             requests.close()
             outputs.close_unused()
             return _run_worker_group(args, "generate")
-        llm = _load_or_fail(args)
+        llm = _open_engine(args)
         _say_loaded(args, llm)
         cache = _open_response_cache(args, llm, stack)
         bar = _progress_bar(args, "requests")
@@ -453,10 +456,25 @@ def _incomplete_text(error: BaseException | str, input_url: str, rows: int, outp
             f"whose last line marks where the input ended")
 
 
+def _open_engine(args: argparse.Namespace) -> Any:
+    """The run's engine. With ``--response-cache`` a :class:`~kvbatch.ops.decode.lazy_engine.LazyEngine`:
+    a night whose every row is in the cache never loads the weights (the engine is built at the
+    first miss, or now where this machine has not recorded the engine's identity yet)."""
+    if not getattr(args, "response_cache", None):
+        return _load_or_fail(args)
+    from kvbatch.ops.decode.lazy_engine import LazyEngine
+
+    return LazyEngine.open(_engine_spec(args), lambda: _load_or_fail(args))
+
+
 def _say_loaded(args: argparse.Namespace, llm: Any) -> None:
-    """One line once the model is up: which model answers (whatever rows ask for), and that
-    the batch has started (a wrapper can wait on it before it interrupts)."""
-    print(f"kvbatch: model {args.model} ({args.dtype}, context {llm.max_model_len}) loaded; "
+    """One line once the model is up (or, lazily built, ready to be): which model answers
+    (whatever rows ask for), and that the batch has started (a wrapper can wait on it before it
+    interrupts)."""
+    from kvbatch.ops.decode.lazy_engine import engine_started
+
+    state = "loaded" if engine_started(llm) else "ready (its weights load at the first response-cache miss)"
+    print(f"kvbatch: model {args.model} ({args.dtype}, context {llm.max_model_len}) {state}; "
           f"generating {args.input} -> {args.output}", file=sys.stderr, flush=True)
 
 

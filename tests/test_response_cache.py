@@ -419,3 +419,25 @@ def test_a_night_of_hits_never_builds_the_engine(tiny_chat, tmp_path, monkeypatc
     with pytest.raises(lazy_engine.EngineIdentityChanged, match="record was removed"):
         night("fourth", rows + [_row("newer", "Yet another", temperature=0)])
     assert not record.exists()
+
+
+def test_a_cli_night_of_hits_never_loads_the_weights(tiny_chat, tmp_path, monkeypatch, capsys):
+    """``kvbatch generate --response-cache``: the second night of the same rows answers from the
+    cache without loading the model (any load would fail here), byte for byte the first night's."""
+    from kvbatch.cli import main as cli
+    from kvbatch.ops.decode import lazy_engine
+
+    monkeypatch.setattr(lazy_engine, "identity_dir", lambda: tmp_path / "identities")
+    rows = GREEDY + SEEDED
+    code1, first, m1 = _run(tiny_chat, tmp_path, "first", rows, str(tmp_path / "cache"))
+    assert code1 == 0 and m1["response_cache"]["misses"] == len(rows)
+    assert ") loaded; generating" in capsys.readouterr().err
+
+    def no_load(args):
+        raise AssertionError("the weights were loaded on a night of hits")
+
+    monkeypatch.setattr(cli, "_load_or_fail", no_load)
+    code2, second, m2 = _run(tiny_chat, tmp_path, "second", rows, str(tmp_path / "cache"))
+    assert code2 == 0 and m2["response_cache"]["hits"] == len(rows) and m2["output_tokens"] == 0
+    assert _answers(second) == _answers(first)
+    assert "weights load at the first response-cache miss" in capsys.readouterr().err
