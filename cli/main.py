@@ -401,9 +401,9 @@ def _run_step(bar: Any, incomplete: type[Exception], step: Callable[[], Any]) ->
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvbatch.ops.decode.generate import run_jobs
+    from kvbatch.ops.decode.lazy_engine import EngineIdentityChanged
     from kvbatch.ops.decode.response_cache import ResponseCacheMismatch
-    from kvbatch.ops.jobs import IncompleteInput
-    from kvbatch.ops.jobs import tokenize_requests
+    from kvbatch.ops.jobs import IncompleteInput, tokenize_requests
 
     if args.workers > 1 and args.response_cache:
         return _fail(_WORKERS_NO_CACHE)
@@ -428,7 +428,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             report, incomplete = _run_step(bar, IncompleteInput, lambda: run_jobs(
                 llm, tokenize_requests(llm, requests), outputs.output, errors_url=outputs.errors,
                 model_name=args.model, on_progress=progress, response_cache=cache))
-        except ResponseCacheMismatch as exc:
+        except (ResponseCacheMismatch, EngineIdentityChanged) as exc:
             raise _CannotRun(f"{exc}; nothing was written to {args.output}") from None
         metrics = report.to_json()
         _add_store_metrics(llm, metrics)

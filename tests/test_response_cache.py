@@ -441,3 +441,13 @@ def test_a_cli_night_of_hits_never_loads_the_weights(tiny_chat, tmp_path, monkey
     assert code2 == 0 and m2["response_cache"]["hits"] == len(rows) and m2["output_tokens"] == 0
     assert _answers(second) == _answers(first)
     assert "weights load at the first response-cache miss" in capsys.readouterr().err
+    # A record the built engine disagrees with: one line, exit 2, the record gone, no output.
+    monkeypatch.undo()
+    monkeypatch.setattr(lazy_engine, "identity_dir", lambda: tmp_path / "identities")
+    [record] = (tmp_path / "identities").glob("*.json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "engine_id": "0" * 64}))
+    code3, third, _ = _run(tiny_chat, tmp_path, "third", rows + [_row("new", "Something else", temperature=0)],
+                           str(tmp_path / "cache"))
+    err = capsys.readouterr().err
+    assert code3 == 2 and third == [] and not record.exists()
+    assert "record was removed: run again; nothing was written to" in err and "Traceback" not in err
