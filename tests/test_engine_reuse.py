@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import dagster as dg
 import pytest
 
 from kvbatch.engine.models import factory
@@ -17,8 +16,6 @@ from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.spec import EngineSpec
 from kvbatch.ops import engine_build
 from tests.tiny_models import build_tiny_chat_model
-
-DATE = "2026-11-29"
 
 
 @pytest.fixture(scope="module")
@@ -75,25 +72,9 @@ def test_other_weight_settings_get_their_own_model(tiny, builds) -> None:
 
 @pytest.mark.slow
 def test_a_shard_run_in_one_process_prepares_the_weights_once(tiny, builds, tmp_path) -> None:
-    from kvbatch.pipelines.default import ASSETS, JOBS
-    from kvbatch.resources import (DecodeClusterResource, KVStoreResource, ModelResource, ObjectStoreResource,
-                                   PricingResource)
-    from tests.test_pipeline import _ingest_config, _rows, keyed
+    from tests.test_pipeline import DATE, ingested_local_day
 
-    data = tmp_path / "requests.jsonl"
-    data.write_text("\n".join(_rows()) + "\n")
-    resources = keyed({
-        "object_store": ObjectStoreResource(url=str(tmp_path / "data")),
-        "model": ModelResource(model=str(tiny), max_batch=8),
-        "kv_store": KVStoreResource(memory_gb=0),
-        "pricing": PricingResource(),
-        "decode_cluster": DecodeClusterResource(),
-        "pipes_subprocess_client": dg.PipesSubprocessClient(),
-    })
-    instance = dg.DagsterInstance.ephemeral()
-    defs = dg.Definitions(assets=ASSETS, jobs=JOBS, resources=resources)
-    assert defs.resolve_job_def("kvbatch_ingest").execute_in_process(
-        partition_key=DATE, instance=instance, run_config=_ingest_config(str(data))).success
+    defs, instance, _ = ingested_local_day(tiny, tmp_path)
     before = len(builds)
     run = defs.resolve_job_def("kvbatch_shard").execute_in_process(partition_key=f"{DATE}|0000", instance=instance)
     assert run.success

@@ -367,16 +367,15 @@ def test_cli_validate_and_materialize(tiny, tmp_path):
     assert not Path(day.shard("results", "0000")).exists()
 
 
-def test_day_runs_ingest_then_every_shard_of_the_date(tiny, tmp_path):
-    """The whole graph of a day as the deployment runs it: kvbatch_ingest for the date, then the
-    run requests shards_after_ingest makes from that run, executed with kvbatch_shard."""
+def ingested_local_day(tiny: Path, tmp_path: Path) -> tuple[dg.Definitions, dg.DagsterInstance, object]:
+    """The code location's jobs over a local folder, an ephemeral instance, and the run of
+    kvbatch_ingest for DATE over _rows() (asserted successful): a day ready for its shard runs."""
     from kvbatch.pipelines.default import JOBS
 
     data = tmp_path / "requests.jsonl"
     data.write_text("\n".join(_rows()) + "\n")
-    root = str(tmp_path / "data")
     resources = keyed({
-        "object_store": ObjectStoreResource(url=root),
+        "object_store": ObjectStoreResource(url=str(tmp_path / "data")),
         "model": ModelResource(model=str(tiny), max_batch=8),
         "kv_store": KVStoreResource(memory_gb=0),
         "pricing": PricingResource(),
@@ -388,6 +387,14 @@ def test_day_runs_ingest_then_every_shard_of_the_date(tiny, tmp_path):
     ingest = local_defs.resolve_job_def("kvbatch_ingest").execute_in_process(
         partition_key=DATE, instance=instance, run_config=_ingest_config(str(data)))
     assert ingest.success
+    return local_defs, instance, ingest
+
+
+def test_day_runs_ingest_then_every_shard_of_the_date(tiny, tmp_path):
+    """The whole graph of a day as the deployment runs it: kvbatch_ingest for the date, then the
+    run requests shards_after_ingest makes from that run, executed with kvbatch_shard."""
+    root = str(tmp_path / "data")
+    local_defs, instance, ingest = ingested_local_day(tiny, tmp_path)
     ctx = dg.build_run_status_sensor_context(sensor_name="shards_after_ingest", dagster_instance=instance,
                                              dagster_run=ingest.dagster_run,
                                              dagster_event=ingest.get_run_success_event())
