@@ -88,8 +88,9 @@ demo: install
 # subprocesses, so a second worker puts the second core to use. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
+# CI=true unless set: the suite CI runs is derandomized (tests/conftest.py's kvbatch-ci profile).
 test: install-test
-	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+	CI=$${CI:-true} $(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
 bench: install-test
 	$(BIN)/python benchmarks/bench_engine.py

@@ -26,11 +26,48 @@ if os.environ.get("CI", "").lower() in ("true", "1"):
     settings.load_profile("kvbatch-ci")
 
 
-def pytest_report_header(config):
+def _hypothesis_line(config) -> str:
+    """Which hypothesis profile runs and where its seeds come from (derandomize wins over a
+    --hypothesis-seed, as in hypothesis itself)."""
     profile = settings.get_current_profile_name()
-    how = ("derandomized: each test's seed is derived from the test, failures print a @reproduce_failure blob"
-           if settings.default.derandomize else "random seeds: a failure prints the @seed(...) that reproduces it")
+    seed = config.getoption("hypothesis_seed", None)
+    if settings.default.derandomize:
+        how = "derandomized: each test's seed is derived from the test, failures print a @reproduce_failure blob"
+    elif seed is not None:
+        how = f"seed {seed} for every test (--hypothesis-seed)"
+    else:
+        how = "random seeds: a failure prints the @seed(...) that reproduces it"
     return f"hypothesis: profile {profile!r}, {how}"
+
+
+def pytest_report_header(config):
+    return _hypothesis_line(config)
+
+
+_CI = os.environ.get("CI", "").lower() in ("true", "1")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """In CI, a green run with a skip this machine's hardware does not explain fails
+    (tests/skip_policy.py); the skip summary (-rs) lists every reason."""
+    if not _CI or exitstatus != 0 or hasattr(session.config, "workerinput"):
+        return
+    from tests.skip_policy import disallowed_skips, skip_reason
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    bad = disallowed_skips([skip_reason(r.longrepr) for r in skipped])
+    if bad:
+        for reason in bad:
+            reporter.write_line(f"CI does not accept this skip (tests/skip_policy.py): {reason}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # `make test` (CI) runs pytest -q, which prints no header: the line goes at the end instead.
+    if config.get_verbosity() < 0:
+        terminalreporter.write_line(_hypothesis_line(config))
 
 
 @pytest.fixture(scope="session")

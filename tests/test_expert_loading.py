@@ -3,9 +3,8 @@ the whole checkpoint's fingerprint, and decodes the tokens of one process that l
 
 from __future__ import annotations
 
+import datetime
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -122,9 +121,9 @@ def _rank_main(rank: int, world: int, port: int, folder: str, out_dir: str) -> N
     from kvbatch.engine.parallel.expert_parallel import install
     from kvbatch.ops.decode.group import LockstepLLM
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
         ckpt = load_checkpoint(folder, experts=rank_expert_ids(config, rank, world))
@@ -140,12 +139,6 @@ def _rank_main(rank: int, world: int, port: int, folder: str, out_dir: str) -> N
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_gloo_ranks_load_their_experts_and_decode_like_one_process(mixtral, tmp_path):
     full = load_checkpoint(str(mixtral))
@@ -153,7 +146,10 @@ def test_gloo_ranks_load_their_experts_and_decode_like_one_process(mixtral, tmp_
                  for r in LLM(full, engine_config=EngineConfig(block_size=4, num_blocks=64, device="cpu"))
                  .generate(_requests())}
     full_experts, full_rest = _expert_bytes(full.tensors)
-    mp.spawn(_rank_main, args=(2, _free_port(), str(mixtral), str(tmp_path)), nprocs=2, join=True)
+    # The ranks meet at a store this process holds on a port the OS picked (tests/test_expert_parallel.py):
+    # no port is found free and bound again later, and no MASTER_PORT is set in any environment.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False)
+    mp.spawn(_rank_main, args=(2, store.port, str(mixtral), str(tmp_path)), nprocs=2, join=True)
     tokens = {}
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())

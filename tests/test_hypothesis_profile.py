@@ -31,3 +31,19 @@ def test_the_header_names_the_profile_and_its_seeds():
                           "tests/test_hypothesis_profile.py"], env=env, cwd=REPO, capture_output=True, text=True,
                          check=False, timeout=120).stdout
     assert "hypothesis: profile 'kvbatch-ci', derandomized" in out, out[-2000:]
+
+
+def test_a_quiet_run_prints_the_profile_at_its_end():
+    """`make test` runs pytest -q, which prints no header: the profile line comes at the end."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_hypothesis_profile.py::test_ci_runs_hypothesis_derandomized"],
+                         env=dict(os.environ, CI="true"), cwd=REPO, capture_output=True, text=True,
+                         check=False, timeout=120).stdout
+    assert "hypothesis: profile 'kvbatch-ci', derandomized" in out, out[-2000:]
+
+
+def test_make_test_runs_with_ci_set():
+    """The suite `make test` (CI) runs loads the derandomized profile even where CI is not set."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "CI=$${CI:-true} $(BIN)/python -m pytest" in recipe, recipe

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,13 @@ def chain(name: str, n: int = 3) -> list[tuple[str, torch.Tensor]]:
             for i in range(n)]
 
 
-def store(root: Path) -> KVStore:
-    return KVStore.from_config(KVStoreConfig(url=str(root), memory_bytes=0, index_refresh_s=0), FP)
+def store(root: Path, clock: Callable[[], float] = time.time) -> KVStore:
+    return KVStore.from_config(KVStoreConfig(url=str(root), memory_bytes=0, index_refresh_s=0), FP, clock=clock)
+
+
+def ten_days_ago() -> float:
+    """The store's clock on night 1 (handed to that store only: `time.time` stays the real one)."""
+    return time.time() - 10 * DAY
 
 
 def keys(c) -> list[str]:
@@ -37,17 +43,14 @@ def keys(c) -> list[str]:
 
 
 @pytest.fixture
-def two_nights(tmp_path, monkeypatch):
+def two_nights(tmp_path):
     """Night 1, ten days ago, stored a shared system prompt and a one-off prompt (one segment
     each); night 2, now, read the system prompt only."""
     root = tmp_path / "kv"
-    real_time = time.time
-    monkeypatch.setattr(time, "time", lambda: real_time() - 10 * DAY)
-    night1 = store(root)
+    night1 = store(root, clock=ten_days_ago)
     for c in (chain("system"), chain("one-off")):
         night1.put_many(c)
         night1.flush()
-    monkeypatch.setattr(time, "time", real_time)
     night2 = store(root)
     assert all(t is not None for t, _ in night2.get_many(keys(chain("system"))))
     night2.stats()  # the end of the decode: flushes, and records what it used

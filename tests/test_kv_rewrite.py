@@ -10,6 +10,7 @@ import hashlib
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,31 +41,31 @@ def keys(c) -> list[str]:
     return [k for k, _ in c]
 
 
-def store(url: str, opts: dict | None = None) -> KVStore:
+def store(url: str, opts: dict | None = None, clock: Callable[[], float] = time.time) -> KVStore:
     cfg = KVStoreConfig(url=url, storage_options=opts or {}, memory_bytes=0, index_refresh_s=0,
                         retry_attempts=1)
-    return KVStore.from_config(cfg, FP)
+    return KVStore.from_config(cfg, FP, clock=clock)
+
+
+def ten_days_ago() -> float:
+    """Night 1's store clock (that store's only: `time.time` stays the real one)."""
+    return time.time() - 10 * DAY
 
 
 def same(got, blocks) -> bool:
     return all(t is not None and torch.equal(t, b) for (t, _), (_, b) in zip(got, blocks, strict=True))
 
 
-def night_one_then_two(url: str, opts: dict | None, used: list[int], n_chains: int = 10, monkeypatch=None):
+def night_one_then_two(url: str, opts: dict | None, used: list[int], n_chains: int = 10):
     """Night 1, ten days ago: `n_chains` prompts in one segment. Night 2, now: a decode reads the
     chains `used` (given their locations by the manifests) and records the use. Returns (chains,
     the locations night 2's manifests held)."""
     chains = [chain(f"{url}/c{i}") for i in range(n_chains)]
-    real_time = time.time
-    time.time = lambda: real_time() - 10 * DAY
-    try:
-        night1 = store(url, opts)
-        for c in chains:
-            night1.put_many(c)
-        night1.flush()
-        locations = night1.locations([k for i in used for k in keys(chains[i])])
-    finally:
-        time.time = real_time
+    night1 = store(url, opts, clock=ten_days_ago)
+    for c in chains:
+        night1.put_many(c)
+    night1.flush()
+    locations = night1.locations([k for i in used for k in keys(chains[i])])
     night2 = store(url, opts)
     night2.add_locations(locations)
     assert same(night2.get_many([k for i in used for k in keys(chains[i])]), [b for i in used for b in chains[i]])

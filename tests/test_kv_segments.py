@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,10 @@ def chain(c: int, n: int = 4) -> list[tuple[str, torch.Tensor]]:
     return [(key(f"c{c}-{i}"), block(c * 100 + i)) for i in range(n)]
 
 
-def store(url: str, opts: dict | None = None, memory: int = 0, **kw) -> KVStore:
+def store(url: str, opts: dict | None = None, memory: int = 0, clock: Callable[[], float] = time.time,
+          **kw) -> KVStore:
     cfg = KVStoreConfig(url=url, storage_options=opts or {}, memory_bytes=memory, index_refresh_s=0, **kw)
-    return KVStore.from_config(cfg, FP)
+    return KVStore.from_config(cfg, FP, clock=clock)
 
 
 def arrows(root: Path) -> list[Path]:
@@ -190,10 +192,12 @@ def test_put_new_never_overwrites(where, tmp_path, s3):
     assert tier.fs.cat_file(path) == b"first"
 
 
-def test_two_writers_of_the_same_segment_name_are_harmless(tmp_path, monkeypatch):
+def test_two_writers_of_the_same_segment_name_are_harmless(tmp_path):
+    def same_ms() -> float:  # both writers' clocks: the same ms, so the same segment name
+        return 1_700_000_000.0
+
     root = tmp_path / "kv"
-    a, b = store(str(root)), store(str(root))
-    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.0)  # the same ms: the same segment name
+    a, b = store(str(root), clock=same_ms), store(str(root), clock=same_ms)
     a.put_many(chain(0))
     b.put_many(chain(0))
     assert a.flush() == 4 and b.flush() == 4  # "already there, the same bytes" is success

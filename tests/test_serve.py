@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,23 +30,24 @@ KEY_B = "sk-test-bravo-93ab07"  # given by its hash only
 WAIT_S = 240  # generous: the machine is shared; a test fails on status, never on speed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The line `kvbatch serve` prints once it listens: the address it bound (it is started on port 0).
+SERVING = re.compile(rb"kvbatch: serving the Files and Batches API on http://127\.0\.0\.1:(\d+)/v1 ")
 
 
 class Server:
-    """`kvbatch serve` as a process of its own (and of its own process group)."""
+    """`kvbatch serve` as a process of its own (and of its own process group), on a port the OS
+    picks (`--port 0`): each start reads the port bound from the server's own line in its log."""
 
     def __init__(self, env: dict[str, str], log: Path) -> None:
         self.env = env
         self.log = log
-        self.port = _free_port()
+        self.port: int | None = None  # known once the server says it listens
+        self._log_from = 0  # the log's size at the last spawn: a restart's line is after it
         self.proc: subprocess.Popen | None = None
 
     @property
     def base_url(self) -> str:
+        assert self.port is not None, "the server has not said which port it bound"
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> None:
@@ -53,9 +55,11 @@ class Server:
         self.wait_ready()
 
     def spawn(self) -> None:
+        self.port = None
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbatch.cli.main", "serve", "--port", str(self.port), "--chunk-rows", "8",
+                [sys.executable, "-m", "kvbatch.cli.main", "serve", "--port", "0", "--chunk-rows", "8",
                  "--max-requests", "700", "--max-file-mb", "1"],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -64,13 +68,20 @@ class Server:
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            if self.port is None:
+                said = SERVING.search(self.log.read_bytes()[self._log_from:])
+                if said is None:
+                    time.sleep(0.2)
+                    continue
+                self.port = int(said[1])
+                assert self.port > 0, f"the server named the port it was asked for, not the one bound: {said[0]}"
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
                         return
             except OSError:
                 time.sleep(0.2)
-        raise AssertionError("server did not come up")
+        raise AssertionError(f"server did not come up: {self.log.read_text()[-3000:]}")
 
     def _children(self) -> list[int]:
         assert self.proc is not None
@@ -509,6 +520,20 @@ def test_serve_refuses_to_start_without_keys(monkeypatch, capsys):
     assert main(["serve", "--port", "1"]) == 2
     err = capsys.readouterr().err
     assert "entry 1" in err and "not-hex" not in err
+
+
+def test_serve_refuses_a_port_it_cannot_listen_on_saying_which(monkeypatch, capsys):
+    """Every server above runs on `--port 0` and reads the port from its line (Server.wait_ready);
+    a port in use, or out of range, is refused before any batch is touched."""
+    monkeypatch.setenv("KVBATCH_API_KEYS", KEY_A)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be in 0..65535 (0: any free port), got 70000" in capsys.readouterr().err
 
 
 def test_api_keys_by_value_or_hash_and_owner_tags():

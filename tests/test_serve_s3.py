@@ -298,10 +298,27 @@ def test_a_restarted_server_adopts_the_run_its_worker_is_still_doing(s3_server, 
     while client.batches.retrieve(batch.id).request_counts.completed == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.batches.retrieve(batch.id).status == "in_progress"
-    os.killpg(s3_server.proc.pid, signal.SIGKILL)  # the server's own group: its worker is in another session
-    s3_server.proc.wait()
-    s3_server.start()
-    client = s3_server.client(KEY_A)
+    # The worker (and its decode) is paused while the server is down and while the restarted one
+    # looks at the batch: alive and not finished, whatever this machine's speed. (Without the
+    # pause a fast worker can finish first, and a server that relaunches every run it did not
+    # start would pass too.) A second batch run to its end by the new server's own worker means
+    # the driver has passed over the first one several times meanwhile.
+    [worker] = s3_server._children()
+    os.killpg(worker, signal.SIGSTOP)  # the worker leads a session of its own, its decode in it
+    try:
+        assert _done_at(s3_server, batch.id) is None, "the run finished before it was paused"
+        os.killpg(s3_server.proc.pid, signal.SIGKILL)  # the server's own group: its worker is in another session
+        s3_server.proc.wait()
+        s3_server.start()
+        client = s3_server.client(KEY_A)
+        (tmp_path / "other.jsonl").write_text(_row("o0", max_tokens=2) + "\n")
+        with open(tmp_path / "other.jsonl", "rb") as f:
+            other = client.batches.create(input_file_id=client.files.create(file=f, purpose="batch").id,
+                                          endpoint="/v1/chat/completions", completion_window="24h")
+        assert _wait_done(client, other.id, []).status == "completed"
+        assert client.batches.retrieve(batch.id).status == "in_progress", "the restarted server ran the batch again"
+    finally:
+        os.killpg(worker, signal.SIGCONT)
     seen: list = []
     batch = _wait_done(client, batch.id, seen)
     assert batch.status == "completed", (batch, s3_server.log.read_text()[-3000:])

@@ -3,23 +3,24 @@ c10d rendezvous on loopback (gloo, a tiny model), each commits its own parts, ra
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import socket
 import subprocess
 
 import pyarrow.parquet as pq
 import pytest
+import torch.distributed as dist
 
 from kvbatch.ops.decode.shard import decode_shard
 from kvbatch.resources.decode_cluster import DecodeClusterResource
 from tests.test_decode_resume import _engine_spec, _llm, _manifests, tiny  # noqa: F401 - the fixture
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store_on_a_free_port(timeout_s: float = 300) -> dist.TCPStore:
+    """A TCPStore server this process holds, on a port the OS picks: no port is found free, released
+    and bound again (where another test could take it meanwhile), and no MASTER_PORT is set."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 @pytest.mark.slow
@@ -34,8 +35,13 @@ def test_two_nodes_under_c10d_rendezvous_decode_the_shard_once(tiny, tmp_path): 
             "results_url": str(results), "parts_url": str(parts), "stats_url": str(tmp_path / "stats.json"),
             "checkpoint_rows": 2, "rows": n}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
+    # The rendezvous store is this test's, on a port the OS picked: each torchrun agent tries to host
+    # it (the endpoint is this machine), finds the port taken and joins it, as the second agent on
+    # one machine always does (torch's c10d backend); rank 0's agent then hosts the workers' store
+    # on a port the OS picks for it (torch's default TCPStore sharing).
+    rendezvous = _store_on_a_free_port()
     cluster = DecodeClusterResource(launcher="torchrun", rendezvous="c10d", world_size=2, nnodes=2,
-                                    master_addr="127.0.0.1", master_port=_free_port(), backend="gloo")
+                                    master_addr="127.0.0.1", master_port=rendezvous.port, backend="gloo")
     cmd = cluster.command(target=["-m", "kvbatch.ops.decode.worker", "--spec", str(tmp_path / "spec.json")])
     assert cmd[3:8] == ["--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d",
                         f"--rdzv-endpoint=127.0.0.1:{cluster.master_port}", "--rdzv-id=kvbatch-decode"]
@@ -63,21 +69,17 @@ def test_two_nodes_under_c10d_rendezvous_decode_the_shard_once(tiny, tmp_path): 
     assert not parts.exists()
 
 
-def test_the_decode_group_engine_rebalances_live_when_eplb_interval_is_set(tmp_path, monkeypatch):
+def test_the_decode_group_engine_rebalances_live_when_eplb_interval_is_set(tmp_path):
     """The spec's eplb_interval / redundant_experts reach a rank's expert-parallel engine (the one
     every worker command builds): a LiveBalancer observes routing and runs after each group step
     (a gloo group of one here)."""
-    import torch.distributed as dist
-
     from kvbatch.engine.spec import EngineSpec
     from kvbatch.ops.decode import group as worker_group
     from tests.tiny_models import build_tiny_moe
 
     build_tiny_moe("mixtral", tmp_path / "moe")
     model = tmp_path / "moe"
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=_store_on_a_free_port(60), rank=0, world_size=1)
     try:
         spec = {"engine_spec": EngineSpec(model=str(model), dtype="fp32", max_batch=4).to_json()}
         rank = worker_group.expert_parallel(worker_group.build_llm(spec),

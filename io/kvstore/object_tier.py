@@ -95,10 +95,14 @@ class ObjectStoreTier(Tier):
         read_timeout_s: float = 20.0,
         breaker_failures: int = 3,
         breaker_cooldown_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__()
         self.name = name
         self.url = url
+        # The wall clock that stamps segments (their names and `created_s`) and usage files, and
+        # is gc's "now": a test passes another one to write last week's segments (store.py).
+        self.clock = clock
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s, name=name,
                                       where=store_endpoint(url, storage_options), counters=self.counters)
         if fs is None:
@@ -615,7 +619,7 @@ class ObjectStoreTier(Tier):
             used, self._used = self._used, {}
         if not used:
             return 0
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         by_fpid: dict[str, dict[str, set[int]]] = {}
         for (fpid, pack), offsets in sorted(used.items()):
             by_fpid.setdefault(fpid, {})[pack] = offsets
@@ -636,7 +640,7 @@ class ObjectStoreTier(Tier):
 
     def _write_pack(self, group: list[tuple[str, torch.Tensor]], fingerprint: str) -> int:
         data, entries = pack_blocks(fingerprint, group)
-        created_s = time.time()
+        created_s = self.clock()
         pack = f"{int(created_s * 1000):013d}-{digest(data)}"
         fpid = fingerprint_id(fingerprint)
         manifest = PackManifest(pack, fingerprint, fpid, len(data), created_s, entries)
@@ -673,6 +677,7 @@ class ObjectStoreTier(Tier):
 
     def gc(self, now: float | None = None) -> dict[str, Any]:
         """Apply this tier's TTL and size policy to the whole store, then refresh the index."""
-        out = gc_objects(self.layout, self.ttl_s, self.max_bytes, now=now, retry=self.retry)
+        out = gc_objects(self.layout, self.ttl_s, self.max_bytes, now=self.clock() if now is None else now,
+                         retry=self.retry)
         self.refresh()
         return out

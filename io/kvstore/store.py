@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Self
 
 import torch
@@ -107,7 +108,11 @@ class KVStore:
         self._failed_base = tiers[-1].counters.blocks_failed
 
     @classmethod
-    def from_config(cls, cfg: KVStoreConfig, fingerprint: str) -> KVStore:
+    def from_config(cls, cfg: KVStoreConfig, fingerprint: str, *, clock: Callable[[], float] = time.time) -> KVStore:
+        """The store `cfg` describes. `clock` is the wall clock the durable tier stamps segments and
+        usage files with, and gc's default "now": a test hands in last week's clock to write last
+        week's segments, instead of patching `time.time` for the whole process. It is not a field
+        of the config, which travels to worker processes as JSON."""
         tiers: list[Tier] = []
         if cfg.memory_bytes > 0:
             tiers.append(MemoryTier(cfg.memory_bytes))
@@ -127,6 +132,7 @@ class KVStore:
                 read_timeout_s=cfg.read_timeout_s,
                 breaker_failures=cfg.breaker_failures,
                 breaker_cooldown_s=cfg.breaker_cooldown_s,
+                clock=clock,
             )
         )
         return cls(tiers, fingerprint)
