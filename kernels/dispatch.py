@@ -245,14 +245,18 @@ def paged_decode_attention(
     slots: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     plan: reference.DecodePlan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See :func:`reference.paged_decode_attention` (``workspace`` and ``plan`` serve the reference only)."""
+    """See :func:`reference.paged_decode_attention` (``workspace`` and ``plan`` serve the reference
+    only). ``sinks``: gpt-oss's per-head sink logits, taken by the native kernel and the reference;
+    the Triton kernels take none, so calls with sinks run the reference on CUDA too."""
     if native(q, bf16=True) and q.dtype == k_cache.dtype:
-        return native_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        sink = {} if sinks is None else {"sinks": sinks}  # gpt-oss only
+        return native_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, **sink)
     impl = _impl(q)
-    if impl is reference:
+    if impl is reference or sinks is not None:
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots,
-                                                workspace, plan)
+                                                workspace, plan, sinks)
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots)
 
 
@@ -266,14 +270,16 @@ def prefill_attention(
     scale: float,
     plan: reference.PrefillPlan | None = None,
     max_query_len: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`reference.prefill_attention` (``plan`` serves the reference only).
     ``max_query_len`` > 0: the longest chunk, known on the host, sizes the Triton kernel's grid
-    (no device-to-host read of ``cu_query_lens``)."""
+    (no device-to-host read of ``cu_query_lens``). ``sinks``: gpt-oss's per-head sink logits (the
+    reference on every device: the Triton kernel takes none)."""
     impl = _impl(q)
-    if impl is reference:
+    if impl is reference or sinks is not None:
         return reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
-                                           plan)
+                                           plan, sinks)
     return impl.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
                                   max_query_len=max_query_len or None)
 
@@ -302,8 +308,14 @@ def fused_moe(
     w_down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """See :func:`reference.fused_moe`."""
+    """See :func:`reference.fused_moe`. gpt-oss's experts (biases, clamped SwiGLU) run the reference
+    on every device: the Triton MoE kernel computes ``silu(gate) * up`` without biases."""
+    if gate_up_bias is not None or down_bias is not None or swiglu is not None:
+        return reference.fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
     return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
 
 

@@ -277,6 +277,69 @@ def _decode_group(index: torch.Tensor | None, tables: torch.Tensor, lens: torch.
     return DecodeGroup(index, blocks, width, keys, mask)
 
 
+# Queries of one attention-with-sinks call are taken this many score elements at a time, so a long
+# prompt's scores never need more than 64 Mi floats at once.
+SINK_CHUNK_ELEMENTS = 1 << 26
+
+
+def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         causal: bool, scale: float, sinks: torch.Tensor, fast: bool = True) -> torch.Tensor:
+    """Scaled dot-product attention whose softmax has one more term in its denominator per query
+    row: ``exp(sink)`` (gpt-oss's attention sinks, transformers' ``eager_attention_forward``).
+
+    ``q`` [..., Hq, n, D], ``k``/``v`` [..., Hkv, L, D] (query head h reads KV head h // (Hq / Hkv));
+    ``mask`` (bool, broadcastable to [..., Hq, n, L]: True where a key is seen) or ``causal`` (the
+    n queries are the last n of the L positions); ``sinks`` broadcastable to [..., Hq, n, 1], fp32.
+    In fp32: ``m = max(max_j s_j, sink)``, ``out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) +
+    exp(sink - m))``; a row that sees no key gets zeros. Rounded to ``q.dtype``.
+
+    On the CPU (fp32, bf16) the softmax without the sink comes from torch's flash kernel with its
+    log-sum-exp ``lse``, and the sink rescales it: ``out = o * sigmoid(lse - sink)`` (= ``Z / (Z +
+    exp(sink))``, ``Z = exp(lse)``), in fp32: the same attention without materializing the scores
+    (``fast=False``: the scores written out, in query chunks)."""
+    n, L = q.shape[-2], k.shape[-2]
+    if q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    if fast and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and q.dim() == 4:
+        return _flash_with_sinks(q, k.to(q.dtype), v.to(q.dtype), mask, causal and n == L, causal, scale, sinks)
+    kf, vf = k.float(), v.float()
+    if causal:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    sinks = sinks.float().expand(*q.shape[:-1], 1)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    step = max(1, SINK_CHUNK_ELEMENTS // max(1, L * q[..., :1, :1].numel()))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        scores = torch.matmul(q[..., a:b, :].float(), kf.transpose(-1, -2)) * scale
+        if mask is not None:
+            rows = mask if mask.shape[-2] == 1 else mask[..., a:b, :]
+            scores = scores.masked_fill(~rows, float("-inf"))
+        sink = sinks[..., a:b, :]
+        m = torch.maximum(scores.amax(-1, keepdim=True), sink)
+        e = torch.exp(scores - m)
+        den = e.sum(-1, keepdim=True) + torch.exp(sink - m)
+        out[..., a:b, :] = (torch.matmul(e, vf) / den).to(q.dtype)
+    return out
+
+
+
+def _flash_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      square_causal: bool, causal: bool, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """:func:`attention_with_sinks` through torch's CPU flash kernel (q, k, v [B, H, n|L, D], one dtype)."""
+    n, L = q.shape[-2], k.shape[-2]
+    additive = None
+    if causal and not square_causal:  # the kernel's is_causal aligns to the top left; ours to the bottom right
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    if mask is not None and not square_causal:
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        additive = additive.expand(*q.shape[:-1], L) if additive.dim() < 4 else additive
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, square_causal,
+                                                                         attn_mask=additive, scale=scale)
+    keep = torch.sigmoid(lse.float()[..., None] - sinks.float())  # Z / (Z + exp(sink)); 0 where no key is seen
+    return (o.float() * keep).nan_to_num_(0.0).to(q.dtype)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -287,6 +350,7 @@ def paged_decode_attention(
     slots: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     plan: DecodePlan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
@@ -302,26 +366,31 @@ def paged_decode_attention(
     of at least ``[B * block_tables.shape[1], block_size, Hkv, D]``; gathering whole blocks into
     memory that is already mapped is several times faster on a CPU than gathering token by
     token into fresh memory) for one padded SDPA call.
+
+    ``sinks`` [Hq] fp32 (gpt-oss): each head's sink logit joins its softmax's denominator
+    (:func:`attention_with_sinks`); those calls take the padded path.
     """
     B, Hq, D = q.shape
     if B == 0:
         return q.new_empty((0, Hq, D))
     if plan is None:
         plan = plan_decode(block_tables, context_lens, k_cache.shape[1])
-    if plan.slots is not None and sparse_decode.applies(q, k_cache, v_cache):
+    if plan.slots is not None and sinks is None and sparse_decode.applies(q, k_cache, v_cache):
         sp = plan.sparse(Hq, k_cache.shape[-2], k_cache.numel() // D, q.dtype)
         return sparse_decode.attention(q, k_cache, v_cache, sp, scale)
     groups = plan.groups
     if len(groups) == 1 and groups[0].index is None:
-        return _decode_group_attention(q, k_cache, v_cache, groups[0], scale, workspace)
+        return _decode_group_attention(q, k_cache, v_cache, groups[0], scale, workspace, sinks)
     out = torch.empty_like(q)
     for g in groups:
-        out[g.index] = _decode_group_attention(q.index_select(0, g.index), k_cache, v_cache, g, scale, workspace)
+        out[g.index] = _decode_group_attention(q.index_select(0, g.index), k_cache, v_cache, g, scale, workspace,
+                                               sinks)
     return out
 
 
 def _decode_group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
-                            scale: float, workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                            scale: float, workspace: tuple[torch.Tensor, torch.Tensor] | None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     B, Hq, D = q.shape
     Hkv, block_size = k_cache.shape[-2], k_cache.shape[1]
     if workspace is None:
@@ -336,7 +405,10 @@ def _decode_group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     v = v.view(B, g.width * block_size, Hkv, D)[:, :g.keys].transpose(1, 2)
     # The query heads that share a KV head become extra query rows of that head.
     qg = q.view(B, Hkv, Hq // Hkv, D).to(k.dtype)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
+    if sinks is not None:  # row (kvh, j) is query head kvh * group + j
+        out = attention_with_sinks(qg, k, v, g.mask, False, scale, sinks.view(Hkv, Hq // Hkv, 1))
+    else:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
     return out.reshape(B, Hq, D).to(q.dtype)
 
 
@@ -443,6 +515,7 @@ def prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     plan: PrefillPlan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for chunks of new tokens over a cached prefix plus themselves.
 
@@ -450,7 +523,8 @@ def prefill_attention(
     (``cu_query_lens``: [S+1] offsets). Sequence s's new tokens sit at positions
     ``context_lens[s] - q_len_s .. context_lens[s] - 1``; their K/V are already in the cache.
     Query at position p attends to keys ``0..p``. ``plan``: :func:`plan_prefill` of these
-    arguments, when the caller has it (built here otherwise).
+    arguments, when the caller has it (built here otherwise). ``sinks`` [Hq] fp32 (gpt-oss): each
+    head's sink logit joins its softmax's denominator (:func:`attention_with_sinks`).
     """
     T, Hq, D = q.shape
     Hkv = k_cache.shape[-2]
@@ -459,13 +533,17 @@ def prefill_attention(
         plan = plan_prefill(block_tables, cu_query_lens, context_lens, k_cache.shape[1], group)
     out = torch.empty_like(q)
     for g in plan.short:
-        _short_chunks_attention(q, out, k_cache, v_cache, g, scale)
+        _short_chunks_attention(q, out, k_cache, v_cache, g, scale, sinks)
     k_flat = k_cache.view(-1, Hkv, D)
     v_flat = v_cache.view(-1, Hkv, D)
     for c in plan.long:
         k = k_flat.index_select(0, c.slots).transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_flat.index_select(0, c.slots).transpose(0, 1)[None]
         qh = q[c.start:c.end].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, n_new, D]
+        if sinks is not None:
+            o = attention_with_sinks(qh, k, v, c.mask, c.mask is None, scale, sinks.view(Hq, 1, 1))
+            out[c.start:c.end] = o[0].transpose(0, 1).to(q.dtype)
+            continue
         # Query heads as heads (enable_gqa: head h reads KV head h // group, as the cache is laid
         # out), not folded into rows under one mask: a whole prompt then runs SDPA's is_causal, so
         # torch's CPU flash kernel skips the blocks above the diagonal and reads no mask, and a
@@ -507,12 +585,12 @@ SHORT_CHUNK = 16  # chunks up to this many tokens are batched across sequences
 
 
 def _short_chunks_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            g: ShortChunkGroup, scale: float) -> None:
+                            g: ShortChunkGroup, scale: float, sinks: torch.Tensor | None = None) -> None:
     """Causal attention of several short chunks at once: each sequence's blocks are gathered
     once, its queries padded to the longest chunk, and the mask keeps query j of sequence s to
     keys ``0 .. lens[s] - n_s + j``. Writes into ``out``."""
     _, Hq, D = q.shape
-    Hkv, block_size = k_cache.shape[-2], k_cache.shape[1]
+    Hkv = k_cache.shape[-2]
     group = Hq // Hkv
     S, qmax = g.num_seqs, g.qmax
     k = k_cache.index_select(0, g.blocks).view(S, -1, Hkv, D).transpose(1, 2)
@@ -521,7 +599,11 @@ def _short_chunks_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.T
     qp[g.pad_pos] = q.index_select(0, g.rows)
     # [S, qmax, Hkv, group, D] -> [S, Hkv, group * qmax, D]: row (g, j) is head kvh*group+g, query j.
     qs = qp.view(S, qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(S, Hkv, group * qmax, D)
-    o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=g.mask, scale=scale)
+    if sinks is not None:  # row (g, j) is head kvh * group + g
+        head_sinks = sinks.view(Hkv, group, 1, 1).expand(Hkv, group, qmax, 1).reshape(Hkv, group * qmax, 1)
+        o = attention_with_sinks(qs.to(k.dtype), k, v, g.mask, False, scale, head_sinks)
+    else:
+        o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=g.mask, scale=scale)
     o = o.view(S, Hkv, group, qmax, D).permute(0, 3, 1, 2, 4).reshape(S * qmax, Hq, D)
     out[g.rows] = o.index_select(0, g.pad_pos).to(q.dtype)
 
@@ -660,6 +742,9 @@ def fused_moe(
     w_down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """The routed experts of a mixture-of-experts MLP, grouped by expert.
 
@@ -672,6 +757,10 @@ def fused_moe(
     The (token, choice) pairs are sorted by expert, so each expert with tokens runs one GEMM
     over all of its rows (experts with none are skipped), and the weighted rows are added back
     to their tokens in fp32.
+
+    gpt-oss: ``gate_up_bias`` [E, 2 I] and ``down_bias`` [E, H] are added to the projections, and
+    ``swiglu`` = (alpha, limit) replaces ``silu(gate) * up`` by transformers' ``GptOssExperts``
+    activation: ``g = gate.clamp(max=limit)``, ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``.
     """
     T, H = x.shape
     E = w_gate_up.shape[0]
@@ -695,9 +784,16 @@ def fused_moe(
         if n == 0:
             continue
         xe = rows[start:start + n]
-        gate_up = F.linear(xe, w_gate_up[e])
+        gate_up = F.linear(xe, w_gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
         inter = gate_up.shape[1] // 2
-        ys[start:start + n] = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down[e]).float()
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if swiglu is None:
+            act = F.silu(gate) * up
+        else:
+            alpha, limit = swiglu
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        ys[start:start + n] = F.linear(act, w_down[e], None if down_bias is None else down_bias[e]).float()
         start += n
     out.index_add_(0, tokens, ys * weights[:, None])
     return out.to(x.dtype)

@@ -135,7 +135,7 @@ def _check_rebalance(rank: int, world: int) -> None:
     assert ep.placement is placement
     for li in MOE_LAYERS:  # the hot expert now sits on every rank
         assert 0 in ep.local_experts()[li]
-        assert ep.local[li][0].shape[0] == (E + world) // world
+        assert ep.layers[li].w_gate_up.shape[0] == (E + world) // world
     gathered: list = [None] * world
     dist.all_gather_object(gathered, sent)
     assert sum(gathered) > 0
@@ -148,8 +148,8 @@ def _check_rebalance(rank: int, world: int) -> None:
     ep.rebalance(Placement.from_phy2log(torch.arange(E).expand(LAYERS, E).clone(), E))
     for li in MOE_LAYERS:
         mine = slice(rank * E // world, (rank + 1) * E // world)
-        assert torch.equal(ep.local[li][0], layers[li].w_gate_up[mine])
-        assert torch.equal(ep.local[li][1], layers[li].w_down[mine])
+        assert torch.equal(ep.layers[li].w_gate_up, layers[li].w_gate_up[mine])
+        assert torch.equal(ep.layers[li].w_down, layers[li].w_down[mine])
 
 
 def _check_all(rank: int, world: int, counts: list[int]) -> None:

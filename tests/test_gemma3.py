@@ -20,8 +20,8 @@ from kvbatch.engine.models.llama import LlamaModel
 from kvbatch.engine.models.weights import ModelLoadError, load_checkpoint
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
-from kvbatch.engine.runtime.sampling_params import SamplingParams
-from tests.kv_roundtrip import store_round_trip
+from tests.family_checks import check_speculation_keeps_reference, check_store_round_trip_and_prefix_hit, family_prompts
+from tests.family_checks import greedy as _greedy
 from tests.logit_capture import assert_logits_match, capture_logits
 from tests.tiny_models import VOCAB
 from tests.triton_interpreter import fresh_process_only, interpreter_only, rerun_in_fresh_interpreter
@@ -63,12 +63,7 @@ def build_tiny_gemma3(folder: Path, seed: int = 0, vocab: int = VOCAB, **config)
 
 
 def _prompts(seed: int = 1) -> dict[str, list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"r{i}": torch.randint(3, VOCAB, (n,), generator=g).tolist() for i, n in enumerate([12, 29, 10, 21])}
-
-
-def _greedy(max_tokens: int = 6) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return family_prompts(VOCAB, seed)
 
 
 def _engine_outputs(folder: Path, budget: int, **engine) -> tuple[dict[str, list[int]], list]:
@@ -116,45 +111,18 @@ def test_the_window_decides_the_output(tmp_path):
 
 
 def test_decode_from_the_kv_store_equals_in_process_generate(tmp_path):
+    """Batch-invariant engines through the store; then prefix caching outside that mode reuses the
+    26-token system prompt (its blocks hold keys the window no longer sees)."""
     build_tiny_gemma3(tmp_path / "m")
-    ckpt = load_checkpoint(str(tmp_path / "m"))
-    cfg = dict(block_size=4, num_blocks=128, batch_invariant=True, max_num_seqs=8)
-    trip = store_round_trip(ckpt, (tmp_path / "kv").as_uri(), VOCAB, **cfg)
-    assert trip.prefill.connector.stats.blocks_written > 0
-    assert trip.decoded == trip.reference
-    assert trip.decoder.connector.stats.blocks_loaded > 0
-    assert trip.decoder.stats["computed_prompt_tokens"] < sum(len(p) for p in trip.prompts.values()) - 4 * 6
-    # prefix caching inside one engine, outside the batch-invariant mode: the second pass over the same
-    # prompts reuses the 26-token system prompt (its blocks hold keys the window no longer sees)
-    again = LLM(ckpt, engine_config=EngineConfig(block_size=4, num_blocks=128, max_num_seqs=8))
-    first = {r.request_id: r.output_token_ids for r in again.generate(trip.requests())}
-    computed = again.stats["computed_prompt_tokens"]
-    second = {r.request_id: r.output_token_ids for r in again.generate(trip.requests())}
-    assert again.stats["computed_prompt_tokens"] - computed < computed - 4 * 6  # the prefix was a hit
-    assert first == second == trip.reference
+    cfg = dict(block_size=4, num_blocks=128, max_num_seqs=8)
+    check_store_round_trip_and_prefix_hit(load_checkpoint(str(tmp_path / "m")), (tmp_path / "kv").as_uri(), VOCAB,
+                                          {**cfg, "batch_invariant": True}, cfg)
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft:self"])
 def test_speculative_verification_keeps_transformers_tokens(tmp_path, spec):
     """Drafts verified in chunks of 1 + k tokens, each over its window: greedy output unchanged."""
-    from kvbatch.engine.speculative.controller import SpecConfig
-
-    ref = build_tiny_gemma3(tmp_path)
-    g = torch.Generator().manual_seed(3)
-    bases = [torch.randint(3, VOCAB, (6,), generator=g).tolist() for _ in range(3)]
-    prompts = {f"s{i}": b * 3 + b[:2] for i, b in enumerate(bases)}  # repetitive: ngram drafts
-    llm = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=96, max_num_seqs=4),
-              speculative=SpecConfig.parse(spec.replace("self", str(tmp_path)), 3, False))
-    out = {r.request_id: r.output_token_ids for r in llm.generate(
-        [GenerationRequest(rid, _greedy(10), prompt_token_ids=p) for rid, p in prompts.items()])}
-    assert llm.stats["spec_draft_tokens"] > 0  # verified, the window over each chunk
-    if spec.startswith("draft:"):  # the model drafting for itself: kept drafts
-        assert llm.stats["spec_accepted_tokens"] > 0
-    for rid, prompt in prompts.items():
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                pad_token_id=0)[0, len(prompt):].tolist()
-        assert out[rid] == want, rid
+    check_speculation_keeps_reference(tmp_path, build_tiny_gemma3(tmp_path), VOCAB, spec)
 
 
 def test_hub_config_of_gemma3_12b_builds_on_the_meta_device(monkeypatch):

@@ -29,7 +29,7 @@ class MoEConfig:
     num_experts: int
     top_k: int
     moe_intermediate_size: int
-    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    scoring: str = "softmax"  # "softmax" | "sigmoid" | "softmax_topk" (gpt-oss: softmax over the top-k logits)
     norm_topk_prob: bool = True  # renormalise the chosen weights to sum to 1
     routed_scaling_factor: float = 1.0
     n_group: int = 1
@@ -40,6 +40,13 @@ class MoEConfig:
     first_k_dense_replace: int = 0  # layers below this index are dense (DeepSeek)
     decoder_sparse_step: int = 1  # Qwen: every n-th layer is sparse
     mlp_only_layers: tuple[int, ...] = ()  # Qwen: layers kept dense
+    # gpt-oss (declared by its Family.moe): the router's logits carry a bias; the experts' projections
+    # carry biases; their activation is the clamped SwiGLU (up.clamp(-limit, limit) + 1) *
+    # gate.clamp(max=limit) * sigmoid(alpha * gate.clamp(max=limit)) when swiglu_limit is set
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` has a MoE MLP (the rule transformers applies)."""
@@ -50,6 +57,9 @@ class MoEConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> "MoEConfig | None":
         """The MoE settings of an HF config dict; None for a dense architecture."""
         model_type = cfg.get("model_type", "")
+        family = FAMILIES.get(model_type)
+        if family is not None and family.moe is not None:
+            return cls(**family.moe(cfg))
         if model_type not in MOE_ARCHITECTURES:
             return None
         if cfg.get("hidden_act", "silu") != "silu":
@@ -125,6 +135,8 @@ class ModelConfig:
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32
     sandwich_norms: bool = False  # each sublayer's output normed too (Family.sandwich_norms)
     embedding_multiplier: float | None = None  # embeddings times this (sqrt(hidden_size)), in their dtype
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head joins each softmax's denominator
+    o_proj_bias: bool = False  # gpt-oss: o_proj has a bias too
 
     @property
     def rotary_dims(self) -> int:
@@ -154,8 +166,11 @@ class ModelConfig:
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             # MLA models check their own rope kinds (MLAConfig.from_hf).
-            if kind not in ("default", "llama3", "linear", "longrope") and model_type not in MLA_ARCHITECTURES:
-                raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: llama3, linear, longrope)")
+            if kind not in ("default", "llama3", "linear", "longrope", "yarn") and model_type not in MLA_ARCHITECTURES:
+                raise UnsupportedModelError(
+                    f"unsupported rope scaling {kind!r} (supported: llama3, linear, longrope, yarn)")
+            if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
+                raise UnsupportedModelError("yarn rope scaling without original_max_position_embeddings")
         family = FAMILIES.get(model_type)
         # they apply any window they state
         sliding_default = model_type in ("mistral", "mixtral") or (family is not None and family.sliding_default)
@@ -237,6 +252,7 @@ def _attention_bias(cfg: dict[str, Any]) -> bool:
 
 # The families declared in their own modules register themselves (they import only family.py).
 from kvbatch.engine.models import gemma3 as _gemma3  # noqa: F401
+from kvbatch.engine.models import gpt_oss as _gpt_oss  # noqa: F401
 from kvbatch.engine.models import phi3 as _phi3  # noqa: F401
 from kvbatch.engine.models import qwen3 as _qwen3  # noqa: F401
 

@@ -17,7 +17,6 @@ path serves unchanged; YaRN scales cos/sin by its attention factor and the softm
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ from kvbatch.engine.models.llama import (
     LlamaModel,
     refuse_batch_invariant_moe,
 )
-from kvbatch.engine.models.mla_config import MLAConfig, yarn_mscale
+from kvbatch.engine.models.mla_config import MLAConfig
 from kvbatch.engine.models.moe import (
     ExpertCompute,
     LocalExperts,
@@ -39,7 +38,7 @@ from kvbatch.engine.models.moe import (
     load_moe_layer,
     moe_forward,
 )
-from kvbatch.engine.models.rope import cos_sin_table
+from kvbatch.engine.models.rope import cos_sin_table, yarn_inverse_frequencies
 from kvbatch.kernels import dispatch as K
 from kvbatch.kernels.cpu.linear import (
     LinearFormat,
@@ -74,38 +73,6 @@ def _rope_permutation(rope_dim: int) -> torch.Tensor:
     (x0, x2, ... | x1, x3, ...): exactly what transformers' ``apply_rotary_pos_emb_interleave``
     rotates, so rotate-half rope on permuted rows equals interleaved rope on the original ones."""
     return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
-
-
-def yarn_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any], max_positions: int
-                             ) -> tuple[torch.Tensor, float]:
-    """YaRN's per-pair inverse frequencies and cos/sin attention factor, as transformers'
-    ``_compute_yarn_parameters`` computes them."""
-    factor = float(scaling.get("factor") or max_positions / scaling["original_max_position_embeddings"])
-    attention_factor = scaling.get("attention_factor")
-    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
-    original = scaling["original_max_position_embeddings"]
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    keep = 1 - ramp  # 1: the original frequency, 0: the stretched one
-    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
 def mla_cos_sin_table(rope_dim: int, theta: float, scaling: dict[str, Any] | None,

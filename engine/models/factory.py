@@ -30,7 +30,7 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
     """The model for ``config.model_type``: DeepSeek-V3 (multi-head latent attention) or the
     common decoder (Llama, Mistral, Qwen2 and the Mixtral / Qwen MoE variants, and every family
     registered in :mod:`~kvbatch.engine.models.family`, which differ from it only in what their
-    ``ModelConfig`` declares: Qwen3, Phi-3, Gemma 3), its weights on ``device``. ``expert_ids``: the experts a partial checkpoint holds, per layer
+    ``ModelConfig`` declares: Qwen3, Phi-3, Gemma 3, gpt-oss), its weights on ``device``. ``expert_ids``: the experts a partial checkpoint holds, per layer
     (:attr:`~kvbatch.engine.models.weights.Checkpoint.expert_ids`).
 
     The dense projections' kernel is measured on this CPU (cached on disk) unless ``linear``

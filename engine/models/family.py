@@ -38,7 +38,11 @@ class Family:
     ``settings``: ``(hf config) -> {ModelConfig field: value}``, the family's own config keys read
     into the common decoder's declared settings (per-layer sliding windows ``layer_windows``, the
     sliding layers' rope base ``local_rope_theta``, ``attention_scale``, ``hidden_act``,
-    ``final_logit_softcap``, ...); it raises ``UnsupportedModelError`` for what is not implemented.
+    ``final_logit_softcap``, ``attention_sinks``, ``o_proj_bias``, ...); it raises
+    ``UnsupportedModelError`` for what is not implemented.
+    ``moe``: ``(hf config) -> {MoEConfig field: value}``, the family's mixture-of-experts MLPs (every
+    layer's, gpt-oss: router bias, softmax over the top-k logits, biased clamped SwiGLU experts);
+    None: dense MLPs.
     """
 
     architecture: str
@@ -53,6 +57,7 @@ class Family:
     embedding_scale: bool = False
     layer_tensors: tuple[str, ...] = ()
     settings: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    moe: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 # model_type -> its Family, filled by the family modules (engine/models/config.py imports them all).

@@ -114,6 +114,8 @@ class LayerWeights:
     # Sandwich norms (Gemma): on the attention output and on the MLP output, before each residual add
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None  # gpt-oss: o_proj's bias
+    sinks: torch.Tensor | None = None  # [Hq] fp32, gpt-oss: each head's sink logit (in the softmax's denominator)
 
 
 @dataclass
@@ -177,7 +179,7 @@ def sliding_plans(model: "LlamaModel", h: torch.Tensor, batch: ForwardBatch, kv_
     if not windows:
         return {}
     nd = batch.num_decode
-    if K.backend(h) == "triton":
+    if K.backend(h) == "triton" and not c.attention_sinks:  # the Triton kernels take no sinks (gpt-oss)
         return {w: SlidingStep("triton", batch.prefill_block_tables, batch.prefill_cu_query_lens,
                                batch.prefill_context_lens, None) for w in windows}
     group = c.num_heads // c.num_kv_heads
@@ -296,6 +298,10 @@ class LlamaModel:
             if c.qk_norm:
                 lw.q_norm = norm_weight(take_qk(p + "self_attn.q_norm.weight"))
                 lw.k_norm = norm_weight(take_qk(p + "self_attn.k_norm.weight"))
+            if c.o_proj_bias:
+                lw.o_bias = take(p + "self_attn.o_proj.bias")
+            if c.attention_sinks:
+                lw.sinks = take(p + "self_attn.sinks").float()
             if c.sandwich_norms:
                 lw.attn_out_norm = norm_weight(take(p + "post_attention_layernorm.weight"))
                 lw.mlp_out_norm = norm_weight(take(p + "post_feedforward_layernorm.weight"))
@@ -337,6 +343,7 @@ class LlamaModel:
         self.norm_fp32 = c.norm_unit_offset and dtype != torch.float32
         # Whether every layer is the plain Llama layer the fused native decode layers compute
         self.plain_layers = not (c.sandwich_norms or c.hidden_act != "silu" or any(c.layer_windows)
+                                 or c.attention_sinks or c.o_proj_bias
                                  or c.embedding_multiplier is not None or c.norm_unit_offset)
         # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).
         self.lean_ops = lean_ops_enabled()
@@ -416,21 +423,21 @@ class LlamaModel:
                 attn = K.invariant_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
                                              batch.positions, self.scale, window)
             elif window:
-                attn = self._sliding_attention(q, k_cache, v_cache, batch, window, windows[window])
+                attn = self._sliding_attention(q, k_cache, v_cache, batch, window, windows[window], lw.sinks)
             elif nd == T:
                 attn = K.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
                                                 batch.decode_context_lens, self.scale, None,
-                                                batch.decode_workspace, decode_plan)
+                                                batch.decode_workspace, decode_plan, lw.sinks)
             else:
                 attn = torch.empty_like(q)
                 if nd:
                     attn[:nd] = K.paged_decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
                                                          batch.decode_context_lens, self.scale, None,
-                                                         batch.decode_workspace, decode_plan)
+                                                         batch.decode_workspace, decode_plan, lw.sinks)
                 attn[nd:] = K.prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_block_tables,
                                                  batch.prefill_cu_query_lens, batch.prefill_context_lens,
-                                                 self.scale, plan, batch.max_query_len)
-            h = self._linear(attn.view(T, q_size), lw.o_proj)
+                                                 self.scale, plan, batch.max_query_len, lw.sinks)
+            h = self._linear(attn.view(T, q_size), lw.o_proj, lw.o_bias)
             if lw.attn_out_norm is not None:  # Gemma: the attention output normed before the residual add
                 h = norm(h, lw.attn_out_norm, c.rms_norm_eps)[0]
             x, residual = norm(h, lw.post_norm, c.rms_norm_eps, residual)
@@ -454,27 +461,30 @@ class LlamaModel:
         return logits
 
     def _sliding_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           batch: ForwardBatch, window: int, step: SlidingStep) -> torch.Tensor:
-        """Attention of a sliding layer's rows over the last ``window`` keys (see :func:`sliding_plans`)."""
+                           batch: ForwardBatch, window: int, step: SlidingStep,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of a sliding layer's rows over the last ``window`` keys (see :func:`sliding_plans`);
+        ``sinks``: the layer's sink logits (gpt-oss), on every route."""
         nd, T = batch.num_decode, q.shape[0]
         if step.route == "reference":
             return K.prefill_attention(q, k_cache, v_cache, step.tables, step.cu, step.lens, self.scale, step.plan,
-                                       max(batch.max_query_len, 1))
+                                       max(batch.max_query_len, 1), sinks)
         triton = None
         if step.route == "triton":  # importable: the dispatcher chose it
             from kvbatch.kernels import triton_attention as triton
         attn = torch.empty_like(q)
         if nd:
             decode = (native_kernels.paged_decode_attention if triton is None else triton.paged_decode_attention)
+            sink = {} if sinks is None else {"sinks": sinks}  # the native kernel's (never Triton's: sliding_plans)
             out = decode(q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
-                         window=window)
+                         window=window, **sink)
             if nd == T:
                 return out
             attn[:nd] = out
         if nd < T:
             if triton is None:
                 attn[nd:] = K.prefill_attention(q[nd:], k_cache, v_cache, step.tables, step.cu, step.lens, self.scale,
-                                                step.plan, batch.max_query_len)
+                                                step.plan, batch.max_query_len, sinks)
             else:
                 attn[nd:] = triton.prefill_attention(q[nd:], k_cache, v_cache, step.tables, step.cu, step.lens,
                                                      self.scale, max_query_len=batch.max_query_len or None,

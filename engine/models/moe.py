@@ -10,6 +10,10 @@ Expert parallelism swaps in another implementation on the model (``model.expert_
 without touching the model code; load balancers watch the routing through
 ``model.routing_observers``.
 
+gpt-oss's experts add biases and a clamped SwiGLU (``MoELayerWeights.gate_up_bias``, ``down_bias``,
+``swiglu``), run by :func:`run_experts`; an :class:`ExpertCompute` that computes a layer's experts
+elsewhere must pass them on (``kvbatch.kernels.dispatch.fused_moe``'s keywords).
+
 Weight layout (the contract other modules code against): ``w_gate_up`` ``[E, 2 I, H]`` (gate
 rows first, then up), ``w_down`` ``[E, H, I]`` — ``[out, in]`` like ``F.linear``, the same as
 transformers 5 keeps them in memory (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``).
@@ -18,13 +22,14 @@ transformers 5 keeps them in memory (``mlp.experts.gate_up_proj`` / ``mlp.expert
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kvbatch.engine.models.config import MoEConfig
+from kvbatch.engine.models.errors import UnsupportedModelError
 from kvbatch.kernels import dispatch as K
 
 __all__ = [
@@ -36,6 +41,7 @@ __all__ = [
     "load_moe_layer",
     "moe_forward",
     "route",
+    "run_experts",
 ]
 
 RoutingObserver = Callable[[int, torch.Tensor], None]  # (layer_idx, topk_ids [T, k])
@@ -55,10 +61,26 @@ class MoELayerWeights:
     # The logical experts whose weights w_gate_up / w_down hold, row by row, when the checkpoint
     # was loaded for one expert-parallel rank only (None: every expert, row e is expert e).
     expert_ids: list[int] | None = None
+    # gpt-oss: the router's bias [E] (fp32), the experts' biases [E, 2 I] (gate, then up) and [E, H],
+    # and the clamped SwiGLU's (alpha, limit) in place of silu(gate) * up
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    swiglu: tuple[float, float] | None = None
 
     @property
     def num_experts(self) -> int:
         return self.router.shape[0]
+
+    def select_experts(self, rows: torch.Tensor) -> MoELayerWeights:
+        """This layer with only the expert rows ``rows`` (int64) of its expert tensors and biases, the
+        router and the shared expert as they are: what an expert-parallel rank computes with
+        :func:`run_experts` (slot ``i`` is row ``rows[i]``)."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, rows)
+
+        return replace(self, w_gate_up=self.w_gate_up.index_select(0, rows), w_down=self.w_down.index_select(0, rows),
+                       gate_up_bias=pick(self.gate_up_bias), down_bias=pick(self.down_bias), expert_ids=None)
 
     def rows_of(self, experts: list[int]) -> list[int]:
         """Rows of the expert tensors holding ``experts`` (logical ids); raises ``ValueError``
@@ -80,6 +102,9 @@ class ExpertCompute(Protocol):
     that runs the model. ``x``: [T, H]; ``topk_ids``: [T, k] int64 logical expert ids;
     ``topk_weights``: [T, k] fp32 (normalisation and scaling included). Returns [T, H] in
     ``x.dtype``: ``out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``.
+    An implementation that computes gpt-oss's experts (biases, clamped SwiGLU: :func:`run_experts`
+    over :meth:`MoELayerWeights.select_experts`) says so with ``runs_biased_experts = True``;
+    :func:`moe_forward` refuses the others for such layers.
     """
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -93,6 +118,10 @@ class LocalExperts:
     model's ``moe_layers`` is seen at once.
     """
 
+    # computes gpt-oss's experts (biases, clamped SwiGLU: run_experts); an ExpertCompute without this
+    # attribute set is refused for such layers rather than computing plain SiLU experts
+    runs_biased_experts = True
+
     def __init__(self, layers: Mapping[int, MoELayerWeights]) -> None:
         self.layers = layers
 
@@ -102,7 +131,15 @@ class LocalExperts:
         if layer.expert_ids is not None:
             raise RuntimeError(f"layer {layer_idx} holds only experts {layer.expert_ids} (loaded for one "
                                "expert-parallel rank): install expert parallelism before running it")
-        return K.fused_moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights)
+        return run_experts(x, layer, topk_ids, topk_weights)
+
+
+def run_experts(x: torch.Tensor, layer: MoELayerWeights, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts of ``layer`` held here (:func:`kvbatch.kernels.dispatch.fused_moe`), with
+    the layer's expert biases and activation (gpt-oss) where it has them."""
+    return K.fused_moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights,
+                       gate_up_bias=layer.gate_up_bias, down_bias=layer.down_bias, swiglu=layer.swiglu)
 
 
 def route(x: torch.Tensor, layer: MoELayerWeights, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,14 +151,19 @@ def route(x: torch.Tensor, layer: MoELayerWeights, cfg: MoEConfig) -> tuple[torc
 
     - softmax (Mixtral, Qwen): top-k of ``softmax(logits)``, renormalised when ``norm_topk_prob``
       (Mixtral always).
+    - softmax_topk (gpt-oss): the top-k logits (the router's bias added), then the softmax over those k.
     - sigmoid (DeepSeek-V3): ``s = sigmoid(logits)``; selection ranks ``s + correction_bias``,
       first keeping the ``topk_group`` groups whose two best experts score highest, then the
       top-k experts inside them; the weights are the un-biased ``s`` of the chosen experts,
       renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
     """
-    logits = F.linear(x.float(), layer.router.float())
+    bias = None if layer.router_bias is None else layer.router_bias.float()
+    logits = F.linear(x.float(), layer.router.float(), bias)
     k = cfg.top_k
-    if cfg.scoring == "softmax":
+    if cfg.scoring == "softmax_topk":
+        top, ids = torch.topk(logits, k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    elif cfg.scoring == "softmax":
         weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -161,7 +203,12 @@ def moe_forward(
     for observe in observers:
         observe(layer_idx, topk_ids)
     if experts is None:
-        out = K.fused_moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights)
+        out = run_experts(x, layer, topk_ids, topk_weights)
+    elif layer.swiglu is not None and not getattr(experts, "runs_biased_experts", False):
+        raise UnsupportedModelError(
+            f"layer {layer_idx}: {type(experts).__name__} computes plain SiLU experts; this model's experts have "
+            "biases and a clamped SwiGLU (gpt-oss): it must compute them with moe.run_experts "
+            "(MoELayerWeights.select_experts) and set runs_biased_experts = True")
     else:
         out = experts(layer_idx, x, topk_ids, topk_weights)
     if layer.shared_gate_up is not None:
@@ -204,6 +251,16 @@ def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoECon
             raise ValueError(f"{prefix}{name} has shape {tuple(got)}, the config says {want}")
     if cfg.has_correction_bias:
         layer.correction_bias = take("gate.e_score_correction_bias", torch.float32)
+    if cfg.router_bias:
+        layer.router_bias = take("gate.bias", torch.float32)
+    if cfg.expert_bias:
+        layer.gate_up_bias, layer.down_bias = take("experts.gate_up_proj_bias"), take("experts.down_proj_bias")
+        for name, got, want in (("experts.gate_up_proj_bias", layer.gate_up_bias.shape, (held, 2 * I)),
+                                ("experts.down_proj_bias", layer.down_bias.shape, (held, H))):
+            if tuple(got) != want:
+                raise ValueError(f"{prefix}{name} has shape {tuple(got)}, the config says {want}")
+    if cfg.swiglu_limit is not None:
+        layer.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit)
     if cfg.shared_expert_intermediate_size:
         # Qwen2-MoE names it shared_expert, DeepSeek shared_experts.
         shared = "shared_expert." if prefix + "shared_expert.gate_proj.weight" in tensors else "shared_experts."

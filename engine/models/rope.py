@@ -1,4 +1,5 @@
-"""Rotary position embedding tables, computed exactly the way transformers computes them."""
+"""Rotary position embedding tables, computed exactly the way transformers computes them (default,
+linear, llama3, longrope, yarn)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 from typing import Any
 
 import torch
+
+from kvbatch.engine.models.mla_config import yarn_mscale
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -29,6 +32,43 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def yarn_inverse_frequencies(dim: int, theta: float, scaling: dict[str, Any], max_positions: int
+                             ) -> tuple[torch.Tensor, float]:
+    """YaRN's per-pair inverse frequencies and cos/sin attention factor, as transformers'
+    ``_compute_yarn_parameters`` computes them: each pair blends its original frequency and the one
+    stretched by ``factor`` along a linear ramp between the dims that turn ``beta_fast`` and
+    ``beta_slow`` times over ``original_max_position_embeddings`` (``truncate``, default on, rounds
+    the ramp's ends to whole dims: gpt-oss states it off); the factor is the stated
+    ``attention_factor``, else ``yarn_mscale(factor)`` (or the ratio of the two mscales where
+    ``mscale`` and ``mscale_all_dim`` are both stated)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = float(scaling.get("factor") or max_positions / original)
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: the original frequency, 0: the stretched one
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
 def longrope_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
@@ -73,7 +113,10 @@ def cos_sin_table(
     what else was computed with it. transformers' model picks by the largest position of each forward
     call, and its generate turns the whole sequence with the long factors once it is longer than
     ``original`` (re-prefilling it when it first passes): the same for sequences of at most
-    ``original`` tokens, not past it (docs/models.md)."""
+    ``original`` tokens, not past it (docs/models.md).
+
+    ``yarn`` scaling (gpt-oss): :func:`yarn_inverse_frequencies`' frequencies, cos and sin times its
+    attention factor."""
     dim = rotary_dim or head_dim
     positions = torch.arange(max_positions, dtype=torch.int64)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -84,6 +127,10 @@ def cos_sin_table(
         long = _angles(longrope_inverse_frequencies(dim, theta, scaling, long=True), positions[original:])
         factor = longrope_attention_factor(scaling, max_positions)
         cos, sin = (torch.cat((a, b)) * factor for a, b in zip(short, long))
+    elif kind == "yarn":  # transformers scales cos and sin by the attention factor in fp32
+        assert scaling is not None
+        inv_freq, factor = yarn_inverse_frequencies(dim, theta, scaling, max_positions)
+        cos, sin = (t * factor for t in _angles(inv_freq, positions))
     else:
         cos, sin = _angles(inverse_frequencies(dim, theta, scaling), positions)
     if dim != head_dim:

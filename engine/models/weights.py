@@ -29,8 +29,15 @@ from fsspec.implementations.local import LocalFileSystem
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import ModelLoadError, UnsupportedModelError
 from kvbatch.engine.models.family import FAMILIES
-from kvbatch.engine.models.fp8 import (Fp8BlockWeight, dequantize_fp8_weights, fp8_block_size, is_float8, is_fp8,
-                                       keep_fp8_weights)
+from kvbatch.engine.models.fp8 import (
+    Fp8BlockWeight,
+    dequantize_fp8_weights,
+    fp8_block_size,
+    is_float8,
+    is_fp8,
+    keep_fp8_weights,
+)
+from kvbatch.engine.models.mxfp4 import dequantize_mxfp4_weights, is_mxfp4, is_mxfp4_part
 from kvbatch.kernels.cpu.gguf_blocks import NATIVE_QTYPES, GGUFBlocks
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: tokenizing steps read only
@@ -274,17 +281,21 @@ def _load_hf_folder(
     config = _normalize_hf_config(raw_config, source, dtype)
 
     shard_files = _safetensors_files(fs, path, source)
-    block = fp8_block_size(config, source)
+    mxfp4 = is_mxfp4(config, source)  # refuses a method other than fp8 and mxfp4, naming it
+    block = None if mxfp4 else fp8_block_size(config, source)
     tensors: dict[str, torch.Tensor] = {}
-    quantized: dict[str, torch.Tensor] = {}  # FP8 weights and their scales, as stored, until every shard is read
+    quantized: dict[str, torch.Tensor] = {}  # FP8/MXFP4 weights and their scales, as stored, until every shard is read
     for shard in shard_files:
         for name, tensor in _read_safetensors(fs, shard, source).items():
-            if block is not None and (name.endswith("_scale_inv") or is_fp8(tensor)):
+            if (block is not None and (name.endswith("_scale_inv") or is_fp8(tensor))) or (
+                    mxfp4 and is_mxfp4_part(name, tensor)):
                 quantized[name] = tensor
             else:
                 tensors[name] = tensor.to(dtype)
     fp8: dict[str, Fp8BlockWeight] = {}
-    if quantized:
+    if mxfp4:
+        tensors.update(dequantize_mxfp4_weights(quantized, dtype, source))
+    elif quantized:
         tensors.update(dequantize_fp8_weights(quantized, block, dtype, source))
         fp8 = keep_fp8_weights(quantized, block, config, source) if keep_fp8 else {}
     elif any(is_float8(t) for t in tensors.values()):
@@ -321,6 +332,9 @@ def _load_hf_experts(fs: fsspec.AbstractFileSystem, path: str, source: str, dtyp
             raw = json.loads(fs.cat_file(_join(path, "config.json")))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raw = None  # reported below
+        family = FAMILIES.get(raw.get("model_type")) if isinstance(raw, dict) else None
+        if family is not None and family.moe is not None:  # gpt-oss: experts converted (MXFP4 too) by whole loads
+            return _keep_experts(load_checkpoint(source, dtype), keep)
         if isinstance(raw, dict) and raw.get("quantization_config"):  # FP8 is dequantized by whole loads only
             raise ModelLoadError(f"{source}: loading only some experts of a quantized checkpoint is not implemented")
     if not isinstance(fs, LocalFileSystem):
@@ -409,10 +423,11 @@ def _load_hf_experts(fs: fsspec.AbstractFileSystem, path: str, source: str, dtyp
 
 
 def _keep_experts(ckpt: Checkpoint, keep: dict[int, list[int]]) -> Checkpoint:
-    """``ckpt`` (loaded whole) with only ``keep``'s experts left in its fused expert tensors."""
+    """``ckpt`` (loaded whole) with only ``keep``'s experts left in its fused expert tensors (and
+    their biases, gpt-oss's)."""
     kept: dict[int, list[int]] = {}
     for name in list(ckpt.tensors):
-        if match := _FUSED_RE.match(name):
+        if match := _FUSED_RE.match(name.removesuffix("_bias")):
             layer = int(match.group(2))
             held = [j for j in keep.get(layer, []) if j < ckpt.tensors[name].shape[0]]
             ckpt.tensors[name] = ckpt.tensors[name][held].clone()

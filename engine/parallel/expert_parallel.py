@@ -9,8 +9,9 @@ for one rank of a ``torch.distributed`` group. It keeps only this rank's physica
 2. exchanges a small header with every rank (``all_to_all_single``): how many rows it sends
    each rank, and which layer it is at (-1: idle);
 3. sends the token rows, each tagged with its slot (one ``all_to_all_single`` of packed bytes);
-4. computes what arrived with :func:`kvbatch.kernels.dispatch.fused_moe` on the local slots,
-   unweighted, and sends the rows back the way they came (``all_to_all_single``);
+4. computes what arrived with :func:`kvbatch.engine.models.moe.run_experts` on the local slots
+   (gpt-oss's expert biases and clamped SwiGLU included), unweighted, and sends the rows back the
+   way they came (``all_to_all_single``);
 5. combines on the token's own rank exactly as the local :func:`fused_moe` does (pairs in
    expert order, weighted in fp32, one ``index_add_``), so a token's output is bitwise the
    local one whenever each expert's GEMM rows are (they are when its batch is the same).
@@ -33,15 +34,14 @@ counts the bytes that left this rank, per layer.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from kvbatch.engine.models.moe import MoELayerWeights
+from kvbatch.engine.models.moe import MoELayerWeights, run_experts
 from kvbatch.engine.parallel.eplb import Placement, bucket_counts, identity_placement, replica_choice
-from kvbatch.kernels import dispatch as K
 
 IDLE = -1  # header layer of a rank that only serves other ranks' rows this round
 _SLOT_BYTES = 4  # each dispatched row carries its slot id as int32
@@ -103,6 +103,10 @@ class ExpertParallelCompute:
     the identity, which needs the expert count to divide by the group size.
     """
 
+    # Computes each slot with run_experts over MoELayerWeights.select_experts: gpt-oss's expert
+    # biases travel with their expert, so moe_forward may hand it such layers.
+    runs_biased_experts = True
+
     def __init__(self, moe_layers: Mapping[int, MoELayerWeights], num_layers: int,
                  placement: Placement | None = None, group: dist.ProcessGroup | None = None) -> None:
         if not moe_layers:
@@ -116,6 +120,12 @@ class ExpertParallelCompute:
         self.dtype = first.w_gate_up.dtype
         self.device = first.w_gate_up.device
         self.hidden = first.w_gate_up.shape[2]
+        for li in self.layer_ids:
+            # rebalance moves an expert's weights and biases as one row of self.dtype
+            for name, t in _expert_tensors(moe_layers[li]).items():
+                if t.dtype != self.dtype:
+                    raise ValueError(f"layer {li}: expert tensor {name} is {t.dtype}, the expert weights "
+                                     f"{self.dtype}: expert parallelism needs them in one dtype")
         if placement is None:
             if self.num_experts % self.world:
                 raise ValueError(
@@ -126,15 +136,16 @@ class ExpertParallelCompute:
         self.placement = placement
         self._routing = self._on_device(placement)
         self.per_rank = placement.slots_per_rank(self.world)
-        # layer -> (w_gate_up [S/W, 2I, H], w_down [S/W, H, I]) of this rank's slots, slot order.
-        self.local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # layer -> the layer with only this rank's slots (w_gate_up [S/W, 2I, H], w_down [S/W, H, I],
+        # expert biases where it has them), slot order.
+        self.layers: dict[int, MoELayerWeights] = {}
         for li in self.layer_ids:
             lw = moe_layers[li]
             # Rows of this layer's expert tensors: expert ids, or (a checkpoint loaded for this
             # rank only) where each of its experts sits in the partial tensors.
             rows = torch.tensor(lw.rows_of(placement.experts_on_rank(li, self.rank, self.world).tolist()),
                                 dtype=torch.long, device=self.device)
-            self.local[li] = (lw.w_gate_up.index_select(0, rows), lw.w_down.index_select(0, rows))
+            self.layers[li] = lw.select_experts(rows)
         self.stats = ExchangeStats()
         self.step_offset = 0  # replica_choice offset; advanced per step so remainders rotate
 
@@ -248,11 +259,9 @@ class ExpertParallelCompute:
         for li, spans in blocks.items():
             rows_idx = torch.cat([torch.arange(a, b, device=self.device) for a, b in spans])
             local_slot = recv_slot.index_select(0, rows_idx) - rank * self.per_rank
-            w_gate_up, w_down = self.local[li]
             ones = torch.ones((rows_idx.numel(), 1), dtype=torch.float32, device=self.device)
             # Weight 1 keeps the expert's output as is: the weighting happens at home, in fp32.
-            y[rows_idx] = K.fused_moe(recv_x.index_select(0, rows_idx), w_gate_up, w_down,
-                                      local_slot.view(-1, 1), ones)
+            y[rows_idx] = run_experts(recv_x.index_select(0, rows_idx), self.layers[li], local_slot.view(-1, 1), ones)
             st.add(st.rows_computed, li, rows_idx.numel())
 
         # Combine: the rows go back the way they came.
@@ -301,14 +310,14 @@ class ExpertParallelCompute:
 
         def expert_row(li: int, e: int) -> torch.Tensor:
             local_slot = old_row_of[li].index(e)
-            gu, dn = self.local[li]
-            return torch.cat([gu[local_slot].reshape(-1), dn[local_slot].reshape(-1)])
+            return torch.cat([t[local_slot].reshape(-1) for t in _expert_tensors(self.layers[li]).values()])
 
         old_row_of = {li: old.experts_on_rank(li, rank, W).tolist() for li in self.layer_ids}
         outgoing = sorted((t for t in transfers if t[0] == rank), key=lambda t: (t[1], t[2], t[3]))
         incoming = sorted((t for t in transfers if t[1] == rank), key=lambda t: (t[0], t[2], t[3]))
-        gu0, dn0 = self.local[self.layer_ids[0]]
-        row_numel = gu0[0].numel() + dn0[0].numel()
+        # One expert's row: its weights, then its biases where the model has them (gpt-oss); every
+        # MoE layer of a model holds the same tensors, so the first layer sizes every row.
+        row_numel = sum(t[0].numel() for t in _expert_tensors(self.layers[self.layer_ids[0]]).values())
         send = (torch.stack([expert_row(li, e) for _, _, li, _, e in outgoing]) if outgoing
                 else torch.empty((0, row_numel), dtype=self.dtype, device=self.device))
         recv = torch.empty((len(incoming), row_numel), dtype=self.dtype, device=dev)
@@ -318,22 +327,22 @@ class ExpertParallelCompute:
                                group=self.group)
         recv = recv.to(self.device)
         arrived = {(li, j): recv[i] for i, (_, _, li, j, _) in enumerate(incoming)}
-        new_local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        new_layers: dict[int, MoELayerWeights] = {}
         for li in self.layer_ids:
-            gu, dn = self.local[li]
-            new_gu = gu.new_empty((new_per, *gu.shape[1:]))
-            new_dn = dn.new_empty((new_per, *dn.shape[1:]))
+            held = _expert_tensors(self.layers[li])
+            new = {name: t.new_empty((new_per, *t.shape[1:])) for name, t in held.items()}
             for j, e in enumerate(placement.experts_on_rank(li, rank, W).tolist()):
                 if (li, j) in arrived:
-                    flat = arrived[(li, j)]
-                    new_gu[j] = flat[:gu[0].numel()].view(gu.shape[1:])
-                    new_dn[j] = flat[gu[0].numel():].view(dn.shape[1:])
+                    parts = arrived[(li, j)].split([t[0].numel() for t in held.values()])
+                    for (name, t), part in zip(held.items(), parts):
+                        new[name][j] = part.view(t.shape[1:])
                 else:
                     s = old_row_of[li].index(e)
-                    new_gu[j], new_dn[j] = gu[s], dn[s]
-            new_local[li] = (new_gu, new_dn)
+                    for name, t in held.items():
+                        new[name][j] = t[s]
+            new_layers[li] = replace(self.layers[li], **new)
         # Swap only once every weight is in place: the next step sees the whole new placement.
-        self.local, self.placement, self.per_rank = new_local, placement, new_per
+        self.layers, self.placement, self.per_rank = new_layers, placement, new_per
         self._routing = self._on_device(placement)
         sent = len(outgoing) * row_numel * send.element_size()
         self.stats.rebalance_bytes += sent
@@ -343,6 +352,14 @@ class ExpertParallelCompute:
     def local_experts(self) -> dict[int, list[int]]:
         """Layer -> the logical experts in this rank's slots (for tests and logs)."""
         return {li: self.placement.experts_on_rank(li, self.rank, self.world).tolist() for li in self.layer_ids}
+
+
+def _expert_tensors(lw: MoELayerWeights) -> dict[str, torch.Tensor]:
+    """The tensors of ``lw`` indexed by expert slot, by field name: the weights, and the biases
+    where the model has them (gpt-oss): what moves with an expert in :meth:`ExpertParallelCompute.rebalance`."""
+    held = {"w_gate_up": lw.w_gate_up, "w_down": lw.w_down, "gate_up_bias": lw.gate_up_bias,
+            "down_bias": lw.down_bias}
+    return {name: t for name, t in held.items() if t is not None}
 
 
 def _combine(y_pairs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, T: int, H: int,
@@ -387,7 +404,8 @@ def install(model: Any, placement: Placement | None = None,
     ep = ExpertParallelCompute(model.moe_layers, model.config.num_layers, placement, group)
     model.expert_compute = ep
     for lw in model.moe_layers.values():
-        # Shapes stay [0, ...] so code that reads them sees no experts, not stale ones.
-        lw.w_gate_up = lw.w_gate_up.new_empty((0, *lw.w_gate_up.shape[1:]))
-        lw.w_down = lw.w_down.new_empty((0, *lw.w_down.shape[1:]))
+        # Shapes stay [0, ...] so code that reads them sees no experts, not stale ones (the
+        # expert biases too, where the model has them).
+        for name, t in _expert_tensors(lw).items():
+            setattr(lw, name, t.new_empty((0, *t.shape[1:])))
     return ep

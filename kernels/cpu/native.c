@@ -32,7 +32,7 @@
  */
 #include "native_common.h"
 
-int kvb_native_abi_version(void) { return 10; }
+int kvb_native_abi_version(void) { return 11; }
 int kvb_block_cols(void) { return W_BLOCK; }
 
 #include "native_small_ops.c"

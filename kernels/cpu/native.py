@@ -27,7 +27,7 @@ import torch
 from kvbatch.kernels.cpu import native_build
 
 SOURCE = Path(__file__).with_name("native.c")  # includes native_common.h and the native_*.c parts: one library
-_ABI = 10
+_ABI = 11
 # Rows the native fp32 and bf16 GEMVs and the fused decode layers over them are offered for: decode
 # and small batches, where a multiply is bound by streaming the weights; more rows are compute-bound,
 # and there oneDNN's or MKL's GEMMs win (the fused layers take MKL's at any row count). (The int8 blocks are offered at every row count: widened in registers, they
@@ -58,7 +58,7 @@ def _library() -> ctypes.CDLL | str:
         bf16_fn.restype, bf16_fn.argtypes = fp32_fn.restype, fp32_fn.argtypes
     lib.kvb_decode_attention.restype = _INT
     lib.kvb_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT, _I64, _I64, _P, _I64, _P,
-                                         _F32, _P, _INT, _I64]
+                                         _F32, _P, _INT, _I64, _P]
     lib.kvb_decode_layers.restype = _INT
     lib.kvb_decode_layers.argtypes = [_P, _I64, _P, _P, _P, _INT, _P, _INT]
     lib.kvb_attention_parts.restype = _I64
@@ -214,13 +214,14 @@ def rotate_and_store(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           window: int = 0) -> torch.Tensor:
+                           window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`kvbatch.kernels.reference.paged_decode_attention`, reading K and V where they lie:
     ``q`` [B, Hq, D] (rows may be strided), caches [num_blocks, block_size, Hkv, D], all fp32, or
     all bf16 (computed in fp32, K and V widened as they are read, or on a CPU with AVX512-BF16 the
     query-key products by ``vdpbf16ps``, exact products summed in fp32; the result rounded to bf16).
     ``window`` > 0: a sliding window, each query sees the last ``window`` positions of its context
-    only (read from the block holding the first of them); 0: the whole context."""
+    only (read from the block holding the first of them); 0: the whole context. ``sinks`` [Hq]
+    (gpt-oss): each head's sink logit joins its softmax's denominator only (in fp32)."""
     if window < 0:
         raise ValueError(f"paged_decode_attention: window must be >= 0, got {window}")
     bf16 = q.dtype == torch.bfloat16
@@ -241,11 +242,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if tables.dim() != 2 or tables.shape[0] != B or lens.numel() != B:
         raise ValueError(f"{B} sequences need [{B}, max_blocks] block tables and {B} context lengths, "
                          f"got {tuple(tables.shape)} and {lens.numel()}")
+    if sinks is not None:
+        sinks = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        if sinks.shape != (Hq,):
+            raise ValueError(f"sinks must be one logit per query head [{Hq}], got {tuple(sinks.shape)}")
     out = q.new_empty((B, Hq, D))
     rc = _lib().kvb_decode_attention(q.data_ptr(), B, q.stride(0), Hq, Hkv, D, k_cache.data_ptr(),
                                      v_cache.data_ptr(), int(bf16), num_blocks, block_size, tables.data_ptr(),
                                      tables.shape[1], lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
-                                     int(window))
+                                     int(window), None if sinks is None else sinks.data_ptr())
     _check(rc, "paged_decode_attention")
     return out.to(torch.bfloat16) if bf16 else out
 

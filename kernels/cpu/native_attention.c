@@ -2,7 +2,8 @@
  * sequence, each (sequence, KV head) a task, long contexts split into parts combined afterwards
  * (split_t, plan_split, attend_tasks; the fused decode layers run the same tasks). A sliding window
  * (kvb_decode_attention's `window`: Gemma 3) reads each context from its window's first block and
- * weighs the positions before the window 0. A part of native.c, compiled inside it after
+ * weighs the positions before the window 0. Attention sinks (`sinks`: gpt-oss) add exp(sink - max) to
+ * each head's softmax denominator, the maximum taken over the sink too. A part of native.c, compiled inside it after
  * native_common.h and native_small_ops.c.
  */
 #include "native_common.h"
@@ -252,10 +253,13 @@ static void pv_cols(const float *scores, int64_t p_begin, int64_t p_end, int64_t
  * [p_begin, p_from), a sliding window's start inside its first block, weigh exactly 0): og gets the
  * softmax-weighted sum of V over those positions, normalized by their own softmax sum; stats (when
  * not NULL) gets each head's score maximum and sum of exp(score - maximum), so that parts of one
- * sequence can be combined (attend_tasks). scores: scratch of group * (p_end - p_begin) floats. */
+ * sequence can be combined (attend_tasks). scores: scratch of group * (p_end - p_begin) floats.
+ * sinks (gpt-oss; NULL: none): the group's sink logits, each joining its head's softmax denominator
+ * only (the maximum includes it: sum += exp(sink - max)); given for a whole context, never a part. */
 static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t hkv, int64_t d,
                    const void *k_cache, const void *v_cache, int bf16, int64_t block_size, const int32_t *table,
-                   int64_t p_begin, int64_t p_end, int64_t p_from, float scale, float *scores, float *stats) {
+                   int64_t p_begin, int64_t p_end, int64_t p_from, float scale, float *scores, float *stats,
+                   const float *sinks) {
     const int64_t pos_stride = hkv * d, len = p_end - p_begin, skip = p_from > p_begin ? p_from - p_begin : 0;
     float tmp[MAX_HEAD_DIM];
     if (len <= skip) {
@@ -308,7 +312,9 @@ static void attend(const float *qg, float *og, int64_t group, int64_t g, int64_t
         float *sj = scores + j * len, mx = sj[skip];
 #pragma omp simd reduction(max : mx)
         for (int64_t p = skip + 1; p < len; p++) mx = sj[p] > mx ? sj[p] : mx;
-        const float sum = exp_sub_sum(sj + skip, len - skip, mx);
+        if (sinks != NULL && sinks[j] > mx) mx = sinks[j];
+        float sum = exp_sub_sum(sj + skip, len - skip, mx);
+        if (sinks != NULL) sum += kvb_expf(sinks[j] - mx);
         if (skip) memset(sj, 0, (size_t)skip * sizeof(float));  /* before the window: weight 0 */
         inv[j] = 1.0f / sum;
         if (stats != NULL) stats[2 * j] = mx, stats[2 * j + 1] = sum;
@@ -425,11 +431,13 @@ static void free_split(split_t *sp) {
 
 /* Every task of the split, then the combination of the split sequences' parts: called by every
  * thread of an OpenMP region (each with its own scores scratch of group * max(part, longest
- * unsplit context) floats). q: row n, head h at q + n * q_row_stride + h * d; out [n_seqs, hq, d]. */
+ * unsplit context) floats). q: row n, head h at q + n * q_row_stride + h * d; out [n_seqs, hq, d].
+ * sinks: [hq] sink logits or NULL (see attend); a split sequence adds them when its parts combine. */
 static void attend_tasks_window(const split_t *sp, const float *q, int64_t q_row_stride, float *out, int64_t hq,
                                 int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, int bf16,
                                 int64_t block_size, const int32_t *block_tables, int64_t table_stride,
-                                const int32_t *context_lens, float scale, float *scores, int64_t window) {
+                                const int32_t *context_lens, float scale, float *scores, int64_t window,
+                                const float *sinks) {
     const int64_t group = hq / hkv, tasks = sp->n_items * hkv;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; task++) {
@@ -438,11 +446,12 @@ static void attend_tasks_window(const split_t *sp, const float *q, int64_t q_row
         const float *qg = q + n * q_row_stride + h0 * d;
         if (parts_of(sp, len - read_start(len, window, block_size)) == 1)
             attend(qg, out + (n * hq + h0) * d, group, g, hkv, d, k_cache, v_cache, bf16, block_size,
-                   block_tables + n * table_stride, begin, len, from, scale, scores, NULL);
+                   block_tables + n * table_stride, begin, len, from, scale, scores, NULL,
+                   sinks != NULL ? sinks + h0 : NULL);
         else
             attend(qg, sp->part_out + (k * hq + h0) * d, group, g, hkv, d, k_cache, v_cache, bf16, block_size,
                    block_tables + n * table_stride, begin, begin + sp->part < len ? begin + sp->part : len, from,
-                   scale, scores, sp->part_stats + (k * hq + h0) * 2);
+                   scale, scores, sp->part_stats + (k * hq + h0) * 2, NULL);
     }
     if (sp->part_out == NULL) return;
     /* out = sum over parts of w_c o_c / sum of w_c, w_c = sum_c exp(max_c - max): the softmax over
@@ -453,6 +462,7 @@ static void attend_tasks_window(const split_t *sp, const float *q, int64_t q_row
         if (k1 - k0 == 1) continue;
         float mx = -INFINITY, wsum = 0.0f;
         for (int64_t k = k0; k < k1; k++) mx = fmaxf(mx, sp->part_stats[(k * hq + h) * 2]);
+        if (sinks != NULL) mx = fmaxf(mx, sinks[h]);
         float *o = out + (n * hq + h) * d;
         memset(o, 0, (size_t)d * sizeof(float));
         for (int64_t k = k0; k < k1; k++) {
@@ -462,6 +472,7 @@ static void attend_tasks_window(const split_t *sp, const float *q, int64_t q_row
 #pragma omp simd
             for (int64_t e = 0; e < d; e++) o[e] += w * oc[e];
         }
+        if (sinks != NULL) wsum += kvb_expf(sinks[h] - mx);
         const float inv = 1.0f / wsum;
 #pragma omp simd
         for (int64_t e = 0; e < d; e++) o[e] *= inv;
@@ -473,7 +484,7 @@ static void attend_tasks(const split_t *sp, const float *q, int64_t q_row_stride
                          int64_t block_size, const int32_t *block_tables, int64_t table_stride,
                          const int32_t *context_lens, float scale, float *scores) {
     attend_tasks_window(sp, q, q_row_stride, out, hq, hkv, d, k_cache, v_cache, bf16, block_size, block_tables,
-                        table_stride, context_lens, scale, scores, 0);
+                        table_stride, context_lens, scale, scores, 0, NULL);
 }
 
 /* How many (sequence, part) items plan_split cuts n_seqs contexts into on nthreads threads (the
@@ -494,11 +505,12 @@ int64_t kvb_attention_parts(int64_t n_seqs, const int32_t *context_lens, int64_t
  * q: row n, head h at q + n * q_row_stride + h * d; k_cache / v_cache [num_blocks, block_size,
  * hkv, d], fp32, or bf16 when bf16 is set (q and out stay fp32); block_tables int32 [n_seqs,
  * table_stride]; context_lens int32 [n_seqs]; out [n_seqs, hq, d]. Query head h reads KV head
- * h / (hq / hkv). A sequence with context 0 gets zeros. */
+ * h / (hq / hkv). A sequence with context 0 gets zeros. sinks: [hq] fp32 sink logits (gpt-oss), each
+ * joining its head's softmax denominator only; NULL: none. */
 int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, int64_t hq, int64_t hkv, int64_t d,
                          const void *k_cache, const void *v_cache, int bf16, int64_t num_blocks, int64_t block_size,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
-                         float scale, float *out, int nthreads, int64_t window) {
+                         float scale, float *out, int nthreads, int64_t window, const float *sinks) {
     if (window < 0) return KVB_BAD_SHAPE;
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || block_size <= 0) return KVB_BAD_SHAPE;
     int64_t max_len, total;
@@ -523,7 +535,7 @@ int kvb_decode_attention(const float *q, int64_t n_seqs, int64_t q_row_stride, i
 #pragma omp barrier
         if (!failed)
             attend_tasks_window(&sp, q, q_row_stride, out, hq, hkv, d, k_cache, v_cache, bf16, block_size,
-                                block_tables, table_stride, context_lens, scale, scores, window);
+                                block_tables, table_stride, context_lens, scale, scores, window, sinks);
         free(scores);
     }
     free_split(&sp);
