@@ -39,7 +39,9 @@ from typing import IO, Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from kvbatch.engine.text.tool_calls import ParsedCall, ToolsSpec, is_tools_spec, parse_tool_calls
 from kvbatch.io.batch_requests import CHAT_COMPLETIONS_URL, COMPLETIONS_URL, RESPONSES_URL, RejectedRow
+from kvbatch.io.tools import responses_echo
 from kvbatch.io.urls import redact_text
 
 __all__ = [
@@ -123,6 +125,8 @@ def result_line(
     draft_tokens: tuple[int, int] | None = None,
     endpoint: str = CHAT_COMPLETIONS_URL,
     cached_tokens: int | None = None,
+    response_format: str | None = None,
+    choice: int = 0,
 ) -> dict[str, Any]:
     """One successful request as an OpenAI Batch output line, its ``response.body`` in the shape of
     the ``endpoint`` the row was written for: a chat completion, a Responses object
@@ -137,6 +141,9 @@ def result_line(
     object has no such field). ``cached_tokens``: prompt tokens not computed for this request (the
     prefix cache or the KV store served them), OpenAI's ``usage.prompt_tokens_details.cached_tokens``
     (``input_tokens_details`` in a Responses object, where it is always present: 0 when not given).
+    ``response_format``: the engine's (the job's ``sampling.response_format``); a tools spec makes
+    the answer's calls ``message.tool_calls`` (:func:`_tool_message`). ``choice``: which of a row's
+    ``n`` choices this answer is (its tool-call ids are its own: :func:`_call_json`).
     """
     if finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
@@ -146,10 +153,11 @@ def result_line(
     created = int(time.time()) if created is None else created
     if endpoint == RESPONSES_URL:
         body = _response_body(h, text, finish_reason, prompt_tokens, completion_tokens, model, created,
-                              cached_tokens)
+                              cached_tokens, response_format)
     elif endpoint in (CHAT_COMPLETIONS_URL, COMPLETIONS_URL):
         usage = _usage(prompt_tokens, completion_tokens, draft_tokens, cached_tokens)
-        body = (_chat_body(h, text, finish_reason, model, created, token_ids, logprobs, usage)
+        body = (_chat_body(h, text, finish_reason, model, created, token_ids, logprobs, usage, response_format,
+                           choice)
                 if endpoint == CHAT_COMPLETIONS_URL else
                 _completion_body(h, text, finish_reason, model, created, token_ids, logprobs, usage))
     else:
@@ -163,11 +171,42 @@ def result_line(
     }
 
 
+def _tool_message(h: str, text: str, finish_reason: str, response_format: str | None,
+                  choice: int = 0) -> tuple[dict[str, Any], str] | None:
+    """(the message, ``tool_calls``) of an answer that called tools, or None: ``content`` is the
+    text before the calls (null when none), each call's ``id`` is ``call_`` and a hash of the row
+    and the call's position (a re-run gives the same ids), ``arguments`` a JSON string. An answer
+    cut by ``max_tokens`` mid-call, or plain text under ``tool_choice: auto``, stays text."""
+    if finish_reason != "stop" or not is_tools_spec(response_format):
+        return None
+    if ToolsSpec.parse(response_format).choice == "none":  # type: ignore[arg-type]
+        return None
+    parsed = parse_tool_calls(text)
+    if parsed is None:
+        return None
+    content, calls = parsed
+    return {"role": "assistant", "content": content,
+            "tool_calls": [_call_json(h, i, c, choice) for i, c in enumerate(calls)]}, "tool_calls"
+
+
+def _call_json(h: str, index: int, call: ParsedCall, choice: int = 0) -> dict[str, Any]:
+    # The choice is hashed in too: a row's n choices often make the same calls, and a client that
+    # answers them keys its tool messages by id. Choice 0 keeps the ids a row of one choice has.
+    parts = (h, "call", index) if choice == 0 else (h, "call", index, "choice", choice)
+    return {"id": f"call_{_stable_hex(*parts)[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def _chat_body(h: str, text: str, finish_reason: str, model: str, created: int, token_ids: list[int] | None,
-               logprobs: Sequence[TokenLogprob] | None, usage: dict[str, Any]) -> dict[str, Any]:
+               logprobs: Sequence[TokenLogprob] | None, usage: dict[str, Any],
+               response_format: str | None = None, choice: int = 0) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    called = _tool_message(h, text, finish_reason, response_format, choice)
+    if called is not None:
+        message, finish_reason = called
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "finish_reason": finish_reason,
         "logprobs": None if logprobs is None else _logprobs_json(logprobs),
     }
@@ -208,12 +247,24 @@ def _completion_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
 
 
 def _response_body(h: str, text: str, finish_reason: str, input_tokens: int, output_tokens: int, model: str,
-                   created: int, cached_tokens: int | None) -> dict[str, Any]:
+                   created: int, cached_tokens: int | None, response_format: str | None = None) -> dict[str, Any]:
     """OpenAI's Responses object (``/v1/responses``): one assistant message of one ``output_text``.
-    A row cut by ``max_output_tokens`` is ``incomplete``, as OpenAI marks it. The tool fields are
-    those of a request without tools (the only kind answered: tools are refused)."""
+    A row cut by ``max_output_tokens`` is ``incomplete``, as OpenAI marks it. A row with tools echoes
+    them (``tools``, ``tool_choice``, ``parallel_tool_calls``) and its calls are ``function_call``
+    items after the message (no message when there is no text before the calls)."""
     done = finish_reason == "stop"
     status = "completed" if done else "incomplete"
+    tools = is_tools_spec(response_format)
+    output: list[dict[str, Any]] = [{"type": "message", "id": f"msg_{h}", "status": status, "role": "assistant",
+                                     "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    called = _tool_message(h, text, finish_reason, response_format)
+    if called is not None:
+        message = called[0]
+        output = [{**output[0], "content": [{"type": "output_text", "text": message["content"], "annotations": []}]}
+                  ] if message["content"] is not None else []
+        output += [{"type": "function_call", "id": f"fc_{c['id'].removeprefix('call_')}", "call_id": c["id"],
+                    "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
+                   for c in message["tool_calls"]]
     return {
         "id": f"resp_{h}",
         "object": "response",
@@ -222,11 +273,8 @@ def _response_body(h: str, text: str, finish_reason: str, input_tokens: int, out
         "error": None,
         "incomplete_details": None if done else {"reason": "max_output_tokens"},
         "model": model,
-        "output": [{"type": "message", "id": f"msg_{h}", "status": status, "role": "assistant",
-                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-        "parallel_tool_calls": False,
-        "tool_choice": "none",
-        "tools": [],
+        "output": output,
+        **responses_echo(response_format if tools else None),
         "usage": {
             "input_tokens": input_tokens,
             # cache_write_tokens: prompt tokens billed for writing a prompt cache; kvbatch bills none.

@@ -23,8 +23,13 @@ Decisions, each one documented because a user will eventually ask:
 
 - Roles: ``system``, ``user``, ``assistant`` and ``developer``. ``developer`` is OpenAI's new
   name for the system prompt (o1 and later) and open models' chat templates know only
-  ``system``, so it is mapped to ``system``. ``tool`` / ``function`` messages are rejected
-  (no tool calling here). A message's ``name`` and other extra keys are dropped.
+  ``system``, so it is mapped to ``system``. ``tool`` messages (with ``tool_call_id``) and an
+  assistant's ``tool_calls`` (its ``content`` may then be null) are a tool-call history, read by
+  :mod:`kvbatch.io.tools`; the legacy ``function`` role is rejected. A message's ``name`` and
+  other extra keys are dropped.
+- ``tools``, ``tool_choice``, ``parallel_tool_calls``: read by :mod:`kvbatch.io.tools` into a tools
+  spec in :attr:`SamplingParams.response_format` (the answer is then decoded in the template's
+  tool-call format); with a ``response_format`` other than text, refused.
 - Content: a string, or the list-of-parts form with only ``{"type": "text"}`` parts, joined
   with ``"\\n"`` (what vLLM does, so one dataset gives the same prompt on both).
   Image/audio/file parts are rejected, not dropped: a prompt silently missing its image
@@ -48,9 +53,9 @@ Decisions, each one documented because a user will eventually ask:
   [-100, 100], at most 300 entries (OpenAI's rules); ``presence_penalty`` and ``frequency_penalty``
   in [-2, 2]. Whether each id is in the model's vocabulary is checked when the row is tokenized.
 - OpenAI fields we do not act on are of two kinds (:data:`REFUSED_FIELDS`, :data:`IGNORED_FIELDS`;
-  docs/batch-api.md has the table of every field). One that would change the answer (``tools``,
+  docs/batch-api.md has the table of every field). One that would change the answer (``functions``,
   ``audio``...) is a rejected row naming it, whenever its value is not
-  the neutral one (``tools: []``, ``tool_choice: "none"`` change nothing
+  the neutral one (``functions: []``, ``function_call: "none"`` change nothing
   and pass): answering as if it were absent would be a confident, wrong answer. One that changes
   nothing in the answer (``user``, ``metadata``, ``store``, ``service_tier``...) is accepted and
   ignored, without a warning, under ``--strict`` too.
@@ -89,11 +94,14 @@ import fsspec
 from pydantic import (
     BaseModel,
     Field,
+    PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
+    model_validator,
 )
 
-from kvbatch.io.endpoints import Problem, read_endpoint_row
+from kvbatch.io.endpoints import MAX_CHOICES, Problem, read_endpoint_row
 from kvbatch.io.request_fields import (
     _STRICT,
     BATCH_URLS,
@@ -116,6 +124,7 @@ from kvbatch.io.request_fields import (
     json_type,
     parse_response_format,
 )
+from kvbatch.io.tools import TOOL_FIELDS, history_message, parse_tools
 from kvbatch.io.urls import redact_text
 
 __all__ = [
@@ -178,6 +187,9 @@ class ChatRequest:
     # raw text or token ids, which no chat template touches (io.endpoints).
     endpoint: str = CHAT_COMPLETIONS_URL
     prompt: str | tuple[int, ...] | None = None
+    # Choices asked for (``n``, 1 to MAX_CHOICES): the decode loop runs n engine requests over the
+    # one prompt and gathers them into one answer (ops.decode.loop).
+    n: int = 1
     # A diagnostic about the line, not part of the request: two rows asking the same are equal.
     unknown_fields: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
@@ -205,13 +217,25 @@ def reject(req: ChatRequest, field: str, reason: str) -> RejectedRow:
 
 class _Message(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # Before content: its validator reads them (a null content is an assistant's that calls tools).
+    tool_calls: Any = None  # an assistant turn's calls (io.tools)
+    tool_call_id: Any = None  # the call a tool message answers
     content: Any = Field(...)
+    _as_dict: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _tool_history(self) -> _Message:
+        self._as_dict = history_message(self.role, self.content, self.tool_calls, self.tool_call_id)
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, v: Any) -> str:
-        """Accept a string or the list-of-text-parts form, and return one string."""
+    def _text_only(cls, v: Any, info: ValidationInfo) -> str | None:
+        """Accept a string or the list-of-text-parts form, and return one string (null: an
+        assistant turn that only calls tools, checked with its tool_calls)."""
+        if v is None and info.data.get("role") == "assistant" and info.data.get("tool_calls") is not None:
+            return None
         if isinstance(v, str):
             return _utf8_encodable(v)
         if isinstance(v, list):
@@ -247,7 +271,7 @@ class _ChatBody(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    n: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     ignore_eos: bool | None = None
     logit_bias: dict[int, float] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -359,7 +383,7 @@ def parse_request_line(
         if isinstance(got, Problem):
             return RejectedRow(line_no, custom_id, got.path, got.reason)
         return ChatRequest(line_no, custom_id, got.messages, SamplingParams(**got.sampling), got.model,
-                           endpoint=obj["url"], prompt=got.prompt, unknown_fields=got.unknown_fields)
+                           endpoint=obj["url"], prompt=got.prompt, unknown_fields=got.unknown_fields, n=got.n)
     prefix = "body." if is_batch else ""
     raw = obj.get("body") if is_batch else obj
     refused = [(prefix + name, why) for name, why in _refused_fields(raw)] if isinstance(raw, dict) else []
@@ -386,6 +410,16 @@ def parse_request_line(
             return RejectedRow(line_no, custom_id, prefix + "response_format" + rf[0], rf[1])
         if rf is not None:
             item = dataclasses.replace(item, sampling=dataclasses.replace(item.sampling, response_format=rf))
+    if isinstance(item, ChatRequest) and any(raw_body.get(k) is not None for k in TOOL_FIELDS):
+        spec = parse_tools(raw_body)
+        if isinstance(spec, tuple):
+            return RejectedRow(line_no, custom_id, prefix + spec[0], spec[1])
+        if spec is not None and item.sampling.response_format is not None:
+            return RejectedRow(line_no, custom_id, prefix + "tools",
+                               "cannot be combined with a response_format other than text: the answer is "
+                               "either tool calls or the format")
+        if spec is not None:
+            item = dataclasses.replace(item, sampling=dataclasses.replace(item.sampling, response_format=spec))
     if unknown and isinstance(item, ChatRequest):
         item = dataclasses.replace(item, unknown_fields=unknown)
     return item
@@ -393,14 +427,12 @@ def parse_request_line(
 
 _ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 _BODY_FIELDS = frozenset(_ChatBody.model_fields)
-# Read by parse_response_format, not by _ChatBody (the columnar reader sends such rows per-row).
-_STRUCTURED_FIELDS = frozenset({"response_format"})
+# Read by parse_response_format and io.tools, not by _ChatBody (the columnar reader sends such rows per-row).
+_STRUCTURED_FIELDS = frozenset({"response_format", *TOOL_FIELDS})
 
 # OpenAI chat-completions fields that would change the answer and that kvbatch cannot honour: the
 # reason a row that sets one is refused, and the values besides null that change nothing (accepted).
 REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling is not supported", ([],)),
-    "tool_choice": ("tool calling is not supported", ("none",)),
     "functions": ("function calling is not supported", ([],)),
     "function_call": ("function calling is not supported", ("none",)),
     "audio": ("audio output is not supported", ()),
@@ -411,11 +443,10 @@ REFUSED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "web_search_options": ("web search is not supported", ()),
 }
 # OpenAI chat-completions fields that change nothing in the answer: accepted and ignored (no
-# warning, --strict accepts them). ``parallel_tool_calls`` only matters with ``tools`` (refused).
+# warning, --strict accepts them).
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
     "prompt_cache_retention", "prompt_cache_options", "stream", "stream_options", "prediction",
-    "parallel_tool_calls",
 })
 
 
@@ -439,8 +470,6 @@ def _to_request(
     body: _ChatBody, line_no: int, custom_id: str, prefix: str, default_max_tokens: int
 ) -> ChatRequest | RejectedRow:
     """Cross-field checks and the conversion to engine values."""
-    if body.n is not None and body.n != 1:
-        return RejectedRow(line_no, custom_id, prefix + "n", f"only n=1 is supported, got {body.n}")
     if body.top_logprobs and not body.logprobs:
         return RejectedRow(
             line_no, custom_id, prefix + "top_logprobs", "requires logprobs: true"
@@ -466,11 +495,8 @@ def _to_request(
         presence_penalty=float(body.presence_penalty or 0.0),
         frequency_penalty=float(body.frequency_penalty or 0.0),
     )
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-        for m in body.messages
-    ]
-    return ChatRequest(line_no, custom_id, messages, sampling, body.model)
+    messages = [m._as_dict for m in body.messages]
+    return ChatRequest(line_no, custom_id, messages, sampling, body.model, n=body.n or 1)
 
 
 def describe_validation_error(e: ValidationError) -> tuple[str, str]:

@@ -17,7 +17,10 @@ the answer refused, fields that change nothing accepted, unknown fields warned a
   ``top_p``; ``text.format`` (``text``, ``json_object``, or ``json_schema`` with ``name``, ``schema``,
   ``strict`` directly in ``format``) becomes the same canonical response format a chat row's
   ``response_format`` does (:func:`~kvbatch.io.request_fields.parse_response_format`), so one schema is
-  one grammar whichever endpoint asked for it.
+  one grammar whichever endpoint asked for it. Function ``tools`` (flat: ``name``, ``parameters``...,
+  strict by default), ``tool_choice`` and ``parallel_tool_calls``, and ``function_call`` /
+  ``function_call_output`` input items, are read by :mod:`kvbatch.io.tools` into the chat forms, so a
+  row with tools decodes as the chat row with the same tools does; other tool types are refused.
 - ``/v1/completions``: ``prompt`` is raw text (no chat template: the model continues it) or token ids:
   a string, one-element array of a string, an array of token ids, or a one-element array of one.
   An array of several prompts would be several answers to one row, which the output shape
@@ -58,6 +61,7 @@ from kvbatch.io.request_fields import (
     json_type,
     parse_response_format,
 )
+from kvbatch.io.tools import TOOL_FIELDS, add_responses_item, parse_responses_tools
 
 __all__ = [
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
@@ -74,14 +78,15 @@ __all__ = [
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETIONS_LOGPROBS = 5  # OpenAI's limit
+# The most choices (``n``) one chat or completions row may ask for: OpenAI's bound. A row of n
+# choices is n engine requests over one prompt (ops.decode.loop), so n also bounds a row's work.
+MAX_CHOICES = 128
 _ROLES = ("system", "user", "assistant", "developer")
 _TEXT_PARTS = ("input_text", "output_text")  # output_text: an assistant turn of the history
 
 # Fields that would change the answer and that kvbatch cannot honour: the reason, and the values
 # besides null that change nothing (accepted). As batch_requests.REFUSED_FIELDS is for chat.
 RESPONSES_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling is not supported", ([],)),
-    "tool_choice": ("tool calling is not supported", ("none", "auto")),
     "reasoning": ("reasoning settings are not supported: the model has none", ({},)),
     "previous_response_id": ("previous_response_id is not supported: a batch row holds its whole input", ()),
     "conversation": ("conversations are not supported: a batch row holds its whole input", ()),
@@ -96,15 +101,14 @@ RESPONSES_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "access_programs": ("access programs are not supported", ()),
 }
 # Fields that change nothing in the answer: accepted and ignored (under --strict too).
-# ``parallel_tool_calls`` and ``max_tool_calls`` matter only with tools (refused); ``background``
+# ``max_tool_calls`` bounds calls of built-in tools (none here; function tools: io.tools); ``background``
 # is how the answer is delivered, not what it is.
 RESPONSES_IGNORED = frozenset({
     "metadata", "store", "stream", "stream_options", "user", "safety_identifier", "service_tier",
-    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls",
+    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
     "max_tool_calls", "background", "background_options",
 })
 COMPLETIONS_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "n": ("only n=1 is supported", (1,)),
     "best_of": ("only best_of=1 is supported", (1,)),
     "echo": ("echo is not supported: the answer holds the completion only", (False,)),
     "suffix": ("suffix (insertion) is not supported", ("",)),
@@ -157,6 +161,7 @@ class _CompletionsBody(BaseModel):
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETIONS_LOGPROBS)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -180,7 +185,8 @@ class _CompletionsEnvelope(BaseModel):
 
 _ENVELOPES: dict[str, type[BaseModel]] = {RESPONSES_URL: _ResponsesEnvelope, COMPLETIONS_URL: _CompletionsEnvelope}
 _REFUSED = {RESPONSES_URL: RESPONSES_REFUSED, COMPLETIONS_URL: COMPLETIONS_REFUSED}
-_KNOWN = {RESPONSES_URL: frozenset(_ResponsesBody.model_fields) | RESPONSES_IGNORED | frozenset(RESPONSES_REFUSED),
+_KNOWN = {RESPONSES_URL: frozenset(_ResponsesBody.model_fields) | RESPONSES_IGNORED | frozenset(RESPONSES_REFUSED)
+          | frozenset(TOOL_FIELDS),
           COMPLETIONS_URL: frozenset(_CompletionsBody.model_fields) | COMPLETIONS_IGNORED
           | frozenset(COMPLETIONS_REFUSED)}
 _ENVELOPE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
@@ -213,8 +219,15 @@ def input_messages(v: Any) -> list[dict[str, str]] | Problem:
         if not isinstance(item, dict):
             return Problem(f".{i}", f"must be a message object, got {json_type(item)}")
         kind = item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):  # a tool-call history (io.tools)
+            try:
+                add_responses_item(messages, item)
+            except ValueError as e:
+                return Problem(f".{i}", str(e))
+            continue
         if kind != "message":
-            return Problem(f".{i}.type", f"only message items are supported, got {_short(kind)}")
+            return Problem(f".{i}.type", f"only message, function_call and function_call_output items are "
+                                         f"supported, got {_short(kind)}")
         role = item.get("role")
         if role not in _ROLES:
             return Problem(f".{i}.role", f"must be one of {', '.join(map(repr, _ROLES))}, got {_short(role)}")
@@ -332,6 +345,7 @@ class EndpointRow:
     sampling: dict[str, Any]
     model: str | None
     unknown_fields: tuple[str, ...]
+    n: int = 1  # choices asked for (a completions row's ``n``; a Responses row has one)
 
 
 def read_endpoint_row(obj: dict[str, Any], *, default_max_tokens: int, strict: bool) -> EndpointRow | Problem:
@@ -352,6 +366,15 @@ def read_endpoint_row(obj: dict[str, Any], *, default_max_tokens: int, strict: b
                    else {"prompt": completion_prompt})
         read = {name: reader(raw[name]) for name, reader in readers.items() if name in raw}
         problems += [(f"body.{name}{got.path}", got.reason) for name, got in read.items() if isinstance(got, Problem)]
+        if url == RESPONSES_URL and any(raw.get(k) is not None for k in TOOL_FIELDS):
+            tools = parse_responses_tools(raw)
+            if isinstance(tools, tuple):
+                problems.append((f"body.{tools[0]}", tools[1]))
+            elif tools is not None and isinstance(read.get("text"), str):
+                problems.append(("body.tools", ("cannot be combined with a text.format other than text: the "
+                                                "answer is either tool calls or the format")))
+            elif tools is not None:
+                read["tools"] = tools
         problems += [(f"body.{name}", f"{why}, got {_short(value)}") for name, value in raw.items()
                      if name in _REFUSED[url] and not _neutral(value, _REFUSED[url][name][1])
                      for why in (_REFUSED[url][name][0],)]
@@ -373,8 +396,9 @@ def read_endpoint_row(obj: dict[str, Any], *, default_max_tokens: int, strict: b
             messages = [{"role": "system", "content": body.instructions}, *messages]
         return EndpointRow(messages, None, {"max_tokens": body.max_output_tokens or default_max_tokens,
                                             "temperature": temperature, "top_p": top_p,
-                                            "response_format": read.get("text")}, body.model, unknown)
+                                            "response_format": read.get("tools", read.get("text"))},
+                           body.model, unknown)
     return EndpointRow([], read["prompt"], {"max_tokens": body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                             "temperature": temperature, "top_p": top_p, "seed": body.seed,
                                             "stop": tuple(body.stop or ()), "logprobs": body.logprobs},
-                       body.model, unknown)
+                       body.model, unknown, n=body.n or 1)

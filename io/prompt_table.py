@@ -20,10 +20,20 @@ chat rows is what it was before the column existed), which decides the answer's 
 ``/v1/completions`` row has no messages: its raw prompt is ``prompt`` (text) or ``prompt_ids``
 (token ids), which the shard step tokenizes without the chat template
 (:func:`~kvbatch.ops.jobs.prompt_ids`).
+
+Tool calling (docs/tools.md): a row's tools spec is its ``response_format`` (the same column, a
+string starting ``{"type":"tools"``), and a message's tool-call history is in two fields of the
+message struct, null on every other message: ``tool_calls`` (an assistant turn's calls as the JSON
+text of what the template gets: each ``{"id", "type", "function": {"name", "arguments"}}``, the
+arguments the parsed object, key order kept) and ``tool_call_id`` (a ``tool`` message's). Two string
+fields, not a nested list: a conversation without tool calls costs each a null per message, which
+Parquet stores as a run of definition levels. A table written before the fields existed reads as
+having none.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,14 +41,18 @@ import pyarrow as pa
 
 from kvbatch.io.batch_requests import CHAT_COMPLETIONS_URL, ChatRequest, RejectedRow, SamplingParams
 
+# A text-only conversation's messages (what the columnar request reader builds; casting it to
+# PROMPT_MESSAGES_TYPE gives the tool fields as nulls).
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+PROMPT_MESSAGES_TYPE = pa.list_(pa.struct([*MESSAGES_TYPE.value_type, ("tool_calls", pa.string()),
+                                           ("tool_call_id", pa.string())]))
 LOGIT_BIAS_TYPE = pa.list_(pa.struct([("token", pa.int64()), ("bias", pa.float64())]))
 
 
 PROMPTS_SCHEMA = pa.schema([
     ("row", pa.int64()),  # 1-based line (JSONL) or row (Parquet) of the input
     ("custom_id", pa.string()),
-    ("messages", MESSAGES_TYPE),
+    ("messages", PROMPT_MESSAGES_TYPE),
     ("model", pa.string()),
     ("max_tokens", pa.int64()),
     ("temperature", pa.float64()),
@@ -57,6 +71,7 @@ PROMPTS_SCHEMA = pa.schema([
     ("endpoint", pa.string()),  # /v1/responses or /v1/completions; null: /v1/chat/completions
     ("prompt", pa.string()),  # a /v1/completions row's raw text prompt
     ("prompt_ids", pa.list_(pa.int64())),  # a /v1/completions row's prompt given as token ids
+    ("n", pa.int64()),  # choices asked for, as the columnar reader writes it too; null: 1
 ])
 # The request's columns that are not sampling parameters.
 _REQUEST_FIELDS = ("row", "custom_id", "messages", "model", "endpoint", "prompt", "prompt_ids")
@@ -75,7 +90,8 @@ SAMPLING_FIELDS = [f.name for f in PROMPTS_SCHEMA if f.name not in _REQUEST_FIEL
 
 def request_record(req: ChatRequest) -> dict[str, Any]:
     s = req.sampling
-    return {"row": req.line_no, "custom_id": req.custom_id, "messages": req.messages, "model": req.model,
+    messages = [_message_record(m) for m in req.messages]  # the columns' dicts: what a read of the table gives
+    return {"row": req.line_no, "custom_id": req.custom_id, "messages": messages, "model": req.model,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "min_p": s.min_p, "seed": s.seed, "stop": list(s.stop), "stop_token_ids": list(s.stop_token_ids),
             "logprobs": s.logprobs, "ignore_eos": s.ignore_eos, "response_format": s.response_format,
@@ -83,7 +99,8 @@ def request_record(req: ChatRequest) -> dict[str, Any]:
             "presence_penalty": s.presence_penalty or None, "frequency_penalty": s.frequency_penalty or None,
             "endpoint": None if req.endpoint == CHAT_COMPLETIONS_URL else req.endpoint,
             "prompt": req.prompt if isinstance(req.prompt, str) else None,
-            "prompt_ids": list(req.prompt) if isinstance(req.prompt, tuple) else None}
+            "prompt_ids": list(req.prompt) if isinstance(req.prompt, tuple) else None,
+            "n": req.n}
 
 
 def record_request(rec: Mapping[str, Any]) -> ChatRequest:
@@ -95,12 +112,33 @@ def record_request(rec: Mapping[str, Any]) -> ChatRequest:
         ignore_eos=bool(rec["ignore_eos"]), response_format=rec.get("response_format"),
         logit_bias=tuple((p["token"], p["bias"]) for p in rec.get("logit_bias") or ()),
         presence_penalty=rec.get("presence_penalty") or 0.0, frequency_penalty=rec.get("frequency_penalty") or 0.0)
-    messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
+    messages = record_messages(rec["messages"])
     prompt = rec.get("prompt")
     if prompt is None and rec.get("prompt_ids") is not None:
         prompt = tuple(rec["prompt_ids"])
     return ChatRequest(rec["row"], rec["custom_id"], messages, sampling, rec["model"],
-                       endpoint=rec.get("endpoint") or CHAT_COMPLETIONS_URL, prompt=prompt)
+                       endpoint=rec.get("endpoint") or CHAT_COMPLETIONS_URL, prompt=prompt, n=rec.get("n") or 1)
+
+
+def _message_record(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as a PROMPT_MESSAGES_TYPE struct (the tool fields null unless set)."""
+    calls = m.get("tool_calls")
+    return {"role": m["role"], "content": m["content"], "tool_call_id": m.get("tool_call_id"),
+            "tool_calls": None if calls is None else json.dumps(calls, ensure_ascii=False)}
+
+
+def record_messages(messages: list[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """A row's messages as the chat template gets them (:func:`~kvbatch.io.tools.history_message`'s
+    dicts: the tool fields only where set, each call's ``arguments`` the parsed object)."""
+    out = []
+    for m in messages or ():
+        message = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = json.loads(m["tool_calls"])
+        if m.get("tool_call_id") is not None:
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    return out
 
 
 def outcome_record(item: ChatRequest | RejectedRow) -> dict[str, Any]:

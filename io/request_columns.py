@@ -24,6 +24,9 @@ What makes a row "unsure" (and so per-row):
   per-row parser, and Arrow cannot tell null from absent);
 - any value outside the rules of ``_ChatBody`` (ranges, roles, ``n``, ``stop`` lengths,
   ``top_logprobs`` without ``logprobs``), NaN included;
+- a tool-call history (a message with ``tool_calls`` or ``tool_call_id``, which the message columns
+  do not hold; a ``tool`` role or a null content already fail the role and content checks), and
+  ``tools``/``tool_choice`` (not columns, so per row like every unknown body field);
 - the body fields read only per row (:data:`PER_ROW_FIELDS`: ``logit_bias``, an object keyed by
   token ids, which Arrow would read as a struct of its keys, and the penalties beside it): rare
   rows, not worth columns here.
@@ -47,6 +50,7 @@ from kvbatch.io.batch_requests import (
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
 )
+from kvbatch.io.endpoints import MAX_CHOICES
 from kvbatch.io.prompt_table import MESSAGES_TYPE, PROMPTS_SCHEMA
 
 MIN_SPLIT = 32  # a failing block this small goes per-row instead of being split again
@@ -70,6 +74,7 @@ READ_SCHEMA = pa.schema([("custom_id", pa.string()), ("method", pa.string()), ("
 _ROLES = pa.array(["system", "user", "assistant", "developer"])
 _ESCAPED_ASCII = re.compile(rb"\\u00[2-7][0-9a-fA-F]")
 _NULL_ENVELOPE = re.compile(rb'"(?:body|method|url)"\s*:\s*null')
+_TOOL_HISTORY = (b'"tool_calls"', b'"tool_call_id"')  # message keys the message columns do not hold
 
 
 def parse_block(lines: list[bytes], first_line_no: int, *, default_max_tokens: int = 256,
@@ -114,6 +119,8 @@ def _screen(lines: list[bytes], first_line_no: int, slow: np.ndarray) -> np.ndar
     # The substring tests first: they scan the block at memory speed, the patterns do not.
     if (b"\\u00" in block and _ESCAPED_ASCII.search(block)) or (b"null" in block and _NULL_ENVELOPE.search(block)):
         suspects.update(i for i in keep if _ESCAPED_ASCII.search(lines[i]) or _NULL_ENVELOPE.search(lines[i]))
+    if any(key in block for key in _TOOL_HISTORY):
+        suspects.update(i for i in keep if any(key in lines[i] for key in _TOOL_HISTORY))
     if suspects:
         slow[list(suspects)] = True
         keep = [i for i in keep if i not in suspects]
@@ -259,8 +266,7 @@ def _validate(table: pa.Table, line_nos: np.ndarray, default_max_tokens: int) ->
     ok &= _between(field("top_k"), -1, INT32_MAX)
     ok &= _between(field("min_p"), 0.0, 1.0)
     ok &= _between(field("top_logprobs"), 0, MAX_TOP_LOGPROBS)
-    n = field("n")
-    ok &= _ok(pc.or_kleene(pc.is_null(n), pc.equal(n, 1)))
+    ok &= _between(field("n"), 1, MAX_CHOICES)
     stop = field("stop")
     ok &= _ok(pc.less_equal(_fill(pc.list_value_length(stop), 0), MAX_STOP_SEQUENCES))
     ok &= _list_all(stop, _ok(pc.greater(pc.utf8_length(pc.list_flatten(stop)), 0)))
@@ -274,7 +280,7 @@ def _validate(table: pa.Table, line_nos: np.ndarray, default_max_tokens: int) ->
     keep = pa.array(ok)
     t_ok = {name: pc.filter(field(name), keep) for name in
             ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-             "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos")}
+             "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos", "n")}
     msgs = pc.filter(messages, keep)
     flat = pc.list_flatten(msgs)
     role = pc.replace_substring_regex(flat.field("role"), "^developer$", "system")
@@ -299,6 +305,7 @@ def _validate(table: pa.Table, line_nos: np.ndarray, default_max_tokens: int) ->
         "logprobs": pc.if_else(pa.array(logprobs_ok), _fill(t_ok["top_logprobs"], 0),
                                pa.nulls(len(logprobs_ok), pa.int64())),
         "ignore_eos": _fill(t_ok["ignore_eos"], False),
+        "n": _fill(t_ok["n"], 1),  # the prompts table's choices per row, where it has the column
         # A row with a response_format never gets here: the field is not one of this reader's
         # columns, so the row goes to the per-row parser (which canonicalizes the format).
         "response_format": pa.nulls(int(ok.sum()), pa.string()),

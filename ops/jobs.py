@@ -8,15 +8,26 @@ row is refused for the same reason, with the same words, whichever path it takes
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvbatch.engine.runtime.sampling_params import SamplingParams
-from kvbatch.engine.text.structured import schema_error
+from kvbatch.engine.text.structured import schema_error, tools_error
 from kvbatch.engine.text.tokenizer import ChatTokenizer
-from kvbatch.io.batch_requests import CHAT_COMPLETIONS_URL, ChatRequest, InputStreamError, RejectedRow, reject
+from kvbatch.engine.text.tool_calls import ToolsSpec, is_tools_spec
+from kvbatch.io.batch_requests import (
+    CHAT_COMPLETIONS_URL,
+    RESPONSES_URL,
+    ChatRequest,
+    InputStreamError,
+    RejectedRow,
+    reject,
+)
 from kvbatch.io.endpoints import prompt_field, schema_field
+from kvbatch.io.tools import has_tool_history
+from kvbatch.io.urls import redact
 from kvbatch.ops.shards.prompt_tokens import CachedChatEncoder
 
 if TYPE_CHECKING:  # tokenizing steps import this module without torch
@@ -34,6 +45,32 @@ class Job:
     sampling: SamplingParams
     model: str | None = None
     endpoint: str = CHAT_COMPLETIONS_URL  # the API the row was written for: the answer's shape
+    n: int = 1  # choices: n engine requests over this one prompt, gathered into one answer
+
+
+def choice_request_id(index: int, choice: int) -> str:
+    """The engine request id of a row's ``choice``: the row's index for choice 0 (what a row of one
+    choice has always had), ``<index>.<choice>`` for the others."""
+    return str(index) if choice == 0 else f"{index}.{choice}"
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` (> 0) of a row seeded with ``seed``: a 64-bit signed integer
+    hashed from both, so each choice draws its own reproducible stream, unrelated to its
+    neighbours' (``seed + i`` would make choice 1 of seed s choice 0 of seed s + 1)."""
+    digest = hashlib.sha256(f"kvbatch-choice:{seed}:{choice}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """The sampling parameters of a row's ``choice``. Choice 0 is the row's own (so choice 0 of a
+    seeded row of n choices is the answer the row gives with n = 1); a seeded sampled row's choice
+    i > 0 draws from :func:`choice_seed`. A row without a seed gets a fresh seed per request from
+    the engine, and a greedy one draws nothing: both keep their parameters, so n greedy choices
+    are n equal answers (and one response-cache key)."""
+    if choice == 0 or sampling.seed is None or sampling.greedy:
+        return sampling
+    return dataclasses.replace(sampling, seed=choice_seed(sampling.seed, choice))
 
 
 @dataclass
@@ -44,8 +81,12 @@ class Rejected:
 
 def to_engine_sampling(req: ChatRequest) -> SamplingParams:
     """The row's sampling fields as the engine's :class:`SamplingParams` (every field: the edge's
-    dataclass mirrors the engine's, ``logit_bias`` and the penalties included)."""
-    return SamplingParams(**dataclasses.asdict(req.sampling))
+    dataclass mirrors the engine's, ``logit_bias`` and the penalties included). A tools spec whose
+    ``tool_choice`` is ``none`` constrains nothing: the tools are in the prompt, the engine gets no grammar."""
+    params = SamplingParams(**dataclasses.asdict(req.sampling))
+    if is_tools_spec(params.response_format) and ToolsSpec.parse(params.response_format).choice == "none":
+        params = dataclasses.replace(params, response_format=None)
+    return params
 
 
 def logit_bias_problem(tokenizer: ChatTokenizer | CachedChatEncoder, req: ChatRequest) -> str | None:
@@ -77,7 +118,13 @@ def tokenize_request(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len
     rebuilt it from the checkpoint's tokenizer source gives exactly the same answer."""
     if isinstance(item, RejectedRow):
         return Rejected(index, item)
-    if item.sampling.response_format is not None:  # a schema the grammar engine refuses: this row's 400
+    if is_tools_spec(item.sampling.response_format):  # a tool schema the grammar engine refuses: this row's 400
+        bad_tool = tools_error(item.sampling.response_format)
+        if bad_tool is not None:
+            flat = item.endpoint == RESPONSES_URL  # a Responses tool spells its fields flat
+            where = f"body.tools.{bad_tool[0]}.{'' if flat else 'function.'}parameters"
+            return Rejected(index, reject(item, where, bad_tool[1]))
+    elif item.sampling.response_format is not None:  # a schema the grammar engine refuses: this row's 400
         problem = schema_error(item.sampling.response_format)
         if problem is not None:
             return Rejected(index, reject(item, schema_field(item.endpoint), problem))
@@ -87,7 +134,14 @@ def tokenize_request(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len
     ids = prompt_ids(tokenizer, max_model_len, item)
     if isinstance(ids, RejectedRow):
         return Rejected(index, ids)
-    return Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model, item.endpoint)
+    return request_job(index, item, ids)
+
+
+def request_job(index: int, item: ChatRequest, ids: list[int]) -> Job:
+    """The job of a valid, tokenized row: every field of the request the engine and the answer need
+    (its sampling, model, endpoint and choices), so no path that makes jobs can drop one."""
+    return Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model, item.endpoint,
+               n=item.n)
 
 
 def prompt_ids(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len: int,
@@ -100,13 +154,27 @@ def prompt_ids(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len: int,
         if isinstance(ids, str):
             return reject(item, field, ids)
     else:
+        tools = ToolsSpec.parse(item.sampling.response_format).tools if is_tools_spec(item.sampling.response_format) else None
         try:
-            ids = tokenizer.encode_chat(item.messages)
+            if tools is not None or has_tool_history(item.messages):  # only a template with a tool-call format
+                chat = tokenizer.tokenizer if isinstance(tokenizer, CachedChatEncoder) else tokenizer
+                if chat.tool_call_format is None:
+                    return reject(item, "body.tools" if tools is not None else field, no_tool_format(chat))
+                ids = chat.encode_chat(item.messages, tools=tools)
+            else:
+                ids = tokenizer.encode_chat(item.messages)
         except ValueError as exc:  # a template that raises for this conversation
             return reject(item, field, f"chat template failed: {exc}")
     if len(ids) >= max_model_len:
         return reject(item, field, f"prompt is {len(ids)} tokens; the context window is {max_model_len}")
     return ids
+
+
+def no_tool_format(chat: ChatTokenizer) -> str:
+    """The reason a row with tools (or a tool-call history) cannot run on this model."""
+    return (f"tool calling needs a chat template that renders tools and tool calls; the chat template of "
+            f"{redact(chat.source) if chat.source else 'this model'} has no tool-call format (known: Hermes, '<tool_call>' JSON "
+            f"'</tool_call>', as Qwen2.5 and Qwen3 templates write it)")
 
 
 def raw_prompt_ids(tokenizer: ChatTokenizer | CachedChatEncoder, prompt: str | tuple[int, ...]) -> list[int] | str:

@@ -25,7 +25,7 @@ from typing import Any
 import dagster as dg
 from fsspec.core import url_to_fs
 
-from kvbatch.io.batch_output import JsonlWriter, error_line, result_line
+from kvbatch.io.batch_output import JsonlWriter, error_line
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow, read_requests, reject
 from kvbatch.io.urls import one_line
 from kvbatch.resources import KVStoreResource, ModelResource, ObjectStoreResource
@@ -159,9 +159,9 @@ def run_batch_parts(
     ``response_cache``: a :class:`~kvbatch.ops.decode.response_cache.ResponseCache` (its counters:
     ``summary.response_cache``). ``endpoint``: the batch's; a row written for another one is its 400
     (as OpenAI requires every row of a batch to use the batch's endpoint)."""
-    from kvbatch.ops.decode.generate import result_draft_tokens, result_logprobs
-    from kvbatch.ops.decode.report import BatchReport
+    from kvbatch.ops.decode.generate import answer_line
     from kvbatch.ops.decode.loop import DecodeLoop, Refused
+    from kvbatch.ops.decode.report import BatchReport
     from kvbatch.ops.jobs import tokenize_requests
 
     opts = dict(storage_options or {})
@@ -208,19 +208,14 @@ def run_batch_parts(
             if isinstance(outcome, Refused):
                 lines[outcome.index] = error_line(outcome.row)
                 continue
-            job, result = outcome.job, outcome.result
-            # A row the response cache answered computed no prompt token at all.
-            cached = len(result.prompt_token_ids) if outcome.cached else result.num_cached_tokens + result.num_loaded_tokens
-            # Each row answers in its endpoint's shape, with OpenAI's cached_tokens: prompt tokens not
-            # computed for it (the engine's prefix cache or the KV store served them).
-            lines[job.index] = result_line(
-                job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
-                prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
-                model=model_name, logprobs=result_logprobs(llm, result), draft_tokens=result_draft_tokens(llm, result),
-                endpoint=job.endpoint, cached_tokens=cached)
-            summary.prompt_tokens += len(result.prompt_token_ids)
-            summary.cached_tokens += min(cached, len(result.prompt_token_ids))
-            summary.output_tokens += len(result.output_token_ids)
+            # Each row answers in its endpoint's shape (every choice of a row of n), with OpenAI's
+            # cached_tokens: prompt tokens not computed for it (the engine's prefix cache or the KV
+            # store served them; all of them when the response cache answered), the prompt counted once.
+            cached = outcome.cached_prompt_tokens
+            lines[outcome.job.index] = answer_line(llm, outcome, model_name, cached_tokens=cached)
+            summary.prompt_tokens += outcome.prompt_tokens
+            summary.cached_tokens += cached
+            summary.output_tokens += outcome.completion_tokens
             flush(force=False)
             if time.monotonic() - last_check >= cancel_poll_s:
                 last_check = time.monotonic()

@@ -80,7 +80,7 @@ REJECTIONS: list[tuple[str, bytes, str, str]] = [
     ("empty messages", batch_line(body(messages=[])), "body.messages", "at least 1 item"),
     ("messages not list", batch_line(body(messages="hi")), "body.messages", "valid list"),
     ("message not object", batch_line(body(messages=USER + ["hi"])), "body.messages.1", "valid dictionary"),
-    ("unknown role", batch_line(body(messages=USER + [{"role": "tool", "content": "x"}])), "body.messages.1.role", '"tool"'),
+    ("unknown role", batch_line(body(messages=USER + [{"role": "function", "content": "x"}])), "body.messages.1.role", '"function"'),
     ("missing role", batch_line(body(messages=[{"content": "x"}])), "body.messages.0.role", "missing"),
     ("missing content", batch_line(body(messages=[{"role": "user"}])), "body.messages.0.content", "missing"),
     ("null content", batch_line(body(messages=[{"role": "assistant", "content": None}])), "body.messages.0.content", "got null"),
@@ -103,7 +103,7 @@ REJECTIONS: list[tuple[str, bytes, str, str]] = [
     ("max_tokens 0", batch_line(body(max_tokens=0)), "body.max_tokens", "greater than or equal to 1"),
     ("max_tokens float", batch_line(body(max_tokens=5.0)), "body.max_tokens", "valid integer, got 5.0"),
     ("max_completion_tokens 0", batch_line(body(max_completion_tokens=0)), "body.max_completion_tokens", "greater than or equal to 1"),
-    ("n 2", batch_line(body(n=2)), "body.n", "only n=1 is supported, got 2"),
+    ("n 129", batch_line(body(n=129)), "body.n", "less than or equal to 128, got 129"),
     ("n string", batch_line(body(n="1")), "body.n", "valid integer"),
     ("stop 5 strings", batch_line(body(stop=["a", "b", "c", "d", "e"])), "body.stop", "at most 4 items"),
     ("stop empty string", batch_line(body(stop=["a", ""])), "body.stop.1", "at least 1 character"),
@@ -653,9 +653,6 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "batch-api.md"
 
 # A value of each refused field that would change the answer (tests/test_serve.py sends these too).
 REFUSED_SAMPLES: dict[str, Any] = {
-    "n": 2,
-    "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
-    "tool_choice": "required",
     "functions": [{"name": "lookup"}],
     "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},
@@ -670,7 +667,7 @@ IGNORED_SAMPLES: dict[str, Any] = {
     "user": "user-1", "metadata": {"team": "search"}, "store": True, "service_tier": "flex",
     "safety_identifier": "hash-1", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
     "prompt_cache_options": {"mode": "explicit"}, "stream": False, "stream_options": {"include_usage": True},
-    "prediction": {"type": "content", "content": "x"}, "parallel_tool_calls": True,
+    "prediction": {"type": "content", "content": "x"},
 }
 
 
@@ -691,9 +688,10 @@ def test_request_field_table_is_the_code_and_covers_the_openai_request() -> None
     openai_fields = set(params.CompletionCreateParamsBase.__annotations__) | set(
         params.CompletionCreateParamsNonStreaming.__annotations__)
     assert openai_fields - set(table) == set()  # every field of the installed client's request
-    assert {f for f, k in table.items() if k == "refused"} == set(REFUSED_FIELDS) | {"n"} == set(REFUSED_SAMPLES)
+    assert {f for f, k in table.items() if k == "refused"} == set(REFUSED_FIELDS) == set(REFUSED_SAMPLES)
     assert {f for f, k in table.items() if k == "ignored"} == IGNORED_FIELDS | {"model"} == set(IGNORED_SAMPLES) | {"model"}
-    assert {f for f, k in table.items() if k == "honoured"} == (_BODY_FIELDS - {"n", "model"}) | {"response_format"}
+    assert {f for f, k in table.items() if k == "honoured"} == (_BODY_FIELDS - {"model"}) | {
+        "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_SAMPLES))
@@ -716,9 +714,9 @@ def test_neutral_values_of_refused_fields_and_ignored_fields_pass_even_strict() 
 
 
 def test_several_refused_fields_give_every_reason() -> None:
-    got = parse_request_line(batch_line(body(tools=REFUSED_SAMPLES["tools"], tool_choice="required")), 1)
-    assert isinstance(got, RejectedRow) and got.field == "body.tools"
-    assert got.reason.startswith("tool calling is not supported, got [{") and "; body.tool_choice: " in got.reason
+    got = parse_request_line(batch_line(body(functions=REFUSED_SAMPLES["functions"], function_call="auto")), 1)
+    assert isinstance(got, RejectedRow) and got.field == "body.functions"
+    assert got.reason.startswith("function calling is not supported, got [{") and "; body.function_call: " in got.reason
     bad_too = parse_request_line(batch_line(body(temperature=-1, verbosity="low")), 1)
     assert isinstance(bad_too, RejectedRow) and bad_too.field == "body.temperature"
     assert "; body.verbosity: verbosity is not supported" in bad_too.reason

@@ -92,8 +92,8 @@ RESPONSES_BAD = [
     ({"input": 3}, "body.input", "must be a string or a non-empty list of messages"),
     ({"input": []}, "body.input", "non-empty list"),
     ({"input": ["hi"]}, "body.input.0", "must be a message object"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "body.input.0.type",
-     "only message items are supported"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "body.input.0.type",
+     "only message, function_call and function_call_output items are supported"),
     ({"input": [{"role": "tool", "content": "x"}]}, "body.input.0.role", "must be one of"),
     ({"input": [{"role": "user"}]}, "body.input.0.content", "required field is missing"),
     ({"input": [{"role": "user", "content": 5}]}, "body.input.0.content", "must be a string or a list"),
@@ -130,7 +130,7 @@ def test_each_bad_responses_field_is_a_400_naming_it(body: dict, field: str, rea
 
 # A value of each refused field that would change the answer.
 RESPONSES_REFUSED_SAMPLES: dict[str, Any] = {
-    "tools": [{"type": "web_search"}], "tool_choice": "required", "reasoning": {"effort": "high"},
+    "reasoning": {"effort": "high"},
     "previous_response_id": "resp_1", "conversation": "conv_1", "prompt": {"id": "pmpt_1"},
     "include": ["message.output_text.logprobs"], "top_logprobs": 3, "truncation": "auto",
     "context_management": [{"type": "compaction"}], "moderation": {"model": "omni-moderation-latest"},
@@ -142,7 +142,7 @@ RESPONSES_NEUTRAL = {"tools": [], "tool_choice": "auto", "reasoning": {}, "inclu
 RESPONSES_IGNORED_SAMPLES = {
     "metadata": {"team": "x"}, "store": False, "stream": False, "stream_options": {"include_obfuscation": False},
     "user": "u", "safety_identifier": "s", "service_tier": "flex", "prompt_cache_key": "k",
-    "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "explicit"}, "parallel_tool_calls": True,
+    "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "explicit"},
     "max_tool_calls": 3, "background": False, "background_options": {}}
 
 
@@ -214,7 +214,7 @@ def test_each_bad_completions_field_is_a_400_naming_it(body: dict, field: str, r
 
 
 COMPLETIONS_REFUSED_SAMPLES: dict[str, Any] = {
-    "n": 2, "best_of": 3, "echo": True, "suffix": "def f():", "logit_bias": {"50256": -100},
+    "best_of": 3, "echo": True, "suffix": "def f():", "logit_bias": {"50256": -100},
     "presence_penalty": 0.5, "frequency_penalty": 1,
 }
 
@@ -272,7 +272,8 @@ def test_responses_field_table_is_the_code_and_covers_the_openai_request() -> No
     assert {f for f, k in table.items() if k == "refused"} == set(RESPONSES_REFUSED) == set(RESPONSES_REFUSED_SAMPLES)
     assert {f for f, k in table.items() if k == "ignored"} == RESPONSES_IGNORED | {"model"}
     assert RESPONSES_IGNORED == set(RESPONSES_IGNORED_SAMPLES)
-    assert {f for f, k in table.items() if k == "honoured"} == set(_ResponsesBody.model_fields) - {"model"}
+    assert {f for f, k in table.items() if k == "honoured"} == (set(_ResponsesBody.model_fields) - {"model"}) | {
+        "tools", "tool_choice", "parallel_tool_calls"}
 
 
 def test_completions_field_table_is_the_code_and_covers_the_openai_request() -> None:

@@ -35,7 +35,7 @@ FIELD_VALUES = {
     "stop_token_ids": ([[2], [0, 5]], [[-1], [2**31]]),
     "logprobs": ([True, False], ["yes"]),
     "top_logprobs": ([0, 3, 20], [21]),
-    "n": ([1], [2]),
+    "n": ([1, 2, 128], [0, 129]),
     "ignore_eos": ([True, False], [1]),
 }
 CONTENTS = ["hi", "", "  spaced \n", "é 数据", "<|im_start|>x", [{"type": "text", "text": "a"}]]

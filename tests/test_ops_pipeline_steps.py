@@ -12,15 +12,15 @@ import pytest
 
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM
+from kvbatch.engine.spec import EngineSpec
 from kvbatch.io.kvstore.store import KVStore, KVStoreConfig
 from kvbatch.io.shard_tables import read_shards, shard_url, write_table
-from kvbatch.ops.results.cost import Pricing, shard_metrics
+from kvbatch.ops.decode.shard import decode_shard
 from kvbatch.ops.ingest.prompts import ingest
 from kvbatch.ops.prefill.prefill import prefill_shard
-from kvbatch.ops.decode.shard import decode_shard
-from kvbatch.ops.shards.routing import shard_of
-from kvbatch.engine.spec import EngineSpec
+from kvbatch.ops.results.cost import Pricing, shard_metrics
 from kvbatch.ops.shards.build import build_shards
+from kvbatch.ops.shards.routing import shard_of
 from tests.tiny_models import build_tiny_chat_model
 
 SYSTEM = "You are a librarian. Recommend one book, give its author, and keep it to one sentence. " * 2
@@ -54,7 +54,7 @@ def test_ingest_keeps_every_row(tmp_path):
     assert (rep.rows, rep.valid, rep.rejected) == (5, 2, 3)
     good = pq.read_table(tmp_path / "p.parquet").to_pylist()
     assert [(g["custom_id"], g["max_tokens"], g["stop"]) for g in good] == [("a", 5, ["x"]), ("b", 7, [])]
-    assert good[1]["messages"][0] == {"role": "system", "content": "be short"}
+    assert good[1]["messages"][0] == {"role": "system", "content": "be short", "tool_calls": None, "tool_call_id": None}
     bad = pq.read_table(tmp_path / "r.parquet").to_pylist()
     assert [(b["row"], b["custom_id"], b["field"]) for b in bad] == [(3, None, "$"), (4, "c", "top_p"),
                                                                       (5, "a", "custom_id")]
@@ -69,7 +69,7 @@ def test_ingest_parquet_with_column_mapping(tmp_path):
                  columns={"custom_id": "id", "prompt": "question", "max_tokens": "limit", "temperature": "temp"})
     assert (rep.valid, rep.rejected) == (1, 3)
     good = pq.read_table(tmp_path / "p.parquet").to_pylist()
-    assert good[0]["messages"] == [{"role": "user", "content": "hello"}] and good[0]["max_tokens"] == 3
+    assert good[0]["messages"] == [{"role": "user", "content": "hello", "tool_calls": None, "tool_call_id": None}] and good[0]["max_tokens"] == 3
     fields = [(b["row"], b["field"]) for b in pq.read_table(tmp_path / "r.parquet").to_pylist()]
     assert fields == [(2, "temperature"), (3, "custom_id"), (4, "custom_id")]
     with pytest.raises(ValueError, match="not in the file"):

@@ -141,3 +141,34 @@ def test_shared_prefix_admitted_together_is_computed_once():
     admitted = {s.seq.request_id: s for s in step if s.seq.request_id != "r0"}
     assert set(admitted) == {"r1", "r2", "r3"}
     assert all(s.seq.num_cached_tokens == 12 and s.num_new_tokens == 2 for s in admitted.values())
+
+
+class _StoreHolds:
+    """A KV connector whose store holds every block of the prompts (``match`` is all the scheduler asks)."""
+
+    def match(self, seq: Sequence, num_local_blocks: int, keys: list[str]) -> list[str]:
+        return keys[num_local_blocks:]
+
+
+def test_stored_prefix_admitted_together_is_loaded_once():
+    """Requests over one stored prompt (a row's n choices): the first loads its blocks from the KV
+    store, the rest wait one step and hit the prefix cache instead of loading the same blocks again."""
+    bm = BlockManager(64, 4, "ab" * 32)
+    sched = Scheduler(bm, 8, 256, connector=_StoreHolds())  # type: ignore[arg-type]
+    prompt = list(range(200, 214))  # three full blocks and a partial one
+    seqs = [Sequence(i, f"c{i}", list(prompt), SamplingParams(max_tokens=1, temperature=0)) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    step = sched.schedule()
+    assert [s.seq.request_id for s in step] == ["c0"]
+    assert len(seqs[0].pending_loads) == 3 and step[0].num_new_tokens == 2  # loads 12, computes the tail
+    for s in step:
+        s.seq.pending_loads = []  # the engine's load, done before the step's forward
+        s.seq.num_computed_tokens += s.num_new_tokens
+        bm.commit(s.seq)
+        s.seq.token_ids.append(7)
+    step = sched.schedule()
+    admitted = {s.seq.request_id: s for s in step if s.seq.request_id != "c0"}
+    assert set(admitted) == {"c1", "c2"}
+    assert all(not s.seq.pending_loads and s.seq.num_cached_tokens == 12 and s.num_new_tokens == 2
+               for s in admitted.values())

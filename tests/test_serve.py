@@ -302,21 +302,21 @@ def test_each_refused_request_field_is_a_400_naming_it(server, tmp_path):
     refused = [name for name, kind in table.items() if kind == "refused"]
     client = server.client(KEY_A)
     lines = [_row(f"refused-{name}", **{name: REFUSED_SAMPLES[name]}) for name in refused]
-    lines += [_row("ignored", **IGNORED_SAMPLES), _row("tools-required", tools=REFUSED_SAMPLES["tools"],
-                                                        tool_choice="required")]
+    lines += [_row("ignored", **IGNORED_SAMPLES), _row("functions-auto", functions=REFUSED_SAMPLES["functions"],
+                                                        function_call="auto")]
     batch = client.batches.create(input_file_id=_upload(client, tmp_path / "in.jsonl", lines),
                                   endpoint="/v1/chat/completions", completion_window="24h")
     batch = _wait(client, batch.id, _done)
     assert batch.status == "completed", batch
     assert [o["custom_id"] for o in _lines(client, batch.output_file_id)] == ["ignored"]
     errors = {e["custom_id"]: e for e in _lines(client, batch.error_file_id)}
-    assert list(errors) == [f"refused-{name}" for name in refused] + ["tools-required"]
+    assert list(errors) == [f"refused-{name}" for name in refused] + ["functions-auto"]
     for name in refused:
         e = errors[f"refused-{name}"]
         assert e["response"]["status_code"] == 400 and e["error"]["field"] == f"body.{name}"
         assert f"body.{name}: " in e["error"]["message"]
-    both = errors["tools-required"]["error"]["message"]  # every reason, not "(and 1 more)"
-    assert "body.tools: tool calling" in both and "body.tool_choice: tool calling" in both
+    both = errors["functions-auto"]["error"]["message"]  # every reason, not "(and 1 more)"
+    assert "body.functions: function calling" in both and "body.function_call: function calling" in both
 
 
 @pytest.mark.slow

@@ -95,9 +95,9 @@ class Scheduler:
             budget -= n
             i += 1
         bs = bm.block_size
-        # Blocks that this step computes. A waiting request whose next uncached block is among
-        # them waits one step and then hits the cache, instead of computing the same shared
-        # prefix (a system prompt) again in parallel.
+        # Blocks that this step computes or loads from the KV store. A waiting request whose next
+        # uncached block is among them waits one step and then hits the cache, instead of
+        # computing (or loading) the same shared prefix (a system prompt) again in parallel.
         in_flight: set[str] = set()
         if bm.enable_prefix_caching:
             for s in out:
@@ -135,7 +135,10 @@ class Scheduler:
             out.append(ScheduledSeq(seq, n))
             budget -= n
             if bm.enable_prefix_caching:
-                in_flight.update(keys[hit // bs:(hit + n) // bs])
+                # The blocks it loads from the store count too: the other choices of a row (or
+                # rows sharing a stored prefix) wait a step and find them in the prefix cache,
+                # so each stored block is read once, not once per request.
+                in_flight.update(keys[len(cached):(hit + n) // bs])
         self.waiting.extendleft(reversed(deferred))
         return out
 

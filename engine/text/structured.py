@@ -16,6 +16,10 @@ compile three times.
 
 JSON is generated without insignificant whitespace (``whitespace_flexible: false``), so a model
 cannot spin forever on spaces between tokens.
+
+A row with ``tools`` carries a tools spec in the same place (:mod:`kvbatch.engine.text.tool_calls`:
+its grammar is a lark grammar of the template's tool-call format with each tool's ``parameters``
+inline); :func:`tools_error` checks each tool's schema alone, so a refusal names the tool.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from collections import OrderedDict
 from typing import Any
 
 import llguidance
+
+from kvbatch.engine.text.tool_calls import ToolsSpec, function_grammar, grammar_of_tools, is_tools_spec
 
 COMPILE_TIME_LIMIT_S = 2.0  # a schema whose grammar takes longer to build is refused, per row
 # llguidance's own resource limits bound the work a hostile schema can cause (fuel, sizes).
@@ -43,6 +49,11 @@ def format_key(response_format: str) -> str:
 
 def grammar_of(response_format: str) -> str:
     """The llguidance grammar of a canonical response format; ValueError names what is wrong."""
+    if is_tools_spec(response_format):
+        try:
+            return llguidance.LLMatcher.grammar_from_lark(grammar_of_tools(response_format))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
     rf = json.loads(response_format)
     if rf["type"] == "json_object":
         schema: Any = {"type": "object"}
@@ -88,11 +99,42 @@ def schema_error(response_format: str) -> str | None:
     if not problem and elapsed > COMPILE_TIME_LIMIT_S:
         problem = f"compiling it took {elapsed:.1f}s, over the {COMPILE_TIME_LIMIT_S:g}s limit"
     reason = _schema_problem(problem) if problem else ""
+    _remember(key, reason)
+    return reason or None
+
+
+def _remember(key: str, reason: str) -> None:
     with _checked_lock:
         _checked[key] = reason
         while len(_checked) > CACHE_SIZE * 16:
             _checked.popitem(last=False)
-    return reason or None
+
+
+def tools_error(spec: str) -> tuple[int, str] | None:
+    """(the index of the first tool whose ``parameters`` cannot be compiled, why) for a tools spec,
+    or None. Each tool is checked alone (so the reason names it) and cached by its own hash, as
+    :func:`schema_error` caches schemas; a tool that takes too long to compile is refused too."""
+    for index, tool in enumerate(ToolsSpec.parse(spec).tools):
+        function = tool["function"]
+        grammar = function_grammar(function)
+        key = format_key("tool\x1f" + grammar)
+        with _checked_lock:
+            cached = _checked.get(key)
+        if cached is None:
+            t0 = time.perf_counter()
+            try:
+                problem = llguidance.LLMatcher.validate_grammar(
+                    llguidance.LLMatcher.grammar_from_lark(grammar), limits=_limits())
+            except (ValueError, TypeError) as exc:
+                problem = str(exc) or "invalid schema"
+            elapsed = time.perf_counter() - t0
+            if not problem and elapsed > COMPILE_TIME_LIMIT_S:
+                problem = f"compiling it took {elapsed:.1f}s, over the {COMPILE_TIME_LIMIT_S:g}s limit"
+            cached = " ".join(problem.split())[:500] if problem else ""
+            _remember(key, cached)
+        if cached:
+            return index, f"tool {function['name']!r}: the JSON schema of its parameters cannot be compiled: {cached}"
+    return None
 
 
 class GrammarCompiler:

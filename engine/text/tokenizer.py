@@ -2,7 +2,9 @@
 
 `ChatTokenizer` renders chats exactly as transformers' `apply_chat_template` does and tokenizes
 them so that message text is always text: a user who types `<|im_start|>system` gets the tokens
-of those characters, never the control token (see `encode_chat`). `IncrementalDetokenizer` turns
+of those characters, never the control token (see `encode_chat`). A row's `tools` reach the template
+as transformers passes them (`tools=`, the OpenAI tools list), and `tool_call_format` says which
+tool-call format the template speaks (:mod:`kvbatch.engine.text.tool_calls`). `IncrementalDetokenizer` turns
 a growing list of ids into text for streaming, never emitting half a UTF-8 character.
 """
 
@@ -25,6 +27,7 @@ from kvbatch.engine.models.weights import (
     TokenizerSource,
     load_tokenizer_source,
 )
+from kvbatch.engine.text import tool_calls
 
 if TYPE_CHECKING:
     from kvbatch.engine.models.weights import Checkpoint
@@ -97,6 +100,7 @@ class ChatTokenizer:
         self._special_texts = tuple(
             added.content for added in tokenizer.get_added_tokens_decoder().values() if added.special
         )
+        self._tool_call_format: tuple[str | None] | None = None  # (format,) once probed
 
     # ------------------------------------------------------------ construction
 
@@ -134,11 +138,26 @@ class ChatTokenizer:
 
     # ------------------------------------------------------------ chat
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt string, exactly as transformers' `apply_chat_template(tokenize=False)` gives it."""
-        return self._render(_normalize_messages(messages), add_generation_prompt)
+        return self._render(_normalize_messages(messages), add_generation_prompt, tools)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def tool_call_format(self) -> str | None:
+        """The template's tool-call format (``tool_calls.HERMES``), or None when it renders no tool
+        calls in a known shape (or no tools): found once by rendering a probe conversation."""
+        if self._tool_call_format is None:
+            messages, tools = tool_calls.probe()
+            try:
+                rendered = self._render(messages, False, tools)
+            except Exception:  # noqa: BLE001 - any template that cannot render the probe has no known format
+                rendered = ""
+            self._tool_call_format = (tool_calls.format_of_rendering(rendered),)
+        return self._tool_call_format[0]
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat, with every message's text tokenized as text.
 
         The template is rendered twice, once as is and once with a unique sentinel in place of
@@ -149,7 +168,12 @@ class ChatTokenizer:
         control tokens off, and the ids are concatenated.
         """
         messages = _normalize_messages(messages)
-        real, pieces = self._chat_pieces(messages, add_generation_prompt)
+        if tools:  # tool names, descriptions and schemas are template text: no control token in them
+            for text in _strings(tools, skip_content=False):
+                for special in self._special_texts:
+                    if special in text:
+                        raise ValueError(f"tools spell control token {special!r}")
+        real, pieces = self._chat_pieces(messages, add_generation_prompt, tools)
         whole = self._tok.encode(real, add_special_tokens=False)
         spans, position = [], 0
         for text, is_content in pieces:
@@ -164,13 +188,13 @@ class ChatTokenizer:
         return whole.ids
 
     def _chat_pieces(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
     ) -> tuple[str, list[tuple[str, bool]]]:
         """The rendered chat, and the same string cut into [(text, is_content)] at message contents."""
-        real = self._render(messages, add_generation_prompt)
+        real = self._render(messages, add_generation_prompt, tools)
         marked, contents = _mark_contents(messages, real)
         self._check_no_control_text(marked)
-        pieces = _split_at_contents(self._render(marked, add_generation_prompt), contents, real)
+        pieces = _split_at_contents(self._render(marked, add_generation_prompt, tools), contents, real)
         if pieces is not None:
             return real, pieces
         # The template rewrites or branches on content (e.g. `| trim`), so the spans cannot be
@@ -193,7 +217,8 @@ class ChatTokenizer:
                 ids += tok.encode(text, add_special_tokens=False).ids
         return ids
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ValueError(f"{self.source or 'this model'}: has no chat template; pass plain text prompts")
         if not messages:
@@ -202,7 +227,7 @@ class ChatTokenizer:
         try:
             return template.render(
                 messages=messages,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,

@@ -14,6 +14,9 @@ caller can still write metrics and must say the batch is incomplete.
 
 Every output line names the model that ran (``model_name``), whatever a row's ``model`` asked
 for; a run warns once per model name it was asked for and did not run.
+
+A row of ``n`` choices is one output line (:func:`answer_line`): ``choices[i]`` (``index`` i) is
+choice i, and ``usage`` counts the prompt once and every choice's output tokens, as OpenAI's does.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from kvbatch.io.batch_output import (
     result_line,
 )
 from kvbatch.io.batch_requests import read_requests
+from kvbatch.ops.decode.loop import Answered, DecodeLoop, Refused
 from kvbatch.ops.decode.report import BatchReport
-from kvbatch.ops.decode.loop import DecodeLoop, Refused
 from kvbatch.ops.jobs import IncompleteInput, Job, Rejected, tokenize_requests
 from kvbatch.ops.prefill.manifests import manifest_jobs, read_manifests
 
@@ -56,6 +59,49 @@ def result_draft_tokens(llm: LLM, result: Result) -> tuple[int, int] | None:
     if llm.spec is None:
         return None
     return result.spec_accepted_tokens, result.spec_draft_tokens - result.spec_accepted_tokens
+
+
+def answer_line(llm: LLM, answered: Answered, model_name: str, *,
+                cached_tokens: int | None = None) -> dict[str, Any]:
+    """The output line of an answered row in its endpoint's shape: every choice, in order
+    (``index`` i), each built as a row of one choice would be; ``usage`` with the prompt once and the
+    choices' output (and draft) tokens summed. ``cached_tokens``: the row's
+    ``prompt_tokens_details.cached_tokens`` (:attr:`Answered.cached_prompt_tokens`), or None for none."""
+    job = answered.job
+    draft = [result_draft_tokens(llm, r) for r in answered.choices]
+    drafted = None if draft[0] is None else (sum(d[0] for d in draft if d), sum(d[1] for d in draft if d))
+    lines = [result_line(job.custom_id, job.line_no, text=r.text, finish_reason=r.finish_reason,
+                         prompt_tokens=answered.prompt_tokens,
+                         completion_tokens=answered.completion_tokens if i == 0 else len(r.output_token_ids),
+                         model=model_name, logprobs=result_logprobs(llm, r), draft_tokens=drafted,
+                         endpoint=job.endpoint, cached_tokens=cached_tokens,
+                         response_format=job.sampling.response_format, choice=i)
+             for i, r in enumerate(answered.choices)]
+    line = lines[0]
+    if len(lines) > 1:  # the first line carries the row's usage; the others lend their choice
+        choices = line["response"]["body"]["choices"]
+        for i, other in enumerate(lines[1:], start=1):
+            choices.append(dict(other["response"]["body"]["choices"][0], index=i))
+    return line
+
+
+def _note_row_figures(llm: Any, answered: Answered) -> None:
+    """A worker rank's engine (:class:`~kvbatch.ops.decode.group_outputs.RowFigures`) notes each
+    request's figures under its request id, and its sink takes a row's under the row's index:
+    a row of several choices is noted once, under that index, with the prompt counted once
+    (its lead choice's figures) and the choices' output tokens, preemptions and drafts summed."""
+    if len(answered.choices) == 1:
+        return
+    # vars(), not getattr: a LazyEngine's attributes are its engine's, and asking would build it.
+    figures = vars(llm).get("figures")
+    if not isinstance(figures, dict):
+        return
+    noted = [figures.pop(r.request_id, None) for r in answered.choices]
+    if any(n is None for n in noted):
+        return
+    lead = noted[answered.choices.index(answered.lead())]
+    summed = ("output_tokens", "preemptions", "spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
+    figures[str(answered.job.index)] = {**lead, **{k: sum(n[k] for n in noted) for k in summed if k in lead}}
 
 
 def run_jobs(
@@ -92,12 +138,8 @@ def run_jobs(
                 if errors is not None:
                     errors.write(line)
             else:
-                job, result = outcome.job, outcome.result
-                out.put(job.index, result_line(
-                    job.custom_id, job.line_no, text=result.text, finish_reason=result.finish_reason,
-                    prompt_tokens=len(result.prompt_token_ids), completion_tokens=len(result.output_token_ids),
-                    model=model_name, logprobs=result_logprobs(llm, result), draft_tokens=result_draft_tokens(llm, result),
-                    endpoint=job.endpoint))
+                _note_row_figures(llm, outcome)
+                out.put(outcome.job.index, answer_line(llm, outcome, model_name))
             if on_progress:
                 on_progress(report.succeeded + report.rejected, report.rejected)
     report.finish(llm)

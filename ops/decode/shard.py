@@ -8,9 +8,16 @@ command call :func:`decode_shard` / :func:`decode_rank`. The manifests are
 
 Results table (one row per request of the shard, ordered by input row): ``row, custom_id,
 text, output_token_ids, finish_reason, prompt_tokens, completion_tokens, cached_prompt_tokens,
-loaded_prompt_tokens, max_tokens, ttft_s, tpot_s`` and, null unless the engine speculated,
-``spec_draft_tokens, spec_accepted_tokens, spec_target_steps``. Decode writes as it goes: each
-rank commits its results as part files every ``checkpoint_rows`` results, and a re-run after a
+loaded_prompt_tokens, cached, max_tokens, ttft_s, tpot_s`` and, null unless the engine speculated,
+``spec_draft_tokens, spec_accepted_tokens, spec_target_steps``, then ``choices``. A row of ``n``
+choices (:func:`results_row`) stays one row, so every reader that counts rows counts requests and
+the prompt once: ``text``, ``output_token_ids`` and ``finish_reason`` are choice 0's,
+``completion_tokens`` (and the speculative counts) sum every choice, the prompt-cache counts and
+latencies are the lead choice's (:meth:`~kvbatch.ops.decode.loop.Answered.lead`), and ``choices``
+lists every choice in order (null for a row of one). ``tool_calls`` (a row with tools whose answer
+called them, docs/tools.md; null otherwise) holds choice 0's calls as its output line's
+``message.tool_calls`` has them (:func:`tool_calls_column`), ``text`` the answer as generated.
+Decode writes as it goes: each rank commits its results as part files every ``checkpoint_rows`` results, and a re-run after a
 crash resumes from them (:mod:`kvbatch.ops.decode.checkpoint`); the shard's ``part.parquet`` is
 then committed whole, atomically, from the parts (merged in manifest order, which is the shard's
 row order): a crash leaves the previous commit, a re-run replaces it.
@@ -26,8 +33,9 @@ from typing import Any
 import pyarrow as pa
 
 from kvbatch.engine.runtime.llm import LLM
+from kvbatch.engine.text.tool_calls import is_tools_spec
+from kvbatch.io.batch_output import result_line
 from kvbatch.io.shard_tables import write_json
-from kvbatch.ops.decode.report import BatchReport
 from kvbatch.ops.decode.checkpoint import (
     DEFAULT_CHECKPOINT_ROWS,
     PartWriter,
@@ -37,7 +45,8 @@ from kvbatch.ops.decode.checkpoint import (
     manifests_key,
     prepare_parts,
 )
-from kvbatch.ops.decode.loop import DecodeLoop, Refused
+from kvbatch.ops.decode.loop import Answered, DecodeLoop, Refused
+from kvbatch.ops.decode.report import BatchReport
 from kvbatch.ops.jobs import Job, Rejected
 from kvbatch.ops.prefill.manifests import manifest_jobs, read_manifests
 from kvbatch.ops.results.metrics import ProgressMeter
@@ -52,6 +61,7 @@ RESULTS_SCHEMA = pa.schema([
     ("completion_tokens", pa.int64()),
     ("cached_prompt_tokens", pa.int64()),  # served by the engine's in-memory prefix cache
     ("loaded_prompt_tokens", pa.int64()),  # served by the KV store
+    ("cached", pa.bool_()),  # answered by the response cache: no engine work (docs/response-cache.md)
     ("max_tokens", pa.int64()),
     ("ttft_s", pa.float64()),
     ("tpot_s", pa.float64()),
@@ -59,8 +69,43 @@ RESULTS_SCHEMA = pa.schema([
     ("spec_draft_tokens", pa.int64()),
     ("spec_accepted_tokens", pa.int64()),
     ("spec_target_steps", pa.int64()),
+    # A row of n > 1 choices: each choice in order (null for a row of one choice).
+    ("choices", pa.list_(pa.struct([("text", pa.string()), ("output_token_ids", pa.list_(pa.int32())),
+                                    ("finish_reason", pa.string())]))),
+    # A row with tools whose answer called them: each call (id, name, arguments as JSON text).
+    ("tool_calls", pa.list_(pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())]))),
 ])
 SPEC_FIELDS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
+
+
+def results_row(answered: Answered) -> dict[str, Any]:
+    """The results-table row of an answered request (see the module docstring for a row of n choices)."""
+    job, first, lead, totals = answered.job, answered.result, answered.lead(), answered.totals()
+    return {
+        "row": job.line_no, "custom_id": job.custom_id, "text": first.text,
+        "output_token_ids": first.output_token_ids, "finish_reason": first.finish_reason,
+        "prompt_tokens": answered.prompt_tokens, "completion_tokens": answered.completion_tokens,
+        "cached_prompt_tokens": lead.num_cached_tokens, "loaded_prompt_tokens": lead.num_loaded_tokens,
+        "cached": answered.cached,
+        "max_tokens": job.sampling.max_tokens, "ttft_s": lead.ttft_s, "tpot_s": lead.tpot_s,
+        **{f: getattr(totals, f, None) for f in SPEC_FIELDS},
+        "choices": None if len(answered.choices) == 1 else [
+            {"text": r.text, "output_token_ids": r.output_token_ids, "finish_reason": r.finish_reason}
+            for r in answered.choices],
+        "tool_calls": tool_calls_column(job, first.text, first.finish_reason),
+    }
+
+
+def tool_calls_column(job: Job, text: str, finish_reason: str) -> list[dict[str, str]] | None:
+    """The calls of a tools row's answer as its output line gives them (the same ids, names and
+    arguments: :func:`~kvbatch.io.batch_output.result_line` parses them), or None (no tools, no calls)."""
+    if not is_tools_spec(job.sampling.response_format):
+        return None
+    line = result_line(job.custom_id, job.line_no, text=text, finish_reason=finish_reason, prompt_tokens=0,
+                       completion_tokens=0, model="", response_format=job.sampling.response_format)
+    calls = line["response"]["body"]["choices"][0]["message"].get("tool_calls")
+    return None if calls is None else [
+        {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
 
 
 def decode_rank(
@@ -109,17 +154,9 @@ def decode_rank(
     for outcome in DecodeLoop(llm, jobs, report, skip=skip, response_cache=response_cache):
         if isinstance(outcome, Refused):
             continue
-        job, result = outcome.job, outcome.result
-        writer.add(job.index, {
-            "row": job.line_no, "custom_id": job.custom_id, "text": result.text,
-            "output_token_ids": result.output_token_ids, "finish_reason": result.finish_reason,
-            "prompt_tokens": len(result.prompt_token_ids), "completion_tokens": len(result.output_token_ids),
-            "cached_prompt_tokens": result.num_cached_tokens, "loaded_prompt_tokens": result.num_loaded_tokens,
-            "max_tokens": job.sampling.max_tokens, "ttft_s": result.ttft_s, "tpot_s": result.tpot_s,
-            **{f: getattr(result, f, None) for f in SPEC_FIELDS},
-        }, snapshot)
+        writer.add(outcome.job.index, results_row(outcome), snapshot)
         if progress is not None:
-            progress.advance(1, len(result.output_token_ids))
+            progress.advance(1, outcome.completion_tokens)
     report.finish(llm)
     stats = dict(decode_stats(llm, report), resumed_rows=resumed, attempt=attempt, rank=rank)
     writer.flush(stats)

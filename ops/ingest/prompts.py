@@ -16,7 +16,10 @@ schema the grammar engine cannot compile is a reject here (field
 (:func:`~kvbatch.engine.text.structured.schema_error` keeps its answers by the format's hash): a
 night of ten million rows sharing three schemas compiles three. Any other row goes to the prompts
 table as :func:`~kvbatch.io.prompt_table.outcome_record` writes it. A row without a format pays
-nothing: it never reaches the check, and the grammar engine is not even imported.
+nothing: it never reaches the check, and the grammar engine is not even imported. A row with tools
+(its tools spec is its ``response_format``) is a reject when a tool's ``parameters`` cannot be
+compiled (field ``body.tools.<i>.function.parameters``); its tool-call history is kept in the
+message columns (:mod:`kvbatch.io.prompt_table`).
 
 Streaming: a dataset can be many GB, so nothing holds it whole. Rows are read one line (JSONL)
 or one record batch (Parquet) at a time. Memory is bounded by a batch, whatever the row count:
@@ -54,6 +57,7 @@ import pyarrow.parquet as pq
 from kvbatch.io.batch_output import AtomicSink, ParquetSinkFile
 from kvbatch.io.batch_requests import (
     CHAT_COMPLETIONS_URL,
+    RESPONSES_URL,
     ChatRequest,
     RejectedRow,
     parse_request_line,
@@ -89,10 +93,21 @@ SCHEMA_FIELD = schema_field(CHAT_COMPLETIONS_URL)
 def outcome(item: ChatRequest | RejectedRow) -> dict[str, Any]:
     """The prompts-or-rejects record of one parsed item: a constrained row whose schema cannot be
     compiled (or compiles too slowly) is a reject naming the problem. The check is asked once per
-    distinct format (``schema_error`` keeps its answers), and only for a constrained row."""
+    distinct format (``schema_error`` keeps its answers), and only for a constrained row. A row with
+    tools is checked tool by tool (``tools_error``, cached per tool), its reject naming the tool's
+    ``parameters`` as ``kvbatch generate`` does (:func:`~kvbatch.ops.jobs.tokenize_request`)."""
     if isinstance(item, ChatRequest) and item.sampling.response_format is not None:
-        from kvbatch.engine.text.structured import schema_error  # only a constrained row loads the grammar engine
+        # Only a constrained row loads the grammar engine.
+        from kvbatch.engine.text.structured import schema_error, tools_error
+        from kvbatch.engine.text.tool_calls import is_tools_spec
 
+        if is_tools_spec(item.sampling.response_format):
+            bad_tool = tools_error(item.sampling.response_format)
+            if bad_tool is not None:
+                flat = item.endpoint == RESPONSES_URL  # a Responses tool spells its fields flat
+                where = f"body.tools.{bad_tool[0]}.{'' if flat else 'function.'}parameters"
+                return reject_record(reject(item, where, bad_tool[1]))
+            return outcome_record(item)
         problem = schema_error(item.sampling.response_format)
         if problem is not None:
             return reject_record(reject(item, schema_field(item.endpoint), problem))

@@ -8,8 +8,9 @@ refuses manifests made for another model (:class:`ManifestMismatch`) instead of 
 Manifest line (JSONL), one per input row, in input order:
 ``{"v", "index", "custom_id", "line_no", "model", "fingerprint", "kv_root", "block_size", "dtype",
 "prompt_token_ids", "block_keys", "block_locations", "sampling", "request_model"}`` (and ``"endpoint"``
-for a ``/v1/responses`` or ``/v1/completions`` row: the shape decode answers it in) or, for a
-rejected row, ``{"v", "index", "custom_id", "line_no", "rejected": {"field", "reason"}}``.
+for a ``/v1/responses`` or ``/v1/completions`` row: the shape decode answers it in; ``"n"``, 1 to
+``MAX_CHOICES``, for a row of several choices) or, for a rejected row,
+``{"v", "index", "custom_id", "line_no", "rejected": {"field", "reason"}}``.
 
 ``block_locations`` (version 2) gives, for each of ``block_keys``, where the durable store holds
 it: ``{"segment": "<fingerprint id>/<segment>", "segment_bytes", "key", "offset", "length",
@@ -64,6 +65,7 @@ from kvbatch.io.batch_requests import (
     describe_validation_error,
     json_type,
 )
+from kvbatch.io.endpoints import MAX_CHOICES
 from kvbatch.io.kvstore.index_files import IndexInvalid
 from kvbatch.io.kvstore.tiers import check_key
 from kvbatch.ops.jobs import Job, Rejected
@@ -109,6 +111,7 @@ def manifest_line(llm: LLM, job: Job, model_name: str) -> dict[str, Any]:
         "sampling": dataclasses.asdict(job.sampling),
         "request_model": job.model,
         **({} if job.endpoint == CHAT_COMPLETIONS_URL else {"endpoint": job.endpoint}),  # the answer's shape
+        **({} if job.n == 1 else {"n": job.n}),  # choices: decode runs n requests over the one prompt
     }
 
 
@@ -174,6 +177,7 @@ class _Job(_Head):
     sampling: _Sampling
     request_model: Text | None = None
     endpoint: Literal["/v1/chat/completions", "/v1/responses", "/v1/completions"] = CHAT_COMPLETIONS_URL
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
 
 
 class _RejectedReason(BaseModel):
@@ -284,7 +288,7 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
         sampling = SamplingParams(**sp)
     except ValueError as exc:  # the engine's own guard; the schema above should have said so first
         return _bad(position, item.line, m, "sampling", str(exc))
-    return Job(position, j.custom_id, j.line_no, list(ids), sampling, j.request_model, j.endpoint)
+    return Job(position, j.custom_id, j.line_no, list(ids), sampling, j.request_model, j.endpoint, n=j.n)
 
 
 def _format_problem(response_format: str) -> tuple[str, str] | None:

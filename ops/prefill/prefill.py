@@ -32,7 +32,7 @@ from kvbatch.io.batch_requests import WHOLE_LINE, ChatRequest, InputStreamError,
 from kvbatch.io.prompt_table import record_request
 from kvbatch.io.shard_tables import read_table, write_json
 from kvbatch.io.urls import redact_text
-from kvbatch.ops.jobs import IncompleteInput, Job, Rejected, to_engine_sampling, tokenize_requests
+from kvbatch.ops.jobs import IncompleteInput, Job, Rejected, request_job, tokenize_requests
 from kvbatch.ops.prefill.manifests import MANIFEST_VERSION, attach_locations, manifest_line
 from kvbatch.ops.results.metrics import ProgressMeter
 
@@ -199,8 +199,7 @@ def shard_jobs(table: pa.Table) -> Iterator[tuple[Job, list[str]]]:
     for batch in table.to_batches(max_chunksize=4096):
         for rec in batch.to_pylist():
             req = record_request(rec)
-            yield (Job(index, req.custom_id, req.line_no, list(rec["prompt_token_ids"]), to_engine_sampling(req),
-                       req.model, req.endpoint), list(rec["block_keys"]))
+            yield request_job(index, req, list(rec["prompt_token_ids"])), list(rec["block_keys"])
             index += 1
 
 

@@ -25,6 +25,10 @@ thing what must be done, and the rest with Arrow:
   and the per-row columns are an Arrow ``take`` of the per-conversation ones.
 - **A ``/v1/completions`` row has no conversation**: its raw prompt (``prompt`` text or ``prompt_ids``)
   skips the chat template, so those rows take the per-row path and join the others' columns.
+- **A tool row takes the per-row path too**: a row whose ``response_format`` is a tools spec (the
+  template renders the tools) or whose messages hold a tool-call history (the template renders the
+  calls) is tokenized as :func:`~kvbatch.ops.jobs.prompt_ids` does it for ``kvbatch generate``;
+  finding them is a few Arrow passes, so a table without tool rows pays nothing more.
 - **Block keys** chain sha256 over raw digests and the ids' little-endian int32 bytes: the
   bytes :func:`~kvbatch.engine.runtime.block_hash.block_key` hashes, without numpy per block.
 
@@ -47,9 +51,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbatch.engine.text.tokenizer import ChatTokenizer
+from kvbatch.engine.text.tool_calls import is_tools_spec
 from kvbatch.io.batch_requests import CHAT_COMPLETIONS_URL, ChatRequest, RejectedRow, SamplingParams
 from kvbatch.io.endpoints import prompt_field
-from kvbatch.io.prompt_table import record_request
+from kvbatch.io.prompt_table import record_messages, record_request
 from kvbatch.ops.jobs import prompt_ids
 from kvbatch.ops.shards.prompt_tokens import DEFAULT_CACHE_PIECES, CachedChatEncoder
 
@@ -272,9 +277,9 @@ class ColumnarTokenizer:
         for rec in batch.to_pylist():
             if rec.get("prompt") is not None or rec.get("prompt_ids") is not None:
                 req = record_request(rec)  # a raw completions prompt: no template
-            else:
-                messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"] or []]
-                req = ChatRequest(rec["row"], rec["custom_id"], messages, SamplingParams(), None,
+            else:  # the response format holds a tool row's tools, which the template renders
+                req = ChatRequest(rec["row"], rec["custom_id"], record_messages(rec["messages"]),
+                                  SamplingParams(response_format=rec.get("response_format")), None,
                                   endpoint=rec.get("endpoint") or CHAT_COMPLETIONS_URL)
             outcomes.append(prompt_ids(self.encoder, self.max_model_len, req))
         ok = np.array([not isinstance(o, RejectedRow) for o in outcomes], dtype=bool)
@@ -285,13 +290,14 @@ class ColumnarTokenizer:
 
     def tokenize(self, batch: pa.RecordBatch | pa.Table) -> BatchTokens:
         """Token ids and block keys of every row of a ``PROMPTS_SCHEMA`` batch (or why not)."""
-        raw = _raw_prompt_rows(batch)
+        raw = _raw_prompt_rows(batch) | _tool_rows(batch)
         if raw.any():
             return self._tokenize_mixed(batch, raw)
         return self._tokenize_chat(batch)
 
     def _tokenize_mixed(self, batch: pa.RecordBatch | pa.Table, raw: np.ndarray) -> BatchTokens:
-        """Chat rows columnar, raw-prompt rows (``/v1/completions``) per row, joined in row order."""
+        """Plain chat rows columnar, the ``raw`` ones (``/v1/completions``, tool rows) per row,
+        joined in row order."""
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
         chat_rows, raw_rows = np.flatnonzero(~raw), np.flatnonzero(raw)
         chat = self._tokenize_chat(table.take(pa.array(chat_rows))) if len(chat_rows) else None
@@ -396,6 +402,33 @@ def _raw_prompt_rows(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
         if name in batch.schema.names:
             raw |= np.asarray(pc.is_valid(batch.column(name)), dtype=bool)
     return raw
+
+
+def _tool_rows(batch: pa.RecordBatch | pa.Table) -> np.ndarray:
+    """Which rows have tools (a tools spec as ``response_format``) or a tool-call history (a
+    message with ``tool_calls``, or of role ``tool``)."""
+    n = batch.num_rows
+    rows = np.zeros(n, dtype=bool)
+    if "response_format" in batch.schema.names:
+        formats = batch.column("response_format")
+        if formats.null_count < n:  # each distinct format tested once
+            if isinstance(formats, pa.ChunkedArray):
+                formats = formats.combine_chunks()
+            encoded = pc.dictionary_encode(formats)
+            tools = np.array([is_tools_spec(f) for f in encoded.dictionary.to_pylist()] + [False], dtype=bool)
+            rows |= tools[np.asarray(encoded.indices.fill_null(len(encoded.dictionary)), dtype=np.int64)]
+    messages = batch.column("messages")
+    if isinstance(messages, pa.ChunkedArray):
+        messages = messages.combine_chunks()
+    flat = pc.list_flatten(messages)
+    if not len(flat):
+        return rows
+    history = pc.fill_null(pc.equal(flat.field("role"), "tool"), False)
+    if flat.type.get_field_index("tool_calls") >= 0:
+        history = pc.or_(history, pc.is_valid(flat.field("tool_calls")))
+    if pc.any(history).as_py():
+        rows[np.asarray(pc.list_parent_indices(messages))[np.asarray(history, dtype=bool)]] = True
+    return rows
 
 
 def _endpoints(batch: pa.RecordBatch | pa.Table) -> list[str | None]:
