@@ -102,17 +102,19 @@ def test_decode_from_store_equals_in_process_generate(tiny_chat, requests_file, 
     assert pre.connector["kv_bytes_written_by_tier"]["object"] >= pre.connector["kv_bytes_written"] > 0
     dconn = decoder.connector.stats.to_json()
     # At most two ranged GETs per prompt: the shared system prompt (stored once, by the first prompt
-    # that had it) and the prompt's own tail, fewer than one per block. Each stored block is loaded
-    # once: a prompt waits for the shared blocks another is loading, then finds them in the cache.
+    # that had it) and the prompt's own tail. Each stored block is loaded at most once: a prompt
+    # waits for the shared blocks another is loading, then finds them in the cache. (How many are
+    # loaded rather than recomputed follows the connector's measured costs: a lone tail block of a
+    # tiny model may be cheaper to recompute, so the count is a bound, not a number.)
     distinct = {k for line in map(json.loads, (tmp_path / "manifests.jsonl").read_text().splitlines())
                 for k in line.get("block_keys", ())}
-    assert 0 < dconn["object_requests"]["GET"] <= 2 * 5 and dconn["object_requests"]["GET"] < dconn["blocks_loaded"]
-    assert dconn["blocks_loaded"] == len(distinct), dconn
+    assert 0 < dconn["object_requests"]["GET"] <= 2 * 5 and dconn["object_requests"]["GET"] <= dconn["blocks_loaded"]
+    assert 0 < dconn["blocks_loaded"] <= len(distinct), dconn
     # Its one PUT is the usage file saying which segments it read (retention by last use).
     assert dconn["object_requests"]["PUT"] == 1 and len(list((tmp_path / "kv" / "usage").rglob("*.json"))) == 1
     assert dconn["kv_bytes_written_by_tier"] == {"object": 0}
     # Decode loaded the shared system prompt instead of computing it.
-    assert report.loaded_prompt_tokens == 16 * len(distinct)
+    assert report.loaded_prompt_tokens == 16 * dconn["blocks_loaded"]
     assert report.loaded_prompt_tokens + report.cached_prompt_tokens >= 4 * 16 * (len(SYSTEM) // 100)
     assert decoder.stats["computed_prompt_tokens"] < report.prompt_tokens - report.loaded_prompt_tokens + 16 * 6
     # A second prefill over the same data computes nothing: every block is already stored.
@@ -245,7 +247,9 @@ def test_decode_reads_where_the_manifests_say_with_no_index_request(tiny_chat, r
     run_decode(v1, str(old), str(tmp_path / "v1-out.jsonl"))
     assert _outputs(tmp_path / "v1-out.jsonl") == reference
     assert v1.connector.stats.to_json()["object_requests"]["LIST"] > 0
-    assert v1.connector.stats.blocks_loaded == decoder.connector.stats.blocks_loaded > 0
+    # (each loads what its connector's measured costs favour: at most every stored block, once)
+    assert 0 < v1.connector.stats.blocks_loaded <= len({k for m in jobs for k in m["block_keys"]})
+    assert 0 < decoder.connector.stats.blocks_loaded
 
 
 def test_a_tampered_block_location_is_a_rejected_row_or_a_recomputed_block(tiny_chat, requests_file, tmp_path,
