@@ -144,11 +144,8 @@ def _open_response_cache(args: argparse.Namespace, llm: Any, stack: contextlib.E
         return None
     from kvbatch.ops.decode.response_cache import ResponseCache
 
-    from kvbatch.ops.decode.lazy_engine import LazyEngine
-
-    try:
-        cache = (ResponseCache(url, llm.engine_id, verify=args.response_cache_verify) if isinstance(llm, LazyEngine)
-                 else ResponseCache.for_llm(url, llm, verify=args.response_cache_verify))
+    try:  # for_llm takes a LazyEngine too, without building it
+        cache = ResponseCache.for_llm(url, llm, verify=args.response_cache_verify)
     except Exception as exc:  # noqa: BLE001 - an unusable cache URL is one line
         from kvbatch.io.urls import one_line, redact
 
@@ -227,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--grace-hours", type=float, default=1.0,
                     help="index files this recent stay listed by readers; older generations kept this long")
     cp.set_defaults(func=cmd_kv_compact)
+    from kvbatch.cli.response_cache_command import add_parser as add_response_cache_parser
+    add_response_cache_parser(sub)  # kvbatch response-cache gc (its own module: this file is at its size limit)
 
     d = sub.add_parser("sample-data", help="write a generated sample request file (shared system prompts)")
     d.add_argument("--output", required=True, help="JSONL file to write (local path or fsspec URL)")

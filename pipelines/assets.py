@@ -534,6 +534,7 @@ _CLASS_LABELS = (("prefill_computed", "prompt, computed at prefill"),
                  ("store_disk", "prompt, served by the KV store: disk"),
                  ("store_object", "prompt, served by the KV store: object store"),
                  ("prefix_cache", "prompt, engine prefix-cache hit at decode"),
+                 ("response_cache", "prompt + output, answered by the response cache (no compute)"),
                  ("decode_computed", "prompt, computed at decode"),
                  ("output", "output"))
 # Why a token class can cost dollars with no tokens (cost_markdown).
@@ -553,6 +554,10 @@ def cost_metadata(row: dict) -> dict:
                  if row.get(f"usd_per_mtok_{c}") is not None})
     if row.get("usd_per_mtok_blended") is not None:
         meta["usd_per_mtok_blended"] = usd(row["usd_per_mtok_blended"])
+    if row.get("response_cache_hits"):  # rows the response cache answered, and what they did not spend
+        meta["response_cache_hits"] = int(row["response_cache_hits"])
+        if row.get("response_cache_saved_usd") is not None:
+            meta["response_cache_saved_usd"] = usd(row["response_cache_saved_usd"])
     if row.get("savings_usd") is not None:
         meta["savings_usd"] = usd(row["savings_usd"])
         meta["reference_cost_usd"] = usd(row["reference_cost_usd"])
@@ -571,6 +576,7 @@ def cost_metadata(row: dict) -> dict:
 def cost_markdown(row: dict, tokens: dict[str, int]) -> str:
     """Tokens, dollars and $/Mtok by class, then the shard's other figures, as markdown tables."""
     classes, notes = [], []
+    rc = int(row.get("prompt_tokens_response_cache") or 0)  # within prompt_tokens_decode_cached
     for c, label in _CLASS_LABELS:
         if not (tokens[c] or row[f"cost_{c}_usd"]):
             continue  # no tokens, no dollars: left out
@@ -588,8 +594,9 @@ def cost_markdown(row: dict, tokens: dict[str, int]) -> str:
     out = [markdown_table(("token class", "tokens", "cost", "$ per Mtok"), classes), "",
            *[f"Note: {n}." for n in notes], *([""] if notes else []),
            (f"Prompt tokens {row['prompt_tokens']:,} = served by the KV store "
-           f"{row['prompt_tokens_decode_loaded']:,} + prefix-cache hits {row['prompt_tokens_decode_cached']:,} + "
-           f"computed at decode {row['prompt_tokens_decode_computed']:,}. The "
+           f"{row['prompt_tokens_decode_loaded']:,} + prefix-cache hits {row['prompt_tokens_decode_cached'] - rc:,} "
+           + (f"+ answered by the response cache {rc:,} " if rc else "") +
+           f"+ computed at decode {row['prompt_tokens_decode_computed']:,}. The "
            f"{row['prompt_tokens_prefill_computed']:,} tokens computed at prefill are the blocks the store "
            "then served, so they are not added again."), ""]
     figures = [("requests", f"{row['requests']:,}"), ("output tokens", f"{row['output_tokens']:,}")]

@@ -12,7 +12,15 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from kvbatch.ops.results.cost import CLASSES, Pricing, ReferencePrices, day_rollup, metrics_table, shard_metrics
+from kvbatch.ops.results.cost import (
+    CLASSES,
+    Pricing,
+    ReferencePrices,
+    class_tokens,
+    day_rollup,
+    metrics_table,
+    shard_metrics,
+)
 from kvbatch.ops.results.metrics import LatencySLO, ProgressMeter, check_slo
 from kvbatch.resources import PricingResource
 
@@ -240,17 +248,75 @@ def test_progress_last_line_is_the_steps_own_figures():
     assert said[-1] == "prefill: 4/4 rows (100%), 1,440 tokens, 720.0 tokens/s, ETA 0 s"
 
 
-def test_response_cache_rows_count_as_cache_hits_not_computed():
-    """A row the response cache answered (ttft 0, no tpot) computed nothing at decode."""
-    cached_row = _results()
-    rc = pa.table({"prompt_tokens": [100, 100, 100, 40], "loaded_prompt_tokens": [96, 64, 0, 0],
-                   "cached_prompt_tokens": [0, 0, 80, 0], "completion_tokens": [10, 20, 30, 7],
-                   "ttft_s": [0.1, 0.2, 0.4, 0.0], "tpot_s": [0.01, 0.02, None, None]})
-    before, m = shard_metrics(cached_row, PREFILL, DECODE, PRICING), shard_metrics(rc, PREFILL, DECODE, PRICING)
+def _with_cached_row() -> pa.Table:
+    """``_results()`` plus a fourth row the response cache answered (``cached``): 40 prompt tokens,
+    7 output tokens, no latency measured (the loop gives it ttft 0 and no tpot)."""
+    return pa.table({"prompt_tokens": [100, 100, 100, 40], "loaded_prompt_tokens": [96, 64, 0, 0],
+                     "cached_prompt_tokens": [0, 0, 80, 0], "completion_tokens": [10, 20, 30, 7],
+                     "cached": [False, False, False, True],
+                     "ttft_s": [0.1, 0.2, 0.4, 0.0], "tpot_s": [0.01, 0.02, None, None]})
+
+
+RC_DECODE = {**DECODE, "response_cache": {"hits": 1, "misses": 3, "requests": {"GET": 4000, "PUT": 3000}}}
+
+
+def test_a_response_cache_row_costs_no_compute_and_shows_its_saving():
+    """A row marked ``cached`` computed nothing: no prefill or decode token is charged for it, its
+    tokens are the response_cache class (priced at the cache's own requests), its latency is not
+    in the percentiles, and the saving is its output at the price of a computed output token."""
+    before, m = shard_metrics(_results(), PREFILL, DECODE, PRICING), shard_metrics(_with_cached_row(), PREFILL,
+                                                                                   RC_DECODE, PRICING)
+    rc = (m["response_cache_hits"], m["prompt_tokens_response_cache"], m["output_tokens_response_cache"])
+    assert rc == (1, 40, 7)
+    # Prompt: served by a cache at decode, never computed; the three decode terms still add up.
     assert m["prompt_tokens_decode_cached"] == before["prompt_tokens_decode_cached"] + 40
     assert m["prompt_tokens_decode_computed"] == before["prompt_tokens_decode_computed"] == 60
     assert (m["prompt_tokens_decode_loaded"] + m["prompt_tokens_decode_cached"] + m["prompt_tokens_decode_computed"]
             == m["prompt_tokens"] == 340)
+    # Output: delivered (and billable), but not in the computed output class.
+    assert m["output_tokens"] == 67 and m["billable_tokens"] == 407
+    tokens = class_tokens(m)
+    assert (tokens["output"], tokens["prefix_cache"], tokens["response_cache"]) == (60, 80, 47)
+    assert m["cost_output_usd"] == before["cost_output_usd"]  # the same decode: the cached row added no $
+    assert m["usd_per_mtok_output"] == before["usd_per_mtok_output"]
+    # The cache's own requests are its class's dollars, and in the requests' total.
+    rc_usd = 4 * 0.0004 + 3 * 0.005
+    assert (m["response_cache_requests_get"], m["response_cache_requests_put"]) == (4000, 3000)
+    assert m["cost_response_cache_usd"] == pytest.approx(rc_usd)
+    assert m["usd_per_mtok_response_cache"] == pytest.approx(rc_usd / 47 * 1e6)
+    assert m["cost_requests_usd"] == pytest.approx(before["cost_requests_usd"] + rc_usd)
+    assert sum(m[f"cost_{c}_usd"] for c in CLASSES) == pytest.approx(m["cost_usd"], abs=1e-12)
+    assert m["response_cache_saved_usd"] == pytest.approx(7 * m["cost_output_usd"] / 60)
+    assert before["response_cache_saved_usd"] == 0.0 and before["response_cache_hits"] == 0
+    # Latencies: the engine's rows only (the cached row's ttft 0 would pull the percentiles down).
+    assert {k: m[k] for k in m if k.startswith(("ttft_s_p", "tpot_s_p"))} == {
+        k: before[k] for k in before if k.startswith(("ttft_s_p", "tpot_s_p"))}
+    # A shard of hits only: nothing computed to price the saving by (not 0, not a guess).
+    all_hits = pa.table({"prompt_tokens": [40], "loaded_prompt_tokens": [0], "cached_prompt_tokens": [0],
+                         "completion_tokens": [7], "cached": [True], "ttft_s": [0.0], "tpot_s": [None]},
+                        schema=pa.schema([("prompt_tokens", pa.int64()), ("loaded_prompt_tokens", pa.int64()),
+                                          ("cached_prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+                                          ("cached", pa.bool_()), ("ttft_s", pa.float64()), ("tpot_s", pa.float64())]))
+    h = shard_metrics(all_hits, {}, {"wall_s": 0.01}, PRICING)
+    assert h["prompt_tokens_decode_computed"] == 0 and class_tokens(h)["output"] == 0
+    assert h["response_cache_saved_usd"] is None and h["ttft_s_p50"] is None
+    # The day: the saving recomputed from the summed rows, so the hits-only shard is priced by the other.
+    day = day_rollup(pl.from_arrow(pa.concat_tables([metrics_table(m), metrics_table(h)])),
+                     pl.DataFrame({"ttft_s": [0.1], "tpot_s": [0.01]}))
+    assert day["response_cache_hits"] == 2 and day["output_tokens_response_cache"] == 14
+    assert day["response_cache_saved_usd"] == pytest.approx(14 * (m["cost_output_usd"] + h["cost_output_usd"]) / 60)
+    # The shard's page says it: the class row, the prompt sum, the hits and the saving.
+    from kvbatch.pipelines.assets import cost_markdown, cost_metadata
+
+    md = cost_markdown(m, tokens)
+    assert ("Prompt tokens 340 = served by the KV store 160 + prefix-cache hits 80 + answered by the response "
+            "cache 40 + computed at decode 60.") in md
+    assert "| prompt + output, answered by the response cache (no compute) | 47 |" in md
+    meta = cost_metadata(m)
+    assert meta["response_cache_hits"] == 1 and meta["response_cache_saved_usd"] > 0
+    assert "response_cache_hits" not in cost_metadata(before)  # no cache: the page is as before
+    # A results table written before the column existed: no row counts as cached.
+    assert shard_metrics(_results(), PREFILL, DECODE, PRICING)["response_cache_hits"] == 0
 
 
 def test_batch_report_keeps_response_cache_rows_apart_and_reconcilable():

@@ -68,7 +68,12 @@ def _answers(lines: list[dict]) -> dict[str, str]:
 
 
 def _entries(cache: Path) -> list[Path]:
-    return sorted(cache.rglob("*.json"))
+    """The rows' entries (not the copies kept by family key for a shorter ``max_tokens``)."""
+    return sorted(p for p in cache.rglob("*.json") if "longest" not in p.parts)
+
+
+def _family_copies(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.rglob("*.json") if "longest" in p.parts)
 
 
 def test_second_run_is_all_hits_and_equals_a_fresh_run_bit_for_bit(tiny_chat, tmp_path):
@@ -85,11 +90,17 @@ def test_second_run_is_all_hits_and_equals_a_fresh_run_bit_for_bit(tiny_chat, tm
     rc = m2["response_cache"]
     assert code2 == 1
     assert (rc["hits"], rc["misses"], rc["writes"], rc["not_reusable"]) == (REUSABLE, 0, 0, 1)
-    assert rc["requests"] == {"GET": REUSABLE}  # one GET per reusable row, no PUT
+    # One GET per reusable row; no entry written: the one PUT is the run's usage file (for gc).
+    assert rc["requests"] == {"GET": REUSABLE, "PUT": 1} and rc["usage_files"] == 1
     assert m2["succeeded"] == m1["succeeded"] and m2["rejected"] == m1["rejected"] == 1
-    # Only the unseeded row ran in the engine.
+    # Only the unseeded row ran in the engine; the served rows' tokens are counted apart, at no compute.
     u = next(x for x in second if x["custom_id"] == "u")
     assert m2["output_tokens"] == u["response"]["body"]["usage"]["completion_tokens"]
+    served = [x["response"]["body"]["usage"] for x in first if x["custom_id"] not in ("u", "bad")]
+    assert m2["response_cache_rows"] == REUSABLE and m1["response_cache_rows"] == 0
+    assert m2["response_cache_output_tokens"] == sum(x["completion_tokens"] for x in served) > 0
+    assert m2["response_cache_prompt_tokens"] == sum(x["prompt_tokens"] for x in served)
+    assert m2["prompt_tokens"] == u["response"]["body"]["usage"]["prompt_tokens"]
     a1, a2 = _answers(first), _answers(second)
     fresh = _answers(_run(tiny_chat, tmp_path, "fresh", ROWS, None)[1])
     reusable = [r["custom_id"] for r in GREEDY + LOGPROBS + SEEDED]
@@ -118,7 +129,7 @@ def test_every_rule_of_the_key_misses(tiny_chat, other_chat, tmp_path):
 
     # A changed sampling field, a changed max_tokens, a stop string, another seed: misses.
     misses("top_p", [changed(r, top_p=0.5) for r in rows])
-    misses("max_tokens", [changed(r, max_tokens=5) for r in rows])
+    misses("max_tokens", [changed(r, max_tokens=7) for r in rows])
     misses("stop", [changed(r, stop=["zz"]) for r in rows])
     misses("seed", [changed(SEEDED[0], seed=8)])
     misses("logprobs", [changed(r, logprobs=True) for r in rows])
@@ -186,6 +197,8 @@ def test_corrupt_and_truncated_entries_are_misses_recomputed(tiny_chat, tmp_path
     mid = len(data) // 2
     entries[0].write_bytes(data[:mid] + bytes([data[mid] ^ 0x01]) + data[mid + 1:])  # one flipped bit
     entries[1].write_bytes(entries[1].read_bytes()[:40])  # cut short
+    for copy in _family_copies(cache):  # (else the longest-answer copies would serve the damaged rows)
+        copy.unlink()
     code, second, m = _run(tiny_chat, tmp_path, "second", rows, str(cache))
     rc = m["response_cache"]
     assert code == 0
@@ -266,9 +279,15 @@ def test_the_cache_on_s3(tiny_chat, tmp_path, s3, s3_endpoint, monkeypatch):
         cache = url.rsplit("/", 1)[0] + "/responses"
         rows = GREEDY[:3] + SEEDED
         _, first, m1 = _run(tiny_chat, tmp_path, "first", rows, cache)
-        assert m1["response_cache"]["writes"] == 4 and m1["response_cache"]["requests"] == {"GET": 4, "PUT": 4}
-        stored = [p for p in fs.find(cache.removeprefix("s3://")) if p.endswith(".json")]
-        assert len(stored) == 4
+        # Each miss also looks for a longer answer, and each answer is also kept for a shorter
+        # max_tokens (--deterministic, no drafter: docs/response-cache.md): a GET and a PUT more.
+        assert m1["response_cache"]["writes"] == 4 and m1["response_cache"]["requests"] == {"GET": 8, "PUT": 8}
+        objects = [p for p in fs.find(cache.removeprefix("s3://")) if p.endswith(".json")]
+        stored = [p for p in objects if "/longest/" not in p]
+        assert len(stored) == 4 and len(objects) == 8
+        for p in objects:  # the copies would serve the damaged row: this checks the entry alone
+            if "/longest/" in p:
+                fs.rm(p)
         # A corrupt object on S3 is a miss too, and is replaced.
         fs.pipe_file(stored[0], fs.cat_file(stored[0])[:-5])
         code, second, m2 = _run(tiny_chat, tmp_path, "second", rows, cache)
@@ -321,7 +340,7 @@ def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
                           instance=instance).success
     day = DayLayout(str(root / "kvbatch"), date)  # the kvbatch pipeline's tables
     rows = pq.read_table(day.shard("shards", "0000")).num_rows
-    seen = []
+    seen, marked = [], []
     for _ in range(2):
         res = dg.materialize([decode_results], resources=resources, partition_key=key, selection=[decode_results],
                              instance=instance)
@@ -330,8 +349,22 @@ def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
         seen.append((meta["response_cache_hits"], meta["response_cache_misses"], meta["response_cache_writes"]))
         results = pq.read_table(day.shard("results", "0000")).sort_by("custom_id")
         seen.append(results.select(["custom_id", "text", "output_token_ids", "finish_reason"]).to_pylist())
+        marked.append(results.column("cached").to_pylist())
     assert seen[0] == (0, rows, rows) and seen[2] == (rows, 0, 0)
     assert seen[1] == seen[3]
+    # The results table marks the rows the cache answered: none the first time, all the second.
+    assert marked == [[False] * rows, [True] * rows]
+    # Its cost row: every row at zero compute, the cache's lookups priced from the decode's own stats.
+    from kvbatch.io.shard_tables import read_json
+    from kvbatch.ops.results.cost import Pricing, class_tokens, shard_metrics
+
+    stats = read_json(day.shard("decode_stats", "0000", "stats.json"))
+    m = shard_metrics(pq.read_table(day.shard("results", "0000")), {}, stats,
+                      Pricing(usd_per_1k_requests={"GET": 0.4}))
+    assert m["response_cache_hits"] == rows and m["prompt_tokens_decode_computed"] == 0
+    assert class_tokens(m)["output"] == 0 and m["output_tokens_response_cache"] == m["output_tokens"] > 0
+    assert m["response_cache_requests_get"] == rows  # this decode's lookups: one GET per row
+    assert m["cost_response_cache_usd"] == pytest.approx(rows * 0.4 / 1000)
     assert list((root / "responses").rglob("*.json"))
 
 
@@ -451,3 +484,117 @@ def test_a_cli_night_of_hits_never_loads_the_weights(tiny_chat, tmp_path, monkey
     err = capsys.readouterr().err
     assert code3 == 2 and third == [] and not record.exists()
     assert "record was removed: run again; nothing was written to" in err and "Traceback" not in err
+
+
+def test_a_longer_answer_serves_a_shorter_max_tokens_bit_for_bit(tiny_chat, tmp_path):
+    """``ResponseCache.for_llm`` on a batch-invariant engine without a drafter keeps each answer under
+    its family key too (every field but ``max_tokens``): a row asking fewer tokens is served by
+    cutting it (``response_cache.truncated``), a row asking more only where the answer ended by a
+    stop. Each answer equals a fresh run's at the row's own ``max_tokens``, byte for byte."""
+    from kvbatch.engine.spec import EngineSpec
+    from kvbatch.io.batch_requests import read_requests
+    from kvbatch.ops.decode.generate import run_jobs
+    from kvbatch.ops.decode.response_cache import ResponseCache
+    from kvbatch.ops.engine_build import build_llm
+    from kvbatch.ops.jobs import tokenize_requests
+
+    llm = build_llm(EngineSpec(model=str(tiny_chat), deterministic=True))
+    url = str(tmp_path / "cache")
+
+    def night(name: str, rows: list[dict], cached: bool = True) -> tuple[list[dict], dict]:
+        src = _write(tmp_path / f"{name}.in.jsonl", rows)
+        out = tmp_path / f"{name}.out.jsonl"
+        cache = ResponseCache.for_llm(url, llm) if cached else None
+        run_jobs(llm, tokenize_requests(llm, read_requests(str(src))), str(out), response_cache=cache)
+        if cache is not None:
+            cache.close()
+        return [json.loads(x) for x in out.read_text().splitlines()], {} if cache is None else cache.to_json()
+
+    def at(rows: list[dict], max_tokens: int) -> list[dict]:
+        return [{**r, "body": {**r["body"], "max_tokens": max_tokens}} for r in rows]
+
+    base = [_row("g0", "Hello number 0", temperature=0), _row("g1", "Hello number 1", temperature=0),
+            _row("lp", "Tell me more", temperature=0, logprobs=True, top_logprobs=2),
+            _row("s", "Pick a word", temperature=0.9, seed=7)]
+    first, m1 = night("first", at(base, 8))
+    assert m1["writes"] == m1["family_writes"] == 4
+    assert m1["requests"] == {"GET": 8, "PUT": 8}  # a miss: one more GET (its family), one more PUT
+    # Rows that stop early: at a token id and at a string, both taken from the seeded row's answer
+    # (the tiny model's greedy answers repeat one token).
+    ids = _output_ids(llm, base[3], 8)
+    stop_id = next(t for j, t in enumerate(ids) if j >= 2 and t not in ids[:j])
+    text = first[3]["response"]["body"]["choices"][0]["message"]["content"]
+    seeded = base[3]["body"]
+    stops = [_row("sid", "Pick a word", temperature=seeded["temperature"], seed=7, stop_token_ids=[stop_id]),
+             _row("sstr", "Pick a word", temperature=seeded["temperature"], seed=7,
+                  stop=[text[len(text) // 2:len(text) // 2 + 3]])]
+    stopped, _ = night("stops", at(stops, 8))
+    assert all(x["response"]["body"]["choices"][0]["finish_reason"] == "stop" for x in stopped)
+    # Fewer tokens: every row served by cutting; more tokens: only the rows that ended by a stop.
+    for name, rows, hits in (("fewer", at(base + stops, 3), 6), ("more", at(base + stops, 12), 2)):
+        got, m = night(name, rows)
+        assert (m["hits"], m["truncated"], m["misses"]) == (hits, hits, len(rows) - hits), (name, m)
+        fresh, _ = night(f"{name}_fresh", rows, cached=False)
+        assert _answers(got) == _answers(fresh), name
+    # The cut answers were written under their own keys: the next night finds them in one GET each.
+    _, m = night("fewer_again", at(base + stops, 3))
+    assert (m["hits"], m["truncated"], m["requests"].get("GET")) == (6, 0, 6)
+
+
+def _output_ids(llm, row: dict, max_tokens: int) -> list[int]:
+    """The engine's output token ids for ``row`` (one request, no cache)."""
+    import tempfile
+
+    from kvbatch.engine.runtime.llm import GenerationRequest
+    from kvbatch.io.batch_requests import read_requests
+    from kvbatch.ops.jobs import tokenize_requests
+
+    with tempfile.TemporaryDirectory() as d:
+        src = _write(Path(d) / "one.jsonl", [{**row, "body": {**row["body"], "max_tokens": max_tokens}}])
+        [job] = list(tokenize_requests(llm, read_requests(str(src))))
+    [result] = list(llm.stream([GenerationRequest("0", job.sampling, prompt_token_ids=job.prompt_token_ids)]))
+    return result.output_token_ids
+
+
+def test_truncation_is_proven_or_refused():
+    """``truncated``: the cases it serves and the ones it must not (a row cut by its own smaller
+    limit, a drafter's counts); ``for_llm`` turns it on only for batch-invariant numerics without a drafter."""
+    from types import SimpleNamespace
+
+    from kvbatch.ops.decode import response_cache as rc
+
+    class Tok:
+        def decode(self, ids):
+            return "".join(f"<{i}>" for i in ids)
+
+    body = {"output_token_ids": [5, 6, 7, 8], "text": "<5><6><7><8>", "finish_reason": "length",
+            "logprobs": [{"lp": -1.0 * i} for i in range(4)], "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+            "spec_target_steps": 0}
+    cut = rc.truncated(body, 4, 2, Tok())
+    assert (cut["output_token_ids"], cut["text"], cut["finish_reason"], cut["logprobs"]) == (
+        [5, 6], "<5><6>", "length", body["logprobs"][:2])
+    assert rc.truncated(body, 4, 4, Tok()) == body  # the same limit
+    assert rc.truncated(body, 4, 6, Tok()) is None  # cut by its own limit: what comes next is unknown
+    assert rc.truncated(body, 9, 6, Tok()) == body  # cut by the context window below its limit: any k >= n
+    assert rc.truncated({**body, "finish_reason": "stop"}, 4, 6, Tok())["finish_reason"] == "stop"
+    assert rc.truncated(body, 4, 2, None) is None  # no tokenizer: no text to give
+    assert rc.truncated({**body, "spec_draft_tokens": 3}, 4, 2, Tok()) is None
+    llm = SimpleNamespace(engine_config=SimpleNamespace(batch_invariant=True), spec=None, tokenizer=Tok())
+    original = rc.engine_identity
+    rc.engine_identity = lambda llm: "engine"
+    try:
+        assert rc.ResponseCache.for_llm("memory://rc-t", llm).truncate
+        drafting = SimpleNamespace(**{**vars(llm), "spec": object()})
+        assert not rc.ResponseCache.for_llm("memory://rc-t", drafting).truncate
+        other = SimpleNamespace(**{**vars(llm), "engine_config": SimpleNamespace(batch_invariant=False)})
+        assert not rc.ResponseCache.for_llm("memory://rc-t", other).truncate
+        # A LazyEngine's identity is taken as it is, never by building the engine.
+        lazy = SimpleNamespace(**vars(llm), engine_id="lazy")
+        assert rc.ResponseCache.for_llm("memory://rc-t", lazy).engine_id == "lazy"
+    finally:
+        rc.engine_identity = original
+    # Its key: every field but max_tokens.
+    p = SamplingParams(max_tokens=8, temperature=0.0)
+    assert rc.family_key("e", [1], p) == rc.family_key("e", [1], dataclasses.replace(p, max_tokens=3))
+    assert rc.family_key("e", [1], p) != rc.family_key("e", [1], dataclasses.replace(p, top_p=0.5))
+    assert rc.family_key("e", [1], p) != rc.row_key("e", [1], p)

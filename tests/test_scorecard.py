@@ -22,12 +22,13 @@ SLO = LatencySLO(ttft_s_p95=30.0, tpot_s_p95=1.0)
 
 def _results() -> pl.DataFrame:
     # Shard 0000: 3 results (one an error); 0001: 2 results of 3 rows, one from the response cache
-    # (ttft 0, no tpot) and one slow row; 0002: not decoded.
+    # (``cached``: ttft 0 and no tpot, no latency measured) and one slow row; 0002: not decoded.
     return pl.DataFrame({
         "shard": ["0000", "0000", "0000", "0001", "0001"],
         "finish_reason": ["length", "stop", "error", "length", "length"],
         "prompt_tokens": [100, 100, 100, 50, 50], "completion_tokens": [10, 10, 0, 5, 5],
         "cached_prompt_tokens": [0, 32, 0, 0, 0], "loaded_prompt_tokens": [64, 64, 0, 0, 32],
+        "cached": [False, False, False, True, False],
         "ttft_s": [0.1, 0.2, 0.3, 0.0, 2.0], "tpot_s": [0.01, 0.02, None, None, 3.0]})
 
 
@@ -37,6 +38,7 @@ def _metrics(reference: list | None = None) -> pl.DataFrame:
         "kv_tokens_hit_memory": [0, 0], "kv_tokens_hit_disk": [64, 0], "kv_tokens_hit_object": [64, 32],
         "billable_tokens": [320, 110], "prefill_wall_s": [1.0, 1.5], "decode_wall_s": [2.0, 2.5],
         "cost_usd": [0.001, 0.002], "reference_cost_usd": reference or [None, None],
+        "output_tokens": [20, 10], "output_tokens_response_cache": [0, 5], "cost_output_usd": [0.0006, 0.001],
         "ttft_s_p95": [0.29, 1.9], "tpot_s_p95": [0.02, 2.85]}, schema_overrides={"reference_cost_usd": pl.Float64})
 
 
@@ -58,7 +60,15 @@ def test_the_figures_are_one_account():
     assert c.tokens_computed_at_decode == 400 - 160 - 32 - 50 == 158
     assert c.tokens_computed == 158 + min(96, 160) and c.tokens_in == c.tokens_reused + c.tokens_computed
     assert sum(c.kv_tokens_by_tier.values()) == c.tokens_loaded_from_kv_store
-    assert c.response_cache_rows == 1 and c.tokens_out == 30
+    assert c.response_cache_rows == 1 and c.tokens_out == 30 and c.tokens_out_response_cache == 5
+    # What the cached row did not spend: its 5 output tokens at the day's $ per computed output token.
+    assert c.response_cache_saved_usd == pytest.approx(5 * 0.0016 / 25)
+    # Its latency was not measured: the P95 is over the engine's four rows (0.1, 0.2, 0.3, 2.0), not five.
+    assert c.ttft_s_p95 == pytest.approx(pl.Series([0.1, 0.2, 0.3, 2.0]).quantile(0.95, interpolation="linear"))
+    md = c.to_markdown()
+    assert "| … of which served by the response cache (not decoded) | 5 | – |" in md
+    assert f"| not spent thanks to the response cache (its output at the $ of a computed output token) | " \
+           f"{fmt_usd(0.00032)} |" in md
     # Ratios from the sums: wall time is prefill + decode over the shards.
     assert c.wall_s == pytest.approx(7.0) and c.tokens_per_s == pytest.approx(430 / 7.0)
     assert c.output_tokens_per_s == pytest.approx(30 / 4.5) and c.prefill_tokens_per_s == pytest.approx(96 / 2.5)
@@ -190,11 +200,24 @@ def test_scorecard_pipeline_day(tmp_path):
     import dagster as dg
 
     from kvbatch.ops.results import demo_report
-    from kvbatch.pipelines.default import (PIPELINE, cost_metrics, cost_rollup, decode_results, prefill_kv,
-                                           prompt_shards, prompts, resources as keyed)
+    from kvbatch.pipelines.default import (
+        PIPELINE,
+        cost_metrics,
+        cost_rollup,
+        decode_results,
+        prefill_kv,
+        prompt_shards,
+        prompts,
+    )
+    from kvbatch.pipelines.default import resources as keyed
     from kvbatch.pipelines.partitions import date_shard_key
-    from kvbatch.resources import (DecodeClusterResource, KVStoreResource, ModelResource, ObjectStoreResource,
-                                   PricingResource)
+    from kvbatch.resources import (
+        DecodeClusterResource,
+        KVStoreResource,
+        ModelResource,
+        ObjectStoreResource,
+        PricingResource,
+    )
     from tests.tiny_models import build_tiny_chat_model
 
     tiny = build_tiny_chat_model(tmp_path / "tiny", max_positions=512)

@@ -27,7 +27,9 @@ sampled rows with an explicit ``seed``. A sampled row without one gets its seed 
 run-wide generator in arrival order (``LLM.add_request``), so its answer depends on the rows
 before it: it is never served and never stored. Rows refused before the engine (errors) never
 reach the cache. ``max_tokens`` is a field of the key, so a row cut by ``max_tokens`` is served
-only to the same ``max_tokens``.
+only to the same ``max_tokens``; with ``truncate`` (batch-invariant numerics, no drafter) each
+answer is also kept under its :func:`family_key`, and a row asking fewer tokens is served by
+cutting it where :func:`truncated` proves the cut equal to a recomputation.
 
 **Entries** (:func:`encode_entry`): ``<root>/responses/v1/<key[:2]>/<key>.json``, one canonical
 JSON object naming its format and its key, the answer (output token ids, text, finish reason,
@@ -39,6 +41,10 @@ one key harmless. Requests are counted by kind (GET, PUT, DELETE): a row costs o
 miss is a GET that finds nothing), and a miss that is written one PUT. Lookups go
 :data:`LOOKUP_BATCH` rows at a time (concurrent on an async store such as s3fs), writes through a
 small thread pool, waited for at :meth:`ResponseCache.flush`.
+
+**Use** is recorded for gc (:mod:`kvbatch.ops.decode.response_cache_gc`): the keys a run served
+are written in a few create-only usage files when it flushes (:meth:`ResponseCache.record_usage`),
+never a write per hit; ``kvbatch response-cache gc`` deletes the entries unused for N days.
 
 **Verify** (``verify``, a fraction): a seeded sample of the hits (by key and ``verify_seed``) is
 recomputed by the engine and compared with the entry (token ids, text, finish reason, logprobs);
@@ -56,6 +62,7 @@ import logging
 import math
 import sys
 import threading
+import time
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -65,6 +72,7 @@ import fsspec
 from kvbatch.engine.runtime.engine_config import NUMERICS_VERSION
 from kvbatch.io.kvstore.object_layout import ObjectLayout
 from kvbatch.io.urls import redact
+from kvbatch.ops.decode.response_cache_gc import family_path
 
 if TYPE_CHECKING:
     from kvbatch.engine.runtime.llm import LLM, Result
@@ -188,6 +196,10 @@ def row_key(engine_id: str, prompt_token_ids: list[int], params: Any) -> str | N
     except _Unserializable as exc:
         log.warning("a row's sampling parameters hold %s: the row is not cached", exc)
         return None
+    return _hash_parts(engine_id, sampling, prompt_token_ids)
+
+
+def _hash_parts(engine_id: str, sampling: bytes, prompt_token_ids: list[int]) -> str:
     ids = array("i", prompt_token_ids)
     if sys.byteorder != "little":
         ids.byteswap()
@@ -196,6 +208,49 @@ def row_key(engine_id: str, prompt_token_ids: list[int], params: Any) -> str | N
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()
+
+
+def family_key(engine_id: str, prompt_token_ids: list[int], params: Any) -> str | None:
+    """The key shared by a row's answers at every ``max_tokens`` (every other field the same): where
+    the longest answer is kept for :func:`truncated`. None when the row is not reproducible."""
+    if not reproducible(params):
+        return None
+    try:
+        fields = _fields(params)
+    except _Unserializable:
+        return None
+    del fields["max_tokens"]
+    sampling = canonical_json({"family": KEY_VERSION, "dataclass": type(params).__name__, "fields": fields})
+    return _hash_parts(engine_id, sampling, prompt_token_ids)
+
+
+def truncated(body: dict[str, Any], stored_max_tokens: int, max_tokens: int, tokenizer: Any) -> dict[str, Any] | None:
+    """The answer the engine gives at ``max_tokens`` when ``body`` is its answer at
+    ``stored_max_tokens`` (every other field the same, batch-invariant numerics, no drafter), or
+    None where that is not proven. The engine emits the same token at each step whatever the limit
+    (``max_tokens`` only ends a row: ``LLM._finish_reason``), and a row the stored answer carried
+    past step k did not stop at k (no EOS, stop id or stop string), so:
+
+    - ``max_tokens`` k below the answer's n tokens: its first k tokens, finish ``length``, the text
+      those tokens detokenize to (no stop string matched: the engine's text is their decoding),
+      the first k logprobs;
+    - k at least n: the stored answer itself, when it ended by a stop (EOS, stop id, stop string),
+      exactly at k, or by the context window (``length`` below its own limit); an answer cut by its
+      own smaller ``max_tokens`` says nothing about the tokens after it.
+    """
+    if any(body.get(f) for f in ("spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")):
+        return None  # a drafter's counts depend on the limit (its drafts are capped by it)
+    ids, finish = body["output_token_ids"], body["finish_reason"]
+    n, k = len(ids), max_tokens
+    if k < n:
+        if tokenizer is None:
+            return None
+        logprobs = body.get("logprobs")
+        return {**body, "output_token_ids": ids[:k], "text": tokenizer.decode(ids[:k]), "finish_reason": "length",
+                "logprobs": None if logprobs is None else logprobs[:k]}
+    if finish == "stop" or n == k or (finish == "length" and n < stored_max_tokens):
+        return dict(body)
+    return None
 
 
 # -- entries ------------------------------------------------------------------------------------
@@ -274,16 +329,24 @@ class ResponseCacheStats:
     already_present: int = 0  # writes that found the entry written (by another writer)
     verified: int = 0  # hits recomputed by verify mode and found equal
     output_tokens_served: int = 0
+    usage_files: int = 0  # usage files written: the entries this run used, for gc (response_cache_gc.py)
+    usage_errors: int = 0
+    truncated: int = 0  # hits served by cutting a longer answer to the row's max_tokens (in hits too)
+    family_writes: int = 0  # answers kept under their family key too (ResponseCache truncate)
 
 
 class ResponseCache:
     """The response cache at ``url`` for an engine of identity ``engine_id`` (:func:`engine_identity`).
 
     ``verify``: the fraction of hits recomputed and compared (a sample seeded by ``verify_seed``).
-    ``write``: False reads only. Thread-safe counters; :meth:`flush` waits for the writes."""
+    ``write``: False reads only. ``truncate`` (with the engine's ``tokenizer``): also keep each
+    row's answer under its :func:`family_key` and serve a row with a smaller ``max_tokens`` from it
+    (:func:`truncated`); only for an engine with batch-invariant numerics and no drafter, which
+    :meth:`for_llm` checks. Thread-safe counters; :meth:`flush` waits for the writes."""
 
     def __init__(self, url: str, engine_id: str, *, verify: float = 0.0, verify_seed: int = 0,
-                 storage_options: dict[str, Any] | None = None, write: bool = True) -> None:
+                 storage_options: dict[str, Any] | None = None, write: bool = True, truncate: bool = False,
+                 tokenizer: Any = None) -> None:
         if not 0.0 <= verify <= 1.0:
             raise ValueError(f"the response cache's verify fraction must be in [0, 1], got {verify}")
         self.url = url
@@ -298,16 +361,36 @@ class ResponseCache:
         self._corrupt: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self._used: set[str] = set()  # keys served since the last usage file (gc keeps them)
+        self.truncate = truncate and tokenizer is not None
+        self.tokenizer = tokenizer
+        self._families: dict[str, tuple[str, int]] = {}  # key -> (family key, the row's max_tokens)
 
     @classmethod
     def for_llm(cls, url: str, llm: LLM, **kwargs: Any) -> ResponseCache:
-        return cls(url, engine_identity(llm), **kwargs)
+        """The cache for ``llm``; a longer answer serves a smaller ``max_tokens`` where the engine's
+        numerics are batch-invariant and it runs no drafter (where :func:`truncated` is proven)."""
+        provable = bool(llm.engine_config.batch_invariant) and getattr(llm, "spec", None) is None
+        kwargs.setdefault("truncate", provable)
+        kwargs.setdefault("tokenizer", llm.tokenizer)
+        # A LazyEngine knows its identity without being built (ops/decode/lazy_engine.py).
+        engine_id = llm.__dict__.get("engine_id") or engine_identity(llm)
+        return cls(url, engine_id, **kwargs)
 
     def path(self, key: str) -> str:
         return f"{self.layout.root}/responses/v1/{key[:2]}/{key}.json"
 
     def key(self, job: Job) -> str | None:
-        return row_key(self.engine_id, job.prompt_token_ids, job.sampling)
+        key = row_key(self.engine_id, job.prompt_token_ids, job.sampling)
+        if key is not None and self.truncate:
+            family = family_key(self.engine_id, job.prompt_token_ids, job.sampling)
+            if family is not None:
+                with self._lock:
+                    self._families[key] = (family, int(job.sampling.max_tokens))
+        return key
+
+    def family_path(self, family: str) -> str:
+        return family_path(self.layout.root, family)
 
     def count(self, **deltas: int) -> None:
         with self._lock:
@@ -350,7 +433,53 @@ class ResponseCache:
                 log.warning("response cache %s: entry %s is corrupt: a miss, recomputed", redact(self.url), key)
                 continue
             found[key] = body
+        with self._lock:
+            self._used.update(found)  # every valid entry found is served (or verified): a use
+            for key in found:  # held only until the row is answered (a night has millions)
+                self._families.pop(key, None)
+        if self.truncate:
+            self._lookup_longer([k for k in keys if k not in found], found)
         return found
+
+    def _lookup_longer(self, missed: list[str], found: dict[str, dict[str, Any]]) -> None:
+        """Serve the ``missed`` keys whose row's answer at another ``max_tokens`` is kept under
+        its family key and provably gives this one (:func:`truncated`); each such answer is also
+        written under the row's own key, so the next run finds it in one GET."""
+        with self._lock:
+            wanted = {k: self._families[k] for k in missed if k in self._families and k not in self._corrupt}
+        if not wanted:
+            return
+        families = list(dict.fromkeys(f for f, _ in wanted.values()))
+        self.layout.requests.add("GET", len(families))
+        try:
+            got = self.layout.fs.cat_ranges([self.family_path(f) for f in families], 0, None, on_error="return")
+        except Exception:  # noqa: BLE001 - the store unreachable: the rows are misses, recomputed
+            return
+        longest: dict[str, dict[str, Any]] = {}
+        for family, data in zip(families, got):
+            if isinstance(data, Exception):
+                continue
+            body = decode_entry(family, bytes(data))
+            if body is not None and isinstance(body.get("max_tokens"), int):
+                longest[family] = body
+            else:  # corrupt: never served, and replaced by the next answer written under it
+                with self._lock:
+                    self._corrupt.add(family)
+        for key, (family, max_tokens) in wanted.items():
+            body = longest.get(family)
+            if body is None:
+                continue
+            answer = truncated({k: v for k, v in body.items() if k != "max_tokens"}, body["max_tokens"], max_tokens,
+                               self.tokenizer)
+            if answer is None:
+                continue
+            found[key] = answer
+            self.count(truncated=1)
+            with self._lock:
+                self._used.add(family)
+                self._families.pop(key, None)
+            if self.write:
+                self._submit(self.path(key), key, encode_entry(key, answer), False)
 
     def should_verify(self, key: str) -> bool:
         if self.verify <= 0.0:
@@ -364,22 +493,30 @@ class ResponseCache:
         delete what is there first (an entry found wrong)."""
         if not self.write or result.finish_reason not in FINISH_REASONS_STORED:
             return
-        data = encode_entry(key, result_body(result))
+        body = result_body(result)
+        self._submit(self.path(key), key, encode_entry(key, body), replace)
+        with self._lock:
+            family = self._families.pop(key, None)
+        if family is not None:  # the answer at this max_tokens, for rows asking fewer (create-only: the first stays)
+            name, max_tokens = family
+            self._submit(self.family_path(name), name, encode_entry(name, {**body, "max_tokens": max_tokens}),
+                         False, counter="family_writes")
+
+    def _submit(self, path: str, key: str, data: bytes, replace: bool, counter: str = "writes") -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="kvbatch-response-cache")
-        self._pending.append(self._pool.submit(self._put, key, data, replace))
+        self._pending.append(self._pool.submit(self._put, path, key, data, replace, counter))
         if len(self._pending) >= 4 * WRITE_THREADS:
             self._pending = [f for f in self._pending if not f.done()]
 
-    def _put(self, key: str, data: bytes, replace: bool) -> None:
-        path = self.path(key)
+    def _put(self, path: str, key: str, data: bytes, replace: bool, counter: str = "writes") -> None:
         try:
             with self._lock:
                 replace = replace or key in self._corrupt
             if replace:
                 self._delete(path)
             if self.layout.put_new(path, data):
-                self.count(writes=1)
+                self.count(**{counter: 1})
             else:
                 self.count(already_present=1)
         except Exception as exc:  # noqa: BLE001 - a failed write costs a recomputation later, never the run
@@ -394,10 +531,31 @@ class ResponseCache:
             pass
 
     def flush(self) -> None:
-        """Wait for every write started."""
+        """Wait for every write started; record the entries used since the last flush."""
         pending, self._pending = self._pending, []
         for f in pending:
             f.result()
+        self.record_usage()
+
+    def record_usage(self, now: float | None = None) -> int:
+        """Write which entries this run served since the last call, in usage files (a few per run,
+        never a write per hit), so that ``kvbatch response-cache gc --unused-days`` keeps them;
+        returns how many keys it named. Advisory, like the KV store's: a failure is logged and
+        counted (``usage_errors``), and those entries then look unused for that one use."""
+        from kvbatch.ops.decode.response_cache_gc import write_usage
+
+        with self._lock:
+            used, self._used = self._used, set()
+        if not used or not self.write:
+            return 0
+        now = time.time() if now is None else now
+        try:
+            self.count(usage_files=write_usage(self.layout, dict.fromkeys(used, now), now))
+        except Exception as exc:  # noqa: BLE001 - usage is advisory; the answers were served
+            self.count(usage_errors=1)
+            log.warning("response cache %s: cannot record the use of %d entries (%s)", redact(self.url), len(used),
+                        type(exc).__name__)
+        return len(used)
 
     def close(self) -> None:
         self.flush()

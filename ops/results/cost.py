@@ -19,9 +19,20 @@ Every column carries its unit in its name. The attribution model (docs/metrics.m
   decode loaded from each tier: decode's object-store requests and, when configured, the egress of
   object-tier reads go to the object tier; memory and disk reads cost no extra),
   ``prefix_cache`` (prompt tokens the engine's prefix cache served at decode: no extra cost),
+  ``response_cache`` (prompt and output tokens of the rows the response cache answered, the
+  results' ``cached`` rows: no compute, only the response cache's own object-store requests),
   ``decode_computed`` (decode's prompt share of its compute, plus storage of blocks decode wrote)
-  and ``output`` (decode's output share, plus the egress of the results when they leave the
-  region). The classes' dollars add up to ``cost_usd``.
+  and ``output`` (the output tokens decode computed: decode's output share, plus the egress of
+  the results when they leave the region). The classes' dollars add up to ``cost_usd``.
+- **The response cache** (``docs/response-cache.md``): a row it answered computed nothing, so it
+  is charged no prefill or decode token: its prompt tokens count in
+  ``prompt_tokens_decode_cached`` (served by a cache at decode, never computed) and in
+  ``prompt_tokens_response_cache``, its output tokens in ``output_tokens`` (they are delivered)
+  and in ``output_tokens_response_cache``, never in the ``output`` class; its latencies (none was
+  measured) are left out of the percentiles. ``response_cache_hits`` counts those rows.
+  ``response_cache_saved_usd`` is what they did not spend, an estimate: their output tokens at
+  the ``output`` class's price of a computed output token (null when no output token was
+  computed: nothing to price them by).
 - **Storage** is GB-month per tier, prorated by how long the tier keeps a block
   (``retention_days_by_tier`` / 30); **requests** are priced per 1,000 by kind from the KV
   store's counts (``object_requests`` of each connector's stats; absent counts are 0).
@@ -53,7 +64,8 @@ from kvbatch.ops.results.metrics import LATENCIES, LATENCY_PERCENTILES
 
 TIERS = ("memory", "disk", "object")
 REQUEST_KINDS = ("GET", "PUT", "LIST", "HEAD", "DELETE")
-CLASSES = ("prefill_computed", *(f"store_{t}" for t in TIERS), "prefix_cache", "decode_computed", "output")
+CLASSES = ("prefill_computed", *(f"store_{t}" for t in TIERS), "prefix_cache", "response_cache", "decode_computed",
+           "output")
 DAYS_PER_MONTH = 30.0
 DEFAULT_DEVICE = "cpu-host"
 
@@ -116,6 +128,10 @@ METRICS_SCHEMA = pa.schema([
     ("prompt_tokens_decode_computed", pa.int64()),
     ("output_tokens", pa.int64()),
     ("billable_tokens", pa.int64()),
+    ("response_cache_hits", pa.int64()),
+    ("prompt_tokens_response_cache", pa.int64()),
+    ("output_tokens_response_cache", pa.int64()),
+    *[(f"response_cache_requests_{k.lower()}", pa.int64()) for k in REQUEST_KINDS],
     *[(f"kv_tokens_hit_{t}", pa.int64()) for t in TIERS],
     ("kv_blocks_written", pa.int64()),
     ("kv_bytes_written", pa.int64()),
@@ -148,6 +164,7 @@ METRICS_SCHEMA = pa.schema([
     ("usd_per_mtok_blended", pa.float64()),
     ("reference_cost_usd", pa.float64()),
     ("savings_usd", pa.float64()),
+    ("response_cache_saved_usd", pa.float64()),
 ])
 
 SPEC_FIELDS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
@@ -161,16 +178,22 @@ OPTIONAL_STATS = frozenset({
     "decode.prompt_step_s",  # an engine that times its prompt steps apart
     "decode.speculative",  # speculative decoding only
     "decode.expert_load_balancedness",  # MoE only
+    "decode.response_cache",  # a decode with the response cache only
 })
 
 
 def class_tokens(row: Mapping[str, Any]) -> dict[str, int]:
-    """The tokens each cost class is about, from a metrics row (a shard's or a day's sums)."""
+    """The tokens each cost class is about, from a metrics row (a shard's or a day's sums). A row
+    the response cache answered is in its own class, neither a prefix-cache hit nor computed output."""
+    # (0 in a row metered before the response cache was: a day's rollup read back from old shards)
+    rc_prompt, rc_output = (int(row.get(c) or 0)
+                            for c in ("prompt_tokens_response_cache", "output_tokens_response_cache"))
     return {"prefill_computed": int(row["prompt_tokens_prefill_computed"]),
             **{f"store_{t}": int(row[f"kv_tokens_hit_{t}"]) for t in TIERS},
-            "prefix_cache": int(row["prompt_tokens_decode_cached"]),
+            "prefix_cache": int(row["prompt_tokens_decode_cached"]) - rc_prompt,
+            "response_cache": rc_prompt + rc_output,
             "decode_computed": int(row["prompt_tokens_decode_computed"]),
-            "output": int(row["output_tokens"])}
+            "output": int(row["output_tokens"]) - rc_output}
 
 
 def per_mtok(usd: float, tokens: int) -> float | None:
@@ -183,17 +206,28 @@ def unit_prices(row: Mapping[str, Any]) -> dict[str, float | None]:
     tokens = class_tokens(row)
     out = {f"usd_per_mtok_{c}": per_mtok(float(row[f"cost_{c}_usd"]), tokens[c]) for c in CLASSES}
     out["usd_per_mtok_blended"] = per_mtok(float(row["cost_usd"]), int(row["billable_tokens"]))
+    out["response_cache_saved_usd"] = response_cache_saved_usd(row, tokens["output"])
     return out
 
 
-def response_cache_hit() -> Any:
-    """The results rows the response cache answered (a polars expression): the decode loop
-    rebuilds them from the entry with no engine time (``ttft_s`` 0, no ``tpot_s``:
-    ``response_cache.result_from_body``); a row the engine computed always has a first-token
-    time above zero."""
+def response_cache_saved_usd(row: Mapping[str, Any], computed_output: int) -> float | None:
+    """What the rows the response cache answered did not spend (an estimate): their output tokens
+    at the price of an output token computed in the same rows' shard or day; 0 with no such row,
+    None when no output token was computed (no price to charge them at)."""
+    served = int(row.get("output_tokens_response_cache") or 0)
+    if not served:
+        return 0.0
+    if not computed_output:
+        return None
+    return round(served * float(row["cost_output_usd"]) / computed_output, 12)
+
+
+def response_cache_rows(columns: list[str]) -> Any:
+    """The results rows the response cache answered (a polars expression): the results' ``cached``
+    column (``ops/decode/shard.py``); none in a table written before it existed."""
     import polars as pl
 
-    return (pl.col("ttft_s") == 0.0) & pl.col("tpot_s").is_null()
+    return pl.col("cached").fill_null(False) if "cached" in columns else pl.lit(False)
 
 
 # The results columns the meter reads; a missing one counts as 0 (or no latencies).
@@ -205,15 +239,18 @@ def results_figures(results: pa.Table) -> dict[str, Any]:
     the requests that speculated (``spec_outputs``) and the latency percentiles."""
     import polars as pl
 
-    present = [c for c in (*_SUMMED, *LATENCIES) if c in results.schema.names]
+    present = [c for c in (*_SUMMED, *LATENCIES, "cached") if c in results.schema.names]
     df = pl.from_arrow(results.select(present)) if present else pl.DataFrame()
     exprs = [pl.col(c).sum().alias(c) if c in present else pl.lit(0).alias(c) for c in _SUMMED]
-    if {"prompt_tokens", "cached_prompt_tokens", *LATENCIES} <= set(present):
+    cached = response_cache_rows(present)
+    served = {name: pl.col(c).filter(cached).sum().alias(name) if c in present else pl.lit(0).alias(name)
+              for name, c in (("rc_prompt", "prompt_tokens"), ("rc_output", "completion_tokens"))}
+    exprs += [cached.sum().alias("rc_rows"), *served.values()]
+    if "cached_prompt_tokens" in present:
         # A row the response cache answered computed nothing: its prompt tokens count as served
         # by a cache at decode (with the prefix-cache hits), never as computed at decode.
-        exprs[_SUMMED.index("cached_prompt_tokens")] = (
-            pl.col("cached_prompt_tokens").sum()
-            + pl.col("prompt_tokens").filter(response_cache_hit()).sum()).alias("cached_prompt_tokens")
+        exprs[_SUMMED.index("cached_prompt_tokens")] = (pl.col("cached_prompt_tokens").sum()
+                                                        + served["rc_prompt"]).alias("cached_prompt_tokens")
     if {"completion_tokens", "spec_target_steps"} <= set(present):
         # Output tokens of the requests that went through the target model step by step.
         exprs.append(pl.col("completion_tokens").filter(pl.col("spec_target_steps").fill_null(0) != 0).sum()
@@ -222,11 +259,12 @@ def results_figures(results: pa.Table) -> dict[str, Any]:
         exprs.append(pl.lit(0).alias("spec_outputs"))
     for name in LATENCIES:
         for p in LATENCY_PERCENTILES:
-            q = (pl.col(name).drop_nulls().quantile(p / 100, interpolation="linear") if name in present
-                 else pl.lit(None, pl.Float64))
+            # A row the response cache answered measured no latency (no engine ran it).
+            q = (pl.col(name).filter(~cached).drop_nulls().quantile(p / 100, interpolation="linear")
+                 if name in present else pl.lit(None, pl.Float64))
             exprs.append(q.alias(f"{name}_p{p}"))
     out = (df if present else pl.DataFrame({"_": [0]})).select(exprs).row(0, named=True)
-    for c in (*_SUMMED, "spec_outputs"):
+    for c in (*_SUMMED, "spec_outputs", "rc_rows", "rc_prompt", "rc_output"):
         out[c] = int(out[c] or 0)
     for name in LATENCIES:
         for p in LATENCY_PERCENTILES:
@@ -303,6 +341,8 @@ def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping
     read_by_tier = {t: int((dconn.get("kv_bytes_read_by_tier", {}) or {}).get(t, 0)) for t in TIERS}
     p_written, d_written = _written_by_tier(pconn), _written_by_tier(dconn)
     p_requests, d_requests = _requests(pconn), _requests(dconn)
+    # The response cache's lookups and writes (its own object-store requests, apart from the KV store's).
+    rc_requests = _requests({"object_requests": (decode.get("response_cache") or {}).get("requests")})
     results_bytes = int(decode.get("results_bytes", 0))
 
     prefill_s, decode_s = float(prefill.get("wall_s", 0.0)), float(decode.get("wall_s", 0.0))
@@ -313,6 +353,7 @@ def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping
     decode_prompt_share = prompt_s / decode_s if decode_s else 0.0
     storage_prefill, storage_decode = _storage_usd(p_written, pricing), _storage_usd(d_written, pricing)
     requests_prefill, requests_decode = _requests_usd(p_requests, pricing), _requests_usd(d_requests, pricing)
+    requests_rc = _requests_usd(rc_requests, pricing)
     egress_gb = pricing.usd_per_gb_egress / 1e9
     egress_kv = read_by_tier["object"] * egress_gb if pricing.kv_object_reads_leave_region else 0.0
     egress_results = results_bytes * egress_gb if pricing.results_leave_region else 0.0
@@ -323,6 +364,7 @@ def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping
         "store_disk": 0.0,
         "store_object": requests_decode + egress_kv,
         "prefix_cache": 0.0,
+        "response_cache": requests_rc,
         "decode_computed": compute_decode * decode_prompt_share + storage_decode,
         "output": compute_decode * (1 - decode_prompt_share) + egress_results,
     }
@@ -339,6 +381,10 @@ def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping
         "prompt_tokens_decode_computed": decode_computed,
         "output_tokens": output,
         "billable_tokens": prompt + output,
+        "response_cache_hits": sums["rc_rows"],
+        "prompt_tokens_response_cache": sums["rc_prompt"],
+        "output_tokens_response_cache": sums["rc_output"],
+        **{f"response_cache_requests_{k.lower()}": rc_requests[k] for k in REQUEST_KINDS},
         **{f"kv_tokens_hit_{t}": int(served.get(t, 0)) for t in TIERS},
         "kv_blocks_written": int(pconn.get("blocks_written", 0)),
         "kv_bytes_written": int(pconn.get("kv_bytes_written", 0)),
@@ -361,7 +407,7 @@ def shard_metrics(results: pa.Table, prefill: Mapping[str, Any], decode: Mapping
         "device_s": round(device_prefill + device_decode, 6),
         "cost_compute_usd": round(compute_prefill + compute_decode, 12),
         "cost_storage_usd": round(storage_prefill + storage_decode, 12),
-        "cost_requests_usd": round(requests_prefill + requests_decode, 12),
+        "cost_requests_usd": round(requests_prefill + requests_decode + requests_rc, 12),
         "cost_transfer_usd": round(egress_kv + egress_results, 12),
         "cost_usd": total,
         **{f"cost_{c}_usd": v for c, v in by_class.items()},
@@ -380,7 +426,8 @@ def metrics_table(row: Mapping[str, Any]) -> pa.Table:
 
 RATIO_COLUMNS = {"spec_acceptance_rate", "spec_tokens_per_target_step", "spec_drafter_time_share",
                  "expert_load_balancedness", *(f"usd_per_mtok_{c}" for c in (*CLASSES, "blended")),
-                 *(f"{n}_p{p}" for n in LATENCIES for p in LATENCY_PERCENTILES), "reference_cost_usd", "savings_usd"}
+                 *(f"{n}_p{p}" for n in LATENCIES for p in LATENCY_PERCENTILES), "reference_cost_usd", "savings_usd",
+                 "response_cache_saved_usd"}
 SUM_COLUMNS = tuple(f.name for f in METRICS_SCHEMA if f.name not in RATIO_COLUMNS)
 
 
@@ -393,7 +440,9 @@ def day_rollup(metrics: Any, latencies: Any) -> dict[str, Any]:
 
     if metrics.height == 0:
         raise ValueError("no cost_metrics shard of this day is committed: materialize cost_metrics first")
-    row: dict[str, Any] = metrics.select([pl.col(c).sum() for c in SUM_COLUMNS]).row(0, named=True)
+    # A column no shard has (every cost row written before it existed) sums to 0.
+    row: dict[str, Any] = metrics.select([pl.col(c).sum() if c in metrics.columns else pl.lit(0).alias(c)
+                                          for c in SUM_COLUMNS]).row(0, named=True)
     row = {k: (float(v) if METRICS_SCHEMA.field(k).type == pa.float64() else int(v)) for k, v in row.items()}
     row["shards"] = metrics.height
     row.update(unit_prices(row))

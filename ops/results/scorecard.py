@@ -15,9 +15,10 @@ The token figures are one account, so they agree by construction:
   (at most the tokens loaded); reused = tokens in - computed tonight (blocks stored before this
   shard's prefill, prefix-cache and response-cache hits). So tokens in = reused + computed.
 
-Rows answered by the response cache are the results with ``ttft_s == 0`` and no ``tpot_s``: the
-decode loop rebuilds them from the entry with no engine time (``response_cache.result_from_body``),
-while a row the engine computed always has a first-token time above zero.
+Rows answered by the response cache are the results marked ``cached`` (``ops/decode/shard.py``):
+they computed nothing, so their prompt tokens are reused, their output tokens are delivered but not
+decoded (``tokens_out_response_cache``), they measured no latency (left out of the P95s), and
+``response_cache_saved_usd`` estimates what they did not spend (``cost.response_cache_saved_usd``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import polars as pl
 
-from kvbatch.ops.results.cost import TIERS, response_cache_hit
+from kvbatch.ops.results.cost import TIERS, response_cache_rows, response_cache_saved_usd
 from kvbatch.ops.results.day_tables import DayTables
 from kvbatch.ops.results.metrics import LatencySLO, check_slo
 
@@ -72,6 +73,7 @@ class Scorecard:
     tokens_reused: int
     kv_tokens_by_tier: dict[str, int]
     response_cache_rows: int
+    tokens_out_response_cache: int  # output tokens served by the response cache (in tokens_out, never decoded)
     # Time and throughput (stage seconds summed over shards).
     prefill_wall_s: float
     decode_wall_s: float
@@ -79,6 +81,7 @@ class Scorecard:
     cost_usd: float
     billable_tokens: int
     reference_cost_usd: float | None
+    response_cache_saved_usd: float | None  # an estimate (cost.response_cache_saved_usd); None: nothing to price by
     # Latency SLO over every request of the day.
     ttft_s_p95: float | None
     tpot_s_p95: float | None
@@ -185,7 +188,7 @@ class Scorecard:
              f"{self.rows_rejected_at_ingest:,} / {self.rows_rejected_at_tokenization:,}"),
             ("failed (no result, or an error result)", f"{self.rows_failed:,}"),
             ("not decoded yet", f"{self.rows_pending:,}"),
-            ("answered by the response cache", f"{self.response_cache_rows:,}")]), ""]
+            ("answered by the response cache (no compute)", f"{self.response_cache_rows:,}")]), ""]
         lines += ["## Tokens", "", _table(("tokens", "count", "share of tokens in"), [
             ("**in** (prompt tokens of every result)", f"{self.tokens_in:,}", "100%"),
             ("loaded from the KV store", f"{self.tokens_loaded_from_kv_store:,}",
@@ -202,7 +205,9 @@ class Scorecard:
             ("**computed tonight** (at decode + prefill's tokens decode loaded)", f"{self.tokens_computed:,}",
              _pct(self.hit_rate(self.tokens_computed))),
             ("**reused** (in − computed tonight)", f"{self.tokens_reused:,}", _pct(self.hit_rate(self.tokens_reused))),
-            ("**out** (output tokens)", f"{self.tokens_out:,}", "–")]), ""]
+            ("**out** (output tokens)", f"{self.tokens_out:,}", "–"),
+            ("… of which served by the response cache (not decoded)", f"{self.tokens_out_response_cache:,}", "–")]),
+            ""]
         lines += [f"## Time and cost{shards}", "", _table(("figure", "value"), [
             ("KV cache hit rate (store + prefix cache)", _pct(self.kv_hit_rate)),
             ("wall time, prefill + decode (summed over shards)",
@@ -215,7 +220,10 @@ class Scorecard:
             ("$ per Mtok (blended)", fmt_usd(self.usd_per_mtok)),
             ("hosted batch price: cost / $ per Mtok", "not configured (pricing.reference)"
              if self.reference_cost_usd is None else
-             f"{fmt_usd(self.reference_cost_usd)} / {fmt_usd(self.reference_usd_per_mtok)}")]), ""]
+             f"{fmt_usd(self.reference_cost_usd)} / {fmt_usd(self.reference_usd_per_mtok)}"),
+            ("not spent thanks to the response cache (its output at the $ of a computed output token)",
+             "no computed output to price it by" if self.response_cache_saved_usd is None
+             else fmt_usd(self.response_cache_saved_usd))]), ""]
         lines += ["## Latency SLO (P95 over every request of the day)", "", _table(
             ("latency", "P95", "SLO", "verdict"),
             [(label, _seconds(value), f"≤ {limit:.3f} s",
@@ -232,14 +240,17 @@ class Scorecard:
 def build_scorecard(day: DayTables, slo: LatencySLO) -> Scorecard:
     """The scorecard of one day's tables against ``slo``."""
     r = day.results
+    cached = response_cache_rows(r.columns)
     sums = r.select(
         pl.len().alias("results"),
         (pl.col("finish_reason") == ERROR_FINISH).sum().alias("errors"),
         *(pl.col(c).fill_null(0).sum().alias(c) for c in ("prompt_tokens", "completion_tokens",
                                                            "cached_prompt_tokens", "loaded_prompt_tokens")),
-        response_cache_hit().sum().alias("rc_rows"),
-        pl.col("prompt_tokens").filter(response_cache_hit()).fill_null(0).sum().alias("rc_prompt"),
-        *(pl.col(n).drop_nulls().quantile(0.95, interpolation="linear").alias(f"{n}_p95")
+        cached.sum().alias("rc_rows"),
+        pl.col("prompt_tokens").filter(cached).fill_null(0).sum().alias("rc_prompt"),
+        pl.col("completion_tokens").filter(cached).fill_null(0).sum().alias("rc_output"),
+        # A row the response cache answered measured no latency (no engine ran it).
+        *(pl.col(n).filter(~cached).drop_nulls().quantile(0.95, interpolation="linear").alias(f"{n}_p95")
           for n in ("ttft_s", "tpot_s")),
     ).row(0, named=True)
     m = day.metrics
@@ -265,16 +276,20 @@ def build_scorecard(day: DayTables, slo: LatencySLO) -> Scorecard:
         tokens_prefix_cache=prefix, tokens_response_cache=rc_prompt, tokens_computed_at_prefill=at_prefill,
         tokens_computed_at_decode=at_decode, tokens_computed=computed, tokens_reused=tokens_in - computed,
         kv_tokens_by_tier={t: msum[f"kv_tokens_hit_{t}"] for t in TIERS}, response_cache_rows=int(sums["rc_rows"] or 0),
+        tokens_out_response_cache=int(sums["rc_output"] or 0),
         prefill_wall_s=round(msum["prefill_wall_s"], 6), decode_wall_s=round(msum["decode_wall_s"], 6),
         cost_usd=round(msum["cost_usd"], 12), billable_tokens=msum["billable_tokens"],
         reference_cost_usd=round(float(refs.sum()), 12) if refs.len() else None,
+        response_cache_saved_usd=response_cache_saved_usd(
+            msum, msum["output_tokens"] - msum["output_tokens_response_cache"]),
         ttft_s_p95=p95["ttft_s"], tpot_s_p95=p95["tpot_s"],
         slo_ttft_s_p95_max=slo.ttft_s_p95, slo_tpot_s_p95_max=slo.tpot_s_p95,
         slo_breaches=list(verdict.breaches), shard_problems=problems)
 
 
 _SUMMED_METRICS = {"prompt_tokens_prefill_computed": 0, **{f"kv_tokens_hit_{t}": 0 for t in TIERS},
-                   "billable_tokens": 0, "prefill_wall_s": 0.0, "decode_wall_s": 0.0, "cost_usd": 0.0}
+                   "billable_tokens": 0, "prefill_wall_s": 0.0, "decode_wall_s": 0.0, "cost_usd": 0.0,
+                   "output_tokens": 0, "output_tokens_response_cache": 0, "cost_output_usd": 0.0}
 
 
 def _metric_sums(m: pl.DataFrame) -> dict[str, Any]:
