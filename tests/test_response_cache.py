@@ -127,7 +127,10 @@ def test_every_rule_of_the_key_misses(tiny_chat, other_chat, tmp_path):
     def changed(row: dict, **body) -> dict:
         return {**row, "body": {**row["body"], **body}}
 
-    # A changed sampling field, a changed max_tokens, a stop string, another seed: misses.
+    # A smaller max_tokens is served by cutting the longer answers (--deterministic, no drafter).
+    code, _, m = _run(tiny_chat, tmp_path, "shorter", [changed(r, max_tokens=2) for r in rows], cache)
+    assert code == 0 and m["response_cache"]["hits"] == 3 and m["response_cache"]["truncated"] >= 1, m
+    # A changed sampling field, a larger max_tokens, a stop string, another seed: misses.
     misses("top_p", [changed(r, top_p=0.5) for r in rows])
     misses("max_tokens", [changed(r, max_tokens=7) for r in rows])
     misses("stop", [changed(r, stop=["zz"]) for r in rows])
@@ -359,6 +362,7 @@ def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
     from kvbatch.ops.results.cost import Pricing, class_tokens, shard_metrics
 
     stats = read_json(day.shard("decode_stats", "0000", "stats.json"))
+    assert stats["ttft_s_p95"] is None and stats["tpot_s_p95"] is None  # no row was timed: none computed
     m = shard_metrics(pq.read_table(day.shard("results", "0000")), {}, stats,
                       Pricing(usd_per_1k_requests={"GET": 0.4}))
     assert m["response_cache_hits"] == rows and m["prompt_tokens_decode_computed"] == 0

@@ -239,8 +239,11 @@ def compact_parts(parts_url: str, results_url: str, schema: pa.Schema,
         with pq.ParquetWriter(out, schema, compression="zstd") as writer:
             for window in merged_parts(parts_url, schema, storage_options):
                 table = window.select(schema.names)
-                ttft += pc.drop_null(table.column("ttft_s")).to_numpy().tolist()
-                tpot += pc.drop_null(table.column("tpot_s")).to_numpy().tolist()
+                # Rows the response cache answered measured no latency (their ttft_s is 0): left out.
+                timed = (table.filter(pc.invert(pc.fill_null(table.column("cached"), False)))
+                         if "cached" in schema.names else table)
+                ttft += pc.drop_null(timed.column("ttft_s")).to_numpy().tolist()
+                tpot += pc.drop_null(timed.column("tpot_s")).to_numpy().tolist()
                 rows += table.num_rows
                 writer.write_table(table)
         sink.commit()
