@@ -35,17 +35,20 @@ def _experts_key(experts: Mapping[int, Sequence[int]] | None) -> Any:
 def load_checkpoint(model: str, experts: Mapping[int, Sequence[int]] | None = None, *, keep: bool = False,
                     keep_fp8: bool = False) -> Any:
     """``model``'s checkpoint (``experts``: an expert-parallel rank's share of a MoE model's
-    experts, see :func:`~kvbatch.engine.models.weights.load_checkpoint`); ``keep``: loaded once
+    experts, see :func:`~kvbatch.engine.models.expert_loading.load_expert_share`); ``keep``: loaded once
     per process and kept for later calls; ``keep_fp8``: an FP8 checkpoint's projections also as
     published, for a CUDA model's block-scaled GEMM."""
     from kvbatch.engine.models import weights
+    from kvbatch.engine.models.expert_loading import load_expert_share
     from kvbatch.ops.fingerprint import identity_of_checkpoint, remember
 
     key = (model, _experts_key(experts), keep_fp8)
     with _LOCK:
         ckpt = _CHECKPOINTS.get(key)
         if ckpt is None:
-            ckpt = weights.load_checkpoint(model, experts=experts, keep_fp8=keep_fp8)
+            # (a share of a quantized checkpoint is refused by load_expert_share, naming it)
+            ckpt = (weights.load_checkpoint(model, keep_fp8=keep_fp8) if experts is None
+                    else load_expert_share(model, experts))
             if keep:
                 _CHECKPOINTS[key] = ckpt
                 # Its weights were just hashed: keep the fingerprint for the steps that only tokenize.

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from kvbatch.engine.models.expert_loading import load_expert_share
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.engine.parallel.expert_parallel import rank_expert_ids
 from kvbatch.engine.runtime.engine_config import EngineConfig
@@ -71,7 +72,7 @@ def test_partial_load_keeps_fingerprint_and_only_its_experts(mixtral, tmp_path, 
     for rank in range(2):
         keep = rank_expert_ids(config, rank, 2)
         assert keep is not None and all(ids == list(range(4 * rank, 4 * rank + 4)) for ids in keep.values())
-        part = load_checkpoint(str(folder), experts=keep)
+        part = load_expert_share(str(folder), keep)
         assert part.fingerprint == full.fingerprint  # cache keys agree across ranks and layouts
         assert part.expert_ids == keep
         experts, rest = _expert_bytes(part.tensors)
@@ -92,7 +93,7 @@ def test_partial_load_from_a_remote_folder(mixtral):
         fs.pipe(f"/experts-remote/{f.name}", f.read_bytes())
     full = load_checkpoint(str(mixtral))
     keep = rank_expert_ids(json.loads((mixtral / "config.json").read_text()), 1, 2)
-    part = load_checkpoint("memory://experts-remote", experts=keep)
+    part = load_expert_share("memory://experts-remote", keep)
     assert part.fingerprint == full.fingerprint and part.expert_ids == keep
     name = "model.layers.0.mlp.experts.down_proj"
     assert torch.equal(part.tensors[name], full.tensors[name][4:8])
@@ -100,7 +101,7 @@ def test_partial_load_from_a_remote_folder(mixtral):
 
 def test_partial_model_refuses_to_run_without_expert_parallelism(mixtral):
     config = json.loads((mixtral / "config.json").read_text())
-    part = load_checkpoint(str(mixtral), experts=rank_expert_ids(config, 0, 2))
+    part = load_expert_share(str(mixtral), rank_expert_ids(config, 0, 2))
     llm = LLM(part, engine_config=EngineConfig(block_size=4, num_blocks=16, device="cpu"))
     with pytest.raises(RuntimeError, match="install expert parallelism"):
         llm.generate([GenerationRequest("a", SamplingParams(max_tokens=1, temperature=0), prompt_token_ids=[3, 4])])
@@ -126,7 +127,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str, out_dir: str) -> N
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
-        ckpt = load_checkpoint(folder, experts=rank_expert_ids(config, rank, world))
+        ckpt = load_expert_share(folder, rank_expert_ids(config, rank, world))
         experts, rest = _expert_bytes(ckpt.tensors)
         llm = LLM(ckpt, engine_config=EngineConfig(block_size=4, num_blocks=64, device="cpu"))
         ep = install(llm.model)

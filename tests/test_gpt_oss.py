@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.expert_loading import load_expert_share
 from kvbatch.engine.models.family import FAMILIES
 from kvbatch.engine.models.llama import LlamaModel
 from kvbatch.engine.models.mxfp4 import FP4_VALUES, dequantize_mxfp4
@@ -195,7 +196,7 @@ def test_experts_go_through_the_expert_hook(tmp_path):
     assert ExpertParallelCompute.runs_biased_experts  # docs/models.md: runs expert-parallel (the test below)
     # A rank's share (--workers): the kept experts' rows of the converted weights and biases, the
     # whole checkpoint's fingerprint (every rank agrees on the cache keys).
-    whole, part = load_checkpoint(str(tmp_path)), load_checkpoint(str(tmp_path), experts={i: [0, 2] for i in range(3)})
+    whole, part = load_checkpoint(str(tmp_path)), load_expert_share(str(tmp_path), {i: [0, 2] for i in range(3)})
     assert part.expert_ids == {i: [0, 2] for i in range(3)} and part.fingerprint == whole.fingerprint
     for i in range(3):
         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
