@@ -51,6 +51,8 @@ class EngineSpec:
     speculative: str | None = None  # ngram | draft:MODEL | early-exit:K | suffix:ANSWERS (None: plain)
     spec_max_len: int = 8  # most tokens drafted per step
     spec_adaptive: bool = True  # adaptive, cost-aware draft length
+    # fsspec options for suffix:ANSWERS on an object store (out of repr: they may hold credentials)
+    spec_corpus_options: dict | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -107,7 +109,7 @@ class EngineSpec:
             return None
         from kvbatch.engine.speculative.controller import SpecConfig
 
-        return SpecConfig.parse(self.speculative, self.spec_max_len, self.spec_adaptive)
+        return SpecConfig.parse(self.speculative, self.spec_max_len, self.spec_adaptive, self.spec_corpus_options)
 
     # -- on the wire (worker spec files, Pipes extras) -------------------------------------------
     def to_json(self) -> dict[str, Any]:

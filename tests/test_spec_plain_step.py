@@ -166,3 +166,25 @@ def test_probes_ride_along_a_step_that_drafts_anyway():
     ctl.plan(seqs + [good], 1000, lambda seq, k: looks.get(seq.seq_id, DraftOutlook(4, 0)))
     assert good.num_lookahead >= 2
     assert [s.num_lookahead for s in seqs] == [1, 1]
+
+
+def test_a_step_where_no_draft_could_pay_looks_up_only_the_due_probes():
+    """Rows whose drafts were never kept, at batch 32 where a drafted step costs 17% more: the
+    drafter's lookups (a measurable share of such a step) are skipped but for a due probe."""
+    cost = StepCostModel(per_token=1e-4)
+    for tokens in range(32, 70):
+        cost.table[tokens] = 0.060
+        cost.drafted_table[tokens] = 0.070
+    ctl, seqs = _stopped_controller(cost, 32)
+    for seq in seqs[1:]:
+        ctl.observe(seq, 2, 0)  # drafted (and lost) just now: no probe due
+    asked: list[int] = []
+    ctl.plan(seqs, 1000, lambda seq, k: asked.append(seq.seq_id) or DraftOutlook(4, 0))
+    assert asked == [seqs[0].seq_id]
+    cheap = StepCostModel(per_token=1e-4)  # drafted steps cost what plain ones do: drafts may pay
+    for tokens in range(32, 70):
+        cheap.table[tokens] = cheap.drafted_table[tokens] = 0.060
+    fresh = SpecController(SpecConfig("ngram", max_len=4), cost=cheap)  # 2/3 of drafts assumed kept
+    asked.clear()
+    fresh.plan(seqs, 1000, lambda seq, k: asked.append(seq.seq_id) or DraftOutlook(4, 0))
+    assert sorted(asked) == sorted(s.seq_id for s in seqs)

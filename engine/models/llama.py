@@ -147,6 +147,19 @@ class ForwardBatch:
     greedy_only: bool = False
 
 
+def tokens_as_decode_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of ``batch`` as a decode row: its sequence's block table and a context up to
+    and including itself ([T, width] int32, [T] int32). The fused decode layers store every row's
+    K/V before any row attends (``native_decode_layers.c``), so a chunk's later rows see its
+    earlier ones: a chunk of drafted tokens gets its causal attention at a decode row's cost."""
+    dt, pt = batch.decode_block_tables, batch.prefill_block_tables
+    width = max(dt.shape[1], pt.shape[1])
+    chunk_lens = (batch.prefill_cu_query_lens[1:] - batch.prefill_cu_query_lens[:-1]).long()
+    tables = torch.cat([torch.nn.functional.pad(dt, (0, width - dt.shape[1])),
+                        torch.nn.functional.pad(pt, (0, width - pt.shape[1])).repeat_interleave(chunk_lens, dim=0)])
+    return tables, (batch.positions + 1).to(torch.int32)
+
+
 @dataclass
 class SlidingStep:
     """How one step's sliding layers of one window attend (:func:`sliding_plans`)."""
@@ -397,11 +410,15 @@ class LlamaModel:
         head_norm = reference.rms_norm_fp32 if self.norm_fp32 else K.rms_norm
         # one rotary table per distinct rope (sliding layers may have their own)
         ropes = {id(t): K.rotary_table(h, batch.positions, t) for t in self.rope_tables} if lean else {}
-        fused = self._fused_layers(kv_cache, T) if lean and nd == T else None
+        # Decode steps, and verify steps (every row wants logits: decode rows and chunks of drafted
+        # tokens, no prompt chunk), take the fused layers, a verified token as a row of its own.
+        every_row = nd == T or batch.logits_rows.shape[0] == T
+        fused = self._fused_layers(kv_cache, T) if lean and every_row else None
         if fused is not None:  # every layer in one native call; the loop below then has nothing left
+            tables, lens = ((batch.decode_block_tables, batch.decode_context_lens) if nd == T
+                            else tokens_as_decode_rows(batch))
             h, residual = K.decode_layers(fused, len(layers), h, residual, batch.positions, batch.slot_mapping,
-                                          self.cos_sin, batch.decode_block_tables, batch.decode_context_lens,
-                                          c.rms_norm_eps, self.scale)
+                                          self.cos_sin, tables, lens, c.rms_norm_eps, self.scale)
             layers = []
         for li, lw in enumerate(layers):
             cos_sin, window = self.layer_cos_sin[li], c.window(li)

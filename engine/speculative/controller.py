@@ -53,6 +53,10 @@ from kvbatch.engine.runtime.sequence import Sequence
 
 Method = Literal["ngram", "draft", "early-exit", "suffix"]
 
+# ``--spec suffix:last-night`` in a pipeline: drafts from that pipeline's own results of its most
+# recent earlier day (the decode step resolves it to those files: pipelines/last_night.py).
+LAST_NIGHT = "last-night"
+
 # A probe (a row's one draft after it stopped drafting) in a step that would verify no other draft
 # is granted only while a step with drafts is predicted to cost at most this share more than one
 # without: the probe's step then pays for the verifier and, on the CPU, leaves the fused decode path.
@@ -67,6 +71,8 @@ class SpecConfig:
     draft_model: str | None = None  # method "draft": path, URL or name of the draft checkpoint
     exit_layer: int | None = None  # method "early-exit": layers the drafter runs
     corpus: str | None = None  # method "suffix": earlier runs' answers (a file, glob or URL)
+    # fsspec options for reading ``corpus`` (an object store's endpoint and credentials)
+    corpus_options: dict | None = field(default=None, compare=False, hash=False, repr=False)
     ngram_min: int = 1
     ngram_max: int = 8
     # Low on purpose: where a slot is nearly free (batch 1 here) even a 10% draft pays, and where
@@ -98,15 +104,17 @@ class SpecConfig:
             raise ValueError(f"accept_threshold must be in (0, 1), got {self.accept_threshold}")
 
     @classmethod
-    def parse(cls, text: str, max_len: int = 8, adaptive: bool = True) -> "SpecConfig":
-        """``ngram``, ``draft:MODEL``, ``early-exit:K`` or ``suffix:ANSWERS`` (the command line's ``--spec``)."""
+    def parse(cls, text: str, max_len: int = 8, adaptive: bool = True,
+              corpus_options: dict | None = None) -> "SpecConfig":
+        """``ngram``, ``draft:MODEL``, ``early-exit:K`` or ``suffix:ANSWERS`` (the command line's
+        ``--spec``); ``corpus_options``: fsspec options for reading ANSWERS."""
         method, _, arg = text.partition(":")
         if method == "ngram" and not arg:
             return cls("ngram", max_len, adaptive)
         if method == "draft":
             return cls("draft", max_len, adaptive, draft_model=arg or None)
         if method == "suffix":
-            return cls("suffix", max_len, adaptive, corpus=arg or None)
+            return cls("suffix", max_len, adaptive, corpus=arg or None, corpus_options=corpus_options)
         if method == "early-exit":
             try:
                 layers = int(arg)
@@ -319,7 +327,11 @@ class SpecController:
         priors: dict[int, list[float]] = {}
         for seq in running:
             seq.num_lookahead = 0
-            if seq.prefill_only or seq.num_pending_tokens != 1:
+        # Where no draft could pay this step, only the rows whose probe is due are looked up (the
+        # drafter's lookups are a measurable share of a large batch's step): how estimates recover.
+        hopeless = c.adaptive and not self._could_pay(running)
+        for seq in running:
+            if seq.prefill_only or seq.num_pending_tokens != 1 or (hopeless and not self._probe(seq)):
                 continue
             look = outlook(seq, c.max_len) if outlook is not None else DraftOutlook(c.max_len)
             self.planned[seq.seq_id] = look.evidence
@@ -333,6 +345,31 @@ class SpecController:
                 seq.num_lookahead = cap
             return
         self._allocate(decoding)
+
+    def _could_pay(self, running: list[Sequence]) -> bool:
+        """Whether some draft slot could raise this step's tokens per second, were every draft as
+        likely kept as the best kind of draft seen so far (the drafted steps' measured cost, the
+        drafter's time per slot). Where none could (a compute-bound batch whose drafts were seen
+        failing), the step skips the drafter's lookups: on a large batch of a small model they are
+        a measurable share of the step (its rows whose probe is due are still looked up). Seeded
+        sampled rows draft by their own history: always looked up."""
+        c, cost = self.config, self.cost
+        rows = [s for s in running if not s.prefill_only and s.num_pending_tokens == 1]
+        if not rows or any(self_contained(s) for s in rows):
+            return bool(rows)
+        w = c.prior_weight
+        base = self.overall.rate(0, c.initial_alpha, w)
+        best = max((a.rate(0, base, w) for a in self.by_evidence.values()), default=base)
+        n = len(rows)
+        plain = n / cost.step_time(n)
+        gain, survival = 0.0, 1.0
+        for depth in range(c.max_len):  # the best m slots: every row's first, then every row's second, ...
+            survival *= best
+            for m in range(depth * n + 1, (depth + 1) * n + 1):
+                gain += survival
+                if (n + gain) / (cost.step_time(n + m, True) + cost.per_draft * m) > plain:
+                    return True
+        return False
 
     def _allocate(self, decoding: list[tuple[Sequence, int, list[float]]]) -> None:
         """Grant draft slots to maximise expected tokens per second of the step.

@@ -34,7 +34,7 @@ from kvbatch.engine.runtime.model_runner import ModelRunner, WorkItem
 from kvbatch.engine.runtime.sampler import filter_logits
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.runtime.sequence import Sequence
-from kvbatch.engine.speculative.controller import DraftOutlook
+from kvbatch.engine.speculative.controller import LAST_NIGHT, DraftOutlook
 from kvbatch.engine.speculative.suffix import CORPUS_EVIDENCE, MAX_PATTERN, SuffixIndex, read_corpus
 
 
@@ -143,32 +143,50 @@ class SuffixDrafter:
         self.index = index
         self.ngram = ngram  # a NgramDrafter: prompt lookup over the request's own tokens
         self.max_pattern = max_pattern
-        # seq -> (its num_tokens, tokens asked for, evidence, proposal) of the last lookup
-        self._found: dict[int, tuple[int, int, int, list[int]]] = {}
+        # seq -> (its num_tokens, tokens asked for, evidence, proposal or None, the corpus match
+        # (n, lo, hi) and prompt lookup's (n, tokens) while the proposal is not walked) of the last lookup
+        self._found: dict[int, tuple[int, int, int, list[int] | None, tuple | None]] = {}
         self.corpus_drafts = 0  # proposals that came from the corpus (the rest from the prompt)
 
-    def _lookup_once(self, seq: Sequence, k: int) -> tuple[int, list[int]]:
+    def _lookup_once(self, seq: Sequence, k: int) -> tuple[int, list[int] | None]:
+        """(evidence, proposal) of the request's latest tokens; the proposal is None where the
+        corpus matched longer and its continuation is not walked yet (:meth:`_walk`): the outlook
+        of every row needs the match lengths only, and most rows of a large batch get no slot."""
         hit = self._found.get(seq.seq_id)
         if hit is None or hit[0] != seq.num_tokens or hit[1] < k:
             tokens = seq.token_ids
             ngram_n, ngram_tokens = self.ngram.match(tokens, k)
             n, lo, hi = self.index.longest_match(tokens, self.max_pattern)
-            corpus_tokens = self.index.continuation(n, lo, hi, k) if n else []
-            if corpus_tokens and n >= ngram_n:
-                hit = (seq.num_tokens, k, CORPUS_EVIDENCE + n, corpus_tokens)
+            if n and n >= ngram_n:
+                hit = (seq.num_tokens, k, CORPUS_EVIDENCE + n, None, (n, lo, hi, ngram_n, ngram_tokens))
             else:
-                hit = (seq.num_tokens, k, ngram_n, ngram_tokens)
+                hit = (seq.num_tokens, k, ngram_n, ngram_tokens, None)
             self._found[seq.seq_id] = hit
         return hit[2], hit[3]
 
+    def _walk(self, seq: Sequence) -> tuple[int, list[int]]:
+        """The proposal of the request's last lookup, the corpus's continuation walked now; where
+        the corpus has none (the answer ended there), prompt lookup's."""
+        stamp, k, evidence, tokens, found = self._found[seq.seq_id]
+        if tokens is None:
+            n, lo, hi, ngram_n, ngram_tokens = found
+            tokens = self.index.continuation(n, lo, hi, k)
+            if not tokens:
+                evidence, tokens = ngram_n, ngram_tokens
+            self._found[seq.seq_id] = (stamp, k, evidence, tokens, None)
+        return evidence, tokens
+
     def outlook(self, seq: Sequence, max_len: int) -> DraftOutlook:
+        # A corpus match offers up to max_len tokens (its continuation, walked if a slot is granted,
+        # may be shorter: the step then shrinks to what was proposed).
         evidence, tokens = self._lookup_once(seq, max_len)
-        return DraftOutlook(len(tokens), evidence)
+        return DraftOutlook(max_len if tokens is None else len(tokens), evidence)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts = []
         for r in requests:
-            evidence, tokens = self._lookup_once(r.seq, r.max_len)
+            self._lookup_once(r.seq, r.max_len)
+            evidence, tokens = self._walk(r.seq)
             if evidence >= CORPUS_EVIDENCE and tokens:
                 self.corpus_drafts += 1
             drafts.append(Draft(tokens[:r.max_len]))
@@ -374,7 +392,10 @@ def build_drafter(config, target, draft_engine=None) -> Drafter:
     if config.method == "early-exit":
         return EarlyExitDrafter(target.runner, config.exit_layer, threshold)
     if config.method == "suffix":
-        index = read_corpus(config.corpus, target.tokenizer)
+        if config.corpus == LAST_NIGHT:
+            raise ValueError(f"--spec suffix:{LAST_NIGHT} names a pipeline's own previous night, which its decode "
+                             f"step resolves; elsewhere give the earlier answers: suffix:FILE_GLOB_OR_URL")
+        index = read_corpus(config.corpus, target.tokenizer, config.corpus_options)
         return SuffixDrafter(index, NgramDrafter(config.ngram_min, config.ngram_max))
     if draft_engine is None:
         raise ValueError("speculative method 'draft' needs the draft model's engine")

@@ -129,7 +129,7 @@ class SuffixIndex:
         return out
 
 
-def read_corpus(url: str, tokenizer: Any) -> SuffixIndex:
+def read_corpus(url: str, tokenizer: Any, storage_options: dict[str, Any] | None = None) -> SuffixIndex:
     """The answers of earlier runs at ``url`` (a file, a glob, any fsspec URL), as the model wrote
     them, indexed. Either the pipeline's results Parquet (``decode_results``): its
     ``output_token_ids``, the exact tokens; or OpenAI Batch output JSONL (``kvbatch generate``,
@@ -137,8 +137,8 @@ def read_corpus(url: str, tokenizer: Any) -> SuffixIndex:
     end-of-turn token so a draft can propose the end of an answer (text a model wrote tokenizes
     back to its own tokens nearly always; where it does not, drafts from it are merely rejected).
     Lines without an answer (errors, rejects) are skipped; a file of neither kind is an error
-    naming it."""
-    files = fsspec.open_files(url, mode="rb")
+    naming it. ``storage_options``: fsspec's, for an object store."""
+    files = fsspec.open_files(url, mode="rb", **(storage_options or {}))
     if not files:
         raise ValueError(f"--spec suffix: no file matches {url!r}")
     end = list(tokenizer.eos_token_ids[:1]) if getattr(tokenizer, "eos_token_ids", None) else []
