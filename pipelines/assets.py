@@ -51,6 +51,7 @@ from kvbatch.ops.shards.routing import (
     write_shard_count,
 )
 from kvbatch.pipelines.checks import SLOConfig, decode_checks, prompts_checks, shard_slo_check, slo_check_result
+from kvbatch.pipelines.last_night import SUFFIX_LAST_NIGHT, resolve_last_night
 from kvbatch.pipelines.layout import DayLayout
 from kvbatch.pipelines.partitions import (
     MAX_SHARDS,
@@ -402,11 +403,14 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
     # Each rank's part files, committed every checkpoint_rows results; a retry resumes from them.
     parts_url = day.shard("decode_parts", shard, "")
     piped = decode_cluster.launcher != "in_process"
+    engine_spec, drafts_from = resolve_last_night(model.engine_spec(), day, opts)
+    if model.spec == SUFFIX_LAST_NIGHT:
+        context.log.info(f"speculative decoding: {drafts_from}")
     if piped and kv_store.response_cache:
         raise dg.Failure(f"kv_store.response_cache is not wired into the {decode_cluster.launcher!r} decode launcher "
                          f"yet: use decode_cluster.launcher 'in_process', or unset response_cache")
     if piped:
-        spec = {"engine_spec": model.engine_spec().to_json(),
+        spec = {"engine_spec": engine_spec.to_json(),
                 "kv_store": kv_store.store_config(object_store.shared_url, opts).model_dump(),
                 "manifests_url": manifests,
                 "results_url": results_url, "stats_url": stats_url, "parts_url": parts_url, "storage_options": opts,
@@ -414,7 +418,7 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
         yield from decode_cluster.run(context, spec, pipes_subprocess_client)
         stats = read_json(stats_url, storage_options=opts)
     else:
-        llm = model.load(_kv(object_store, model, kv_store), decode=True)
+        llm = model.load(_kv(object_store, model, kv_store), decode=True, engine_spec=engine_spec)
         progress = ProgressMeter("decode", _row_count(day.shard("shards", shard), opts), context.log.info)
         # Rows finish in bursts (a batch ends together), so rows alone misjudge the ETA; tokens
         # decoded against the shard's max_tokens budget (an upper bound of the work) track it.
@@ -445,6 +449,7 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
         **{k: stats[k] for k in ("ttft_s_p50", "tpot_s_p50") if stats.get(k) is not None},
         "results_url": dg.MetadataValue.path(results_url),
         "decode_world_size": decode_cluster.world_size,
+        **({"spec": drafts_from} if model.spec else {}),  # what drafted (suffix:last-night resolved)
         # The response cache's rows served, looked up and not found, and written (when it is on).
         **({f"response_cache_{k}": stats["response_cache"][k] for k in ("hits", "misses", "writes")}
            if "response_cache" in stats else {}),

@@ -61,7 +61,7 @@ attributes:
   # device: auto                        # auto, cpu, cuda or cuda:N
   # sampling: {{max_tokens: 256}}         # for rows that give none
   # response_format: {{type: text}}
-  # spec: ngram                         # speculative decoding: ngram, draft:MODEL or early-exit:K
+  # spec: ngram                         # speculative decoding: ngram, draft:MODEL, early-exit:K, suffix:last-night
   # store: s3://bucket/kv               # this pipeline's own KV store (default: the shared <root>/kv)
   # response_cache: default             # exact response cache (a URL, or default: <root>/responses)
   # shards: 10000                       # rows per shard

@@ -50,8 +50,10 @@ class ModelResource(dg.ConfigurableResource):
     linear: Literal["auto", "onednn", "blas", "mkl"] = Field(default="auto", description="CPU projection kernel "
                                                              "(auto: measured on the machine at load)")
     spec: str | None = Field(default=None, description="speculative decoding at decode: ngram, draft:MODEL, "
-                                                        "early-exit:K or suffix:ANSWERS (earlier runs' results "
-                                                        "Parquet or output JSONL; none by default)")
+                                                        "early-exit:K, suffix:ANSWERS (earlier runs' results "
+                                                        "Parquet or output JSONL) or suffix:last-night (this "
+                                                        "pipeline's results of its latest earlier day); none by "
+                                                        "default")
     spec_max_len: int = Field(default=8, ge=1, description="most tokens drafted per step")
     spec_adaptive: bool = Field(default=True, description="adaptive, cost-aware draft length")
 
@@ -94,9 +96,10 @@ class ModelResource(dg.ConfigurableResource):
 
         return RowTokenizer.for_spec(self.engine_spec())
 
-    def load(self, kv_store: Any = None, decode: bool = False) -> Any:
+    def load(self, kv_store: Any = None, decode: bool = False, engine_spec: Any = None) -> Any:
         """A fresh ``LLM`` (engines are cheap next to the weights, which are kept per process and
-        shared); ``decode``: with the speculative drafter, if one is configured (prefill never drafts)."""
+        shared); ``decode``: with the speculative drafter, if one is configured (prefill never drafts).
+        ``engine_spec``: this resource's spec as a step resolved it (``suffix:last-night``)."""
         from kvbatch.ops.engine_build import build_llm
 
-        return build_llm(self.engine_spec(), kv_store, decode=decode, keep=True)
+        return build_llm(engine_spec or self.engine_spec(), kv_store, decode=decode, keep=True)
