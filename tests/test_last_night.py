@@ -112,3 +112,14 @@ def test_the_second_night_drafts_from_the_first_nights_results(tmp_path):
     assert meta2["spec"] == f"suffix:{root}/kvbatch/results/date=2026-12-01/shard=*/part.parquet"
     plain, _ = night("2026-12-02", None)
     assert second == plain == first  # the same questions both nights: greedy answers as plain decoding's
+
+
+def test_a_corpus_read_with_other_credentials_keeps_the_cache_keys():
+    """The corpus's fsspec options (credentials) are not part of the engine's identity."""
+    from kvbatch.engine.speculative.controller import SpecConfig
+    from kvbatch.ops.decode.response_cache import _plain
+
+    one = SpecConfig.parse("suffix:s3://b/date=2026-12-01/*.parquet", corpus_options={"key": "A", "secret": "x"})
+    other = SpecConfig.parse("suffix:s3://b/date=2026-12-01/*.parquet", corpus_options={"key": "B"})
+    assert _plain(one) == _plain(other) != _plain(SpecConfig.parse("suffix:s3://b/date=2026-12-02/*.parquet"))
+    assert "secret" not in repr(one)

@@ -126,6 +126,8 @@ def _plain(value: Any) -> Any:
 def _fields(obj: Any) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(obj):
+        if not f.compare:  # not part of the value (a speculative corpus's fsspec options, credentials)
+            continue
         v = getattr(obj, f.name)
         # An int given where the field is a float (temperature 0 and 0.0) means the same thing.
         if isinstance(v, int) and not isinstance(v, bool) and str(f.type).strip() == "float":
