@@ -18,7 +18,7 @@ from tests.tiny_models import VOCAB, build_tiny
 pytestmark = pytest.mark.skipif(not N.available(), reason=f"no native CPU kernels here: {N.unavailable_reason()}")
 
 def test_verify_steps_run_fused_with_each_drafted_token_a_row(tmp_path, monkeypatch):
-    """A step verifying drafts (every row wants logits, no prompt chunk) takes the fused layers,
+    """A step verifying drafts (chunks of at most FUSED_CHUNK_MAX_QUERY tokens) takes the fused layers,
     each drafted token a row attending to its sequence up to itself: its logits match the per-op
     path's and greedy speculation keeps plain decoding's tokens."""
     build_tiny("llama", tmp_path / "dense")

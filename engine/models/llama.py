@@ -61,6 +61,13 @@ def refuse_batch_invariant_moe(config: ModelConfig) -> None:
 FUSED_DECODE_MAX_ROWS = NATIVE_MAX_ROWS
 
 
+# The longest chunk a step may hold and still take the fused decode layers (every token a row
+# attending to its sequence up to itself): a speculative verify chunk (max_len + 1 tokens) or a
+# prompt's last partial block. A longer chunk is a prompt being prefilled, whose attention the
+# prefill kernel computes a block of queries at a time.
+FUSED_CHUNK_MAX_QUERY = 16
+
+
 def _env_switch(name: str, default: str = "1") -> bool:
     value = os.environ.get(name, default).strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on", ""):
@@ -410,10 +417,10 @@ class LlamaModel:
         head_norm = reference.rms_norm_fp32 if self.norm_fp32 else K.rms_norm
         # one rotary table per distinct rope (sliding layers may have their own)
         ropes = {id(t): K.rotary_table(h, batch.positions, t) for t in self.rope_tables} if lean else {}
-        # Decode steps, and verify steps (every row wants logits: decode rows and chunks of drafted
-        # tokens, no prompt chunk), take the fused layers, a verified token as a row of its own.
-        every_row = nd == T or batch.logits_rows.shape[0] == T
-        fused = self._fused_layers(kv_cache, T) if lean and every_row else None
+        # Decode steps, and steps whose chunks are short (drafted tokens to verify, the tail of a
+        # prompt the prefix cache or the KV store did not hold), take the fused layers, each
+        # token of a chunk a row of its own.
+        fused = self._fused_layers(kv_cache, T) if lean and batch.max_query_len <= FUSED_CHUNK_MAX_QUERY else None
         if fused is not None:  # every layer in one native call; the loop below then has nothing left
             tables, lens = ((batch.decode_block_tables, batch.decode_context_lens) if nd == T
                             else tokens_as_decode_rows(batch))
