@@ -188,3 +188,33 @@ def test_a_step_where_no_draft_could_pay_looks_up_only_the_due_probes():
     asked.clear()
     fresh.plan(seqs, 1000, lambda seq, k: asked.append(seq.seq_id) or DraftOutlook(4, 0))
     assert sorted(asked) == sorted(s.seq_id for s in seqs)
+
+
+def test_steps_without_slots_leave_a_slots_price_alone():
+    """Hundreds of steps that offered no slot (their drafter call took a few microseconds) must
+    not inflate the price of a slot: it stays what drafting steps measured."""
+    cost = StepCostModel()
+    for _ in range(20):
+        cost.observe(32, 0.060, 8, 0.0008)  # 0.1 ms per slot
+    for _ in range(500):
+        cost.observe(32, 0.060, 0, 0.00001)
+    assert cost.per_draft == pytest.approx(0.0001)
+
+
+def test_a_stale_plain_price_is_measured_again_before_drafts_are_weighed_against_it():
+    """While steps draft, the plain step's price at a size is not re-measured; once it is
+    refresh_every (64) steps old the next step of that size runs plain, then drafting resumes."""
+    cost = StepCostModel(per_token=1e-4)
+    cost.observe(2, 0.020, 0, 0.0)
+    for _ in range(cost.refresh_every - 1):
+        cost.observe(5, 0.021, 3, 0.0001, verified=True)
+    assert not cost.stale(2) and cost.refresh_every == 64
+    cost.observe(5, 0.021, 3, 0.0001, verified=True)
+    assert cost.stale(2) and cost.stale(7)  # 7: never run plain, once drafted steps were measured
+    ctl = SpecController(SpecConfig("ngram", max_len=4), cost=cost)
+    seqs = [_decoding(i) for i in range(2)]
+    ctl.plan(seqs, 1000, lambda seq, k: DraftOutlook(4, 8))
+    assert [s.num_lookahead for s in seqs] == [0, 0]  # the measuring step
+    cost.observe(2, 0.020, 0, 0.0)
+    ctl.plan(seqs, 1000, lambda seq, k: DraftOutlook(4, 8))
+    assert all(s.num_lookahead > 0 for s in seqs)

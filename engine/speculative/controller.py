@@ -198,6 +198,12 @@ class StepCostModel:
     _sty: float = 0.0
     _draft_s: float = 0.0
     _drafted: float = 0.0
+    # A plain step's price at a size is re-measured once it is this many observed steps old: while
+    # most steps draft, the plain table would otherwise keep what an early, perhaps busier, moment
+    # measured, and every draft would be weighed against it (see :meth:`stale`).
+    refresh_every: int = 64
+    steps: int = 0
+    measured_at: dict[int, int] = field(default_factory=dict)  # tokens -> step of the last plain measurement
 
     def step_time(self, tokens: int, drafted: bool = False) -> float:
         """Predicted seconds of a step of ``tokens`` tokens; ``drafted``: one that verifies drafts."""
@@ -215,6 +221,17 @@ class StepCostModel:
         if anchor is None:
             return self.fixed + self.per_token * tokens
         return max(table[anchor] + self.per_token * (tokens - anchor), 1e-9)
+
+    def stale(self, tokens: int) -> bool:
+        """Whether a plain step of ``tokens`` tokens was last measured ``refresh_every`` steps
+        ago or more (or never, once drafted steps were measured): the next such step should
+        then run plain, to measure it again."""
+        if not self.drafted_table:
+            return False
+        at = self.measured_at.get(tokens)
+        if at is None:
+            return tokens not in self.table
+        return self.steps - at >= self.refresh_every
 
     def observe(self, tokens: int, target_s: float, drafted: int, draft_s: float, verified: bool = False) -> None:
         """One decode-only step: ``tokens`` tokens in ``target_s`` seconds, ``drafted`` draft slots
@@ -234,12 +251,18 @@ class StepCostModel:
             a = (self._sy - b * self._st) / self._n
             self.per_token = max(b, 1e-7)
             self.fixed = max(a, 1e-6)
+        self.steps += 1
+        if not verified:
+            self.measured_at[tokens] = self.steps
         table = self.drafted_table if verified else self.table
         old = table.get(tokens)
         table[tokens] = target_s if old is None else 0.8 * old + 0.2 * target_s
-        self._draft_s = d * self._draft_s + draft_s
-        self._drafted = d * self._drafted + drafted
-        self.per_draft = self._draft_s / self._drafted if self._drafted > 0 else 0.0
+        if drafted:  # a step that offered no slot says nothing of a slot's price: both sums wait
+            # (fed and decayed on every step, the slots' sum decayed towards 0 while the time of
+            # empty calls kept coming, and the price of a slot grew without bound: no draft again)
+            self._draft_s = d * self._draft_s + draft_s
+            self._drafted = d * self._drafted + drafted
+            self.per_draft = self._draft_s / self._drafted
 
     def _add(self, t: float, y: float, w: float) -> None:
         self._n += w
@@ -393,6 +416,8 @@ class SpecController:
                 probes.append(seq)  # how a stopped estimate recovers: granted below, if cheap enough
             elif cap > 0:
                 heapq.heappush(heap, (-rates[0], i))
+        if drafts == 0 and cost.stale(tokens):
+            return  # a plain step, to price this size afresh: the drafts below are weighed against it
         ranked: list[tuple[float, int]] = []
         granted = [0] * len(decoding)
         while heap:
