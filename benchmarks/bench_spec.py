@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['identical']:>7} {fmt(row['acceptance'], '.2f'):>7} {fmt(row['accepted_per_step'], '.2f'):>8} "
               f"{fmt(row['drafter_share'] and 100 * row['drafter_share'], '.1f'):>7}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": table}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": table},
+                                              indent=2))
     return 0
 
 

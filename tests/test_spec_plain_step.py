@@ -218,3 +218,20 @@ def test_a_stale_plain_price_is_measured_again_before_drafts_are_weighed_against
     cost.observe(2, 0.020, 0, 0.0)
     ctl.plan(seqs, 1000, lambda seq, k: DraftOutlook(4, 8))
     assert all(s.num_lookahead > 0 for s in seqs)
+
+
+def test_an_old_dear_drafted_price_is_tried_again_and_replaced():
+    """One dear drafted pass (a verify width's first, which builds its kernels) stops drafting at
+    that size only until it is refresh_every steps old: then the size is priced as plain (tried),
+    and the next measurement replaces the old price instead of averaging with it."""
+    cost = StepCostModel(per_token=1e-4)
+    cost.observe(1, 0.020, 0, 0.0)
+    cost.observe(6, 0.080, 5, 0.0001, verified=True)  # the first pass at width 6
+    assert cost.step_time(6, True) == pytest.approx(0.080)
+    for _ in range(cost.refresh_every):
+        cost.observe(1, 0.020, 0, 0.0)
+    assert cost.step_time(6, True) == pytest.approx(cost.step_time(6))  # too old: priced as plain
+    cost.observe(6, 0.026, 5, 0.0001, verified=True)
+    assert cost.step_time(6, True) == pytest.approx(0.026)  # replaced, not 0.8 * 0.080 + 0.2 * 0.026
+    cost.observe(6, 0.030, 5, 0.0001, verified=True)
+    assert cost.step_time(6, True) == pytest.approx(0.8 * 0.026 + 0.2 * 0.030)  # fresh: averaged

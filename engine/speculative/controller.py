@@ -198,16 +198,32 @@ class StepCostModel:
     _sty: float = 0.0
     _draft_s: float = 0.0
     _drafted: float = 0.0
-    # A plain step's price at a size is re-measured once it is this many observed steps old: while
-    # most steps draft, the plain table would otherwise keep what an early, perhaps busier, moment
-    # measured, and every draft would be weighed against it (see :meth:`stale`).
+    # Prices age. A size's plain price is measured again once it is this many observed steps old
+    # (while most steps draft, the plain table would keep what an early, perhaps busier, moment
+    # measured, and every draft be weighed against it: :meth:`stale`); a drafted price that old
+    # is no longer used (drafted steps at that size are priced as plain ones, so they are tried
+    # and measured again: only drafted steps measure drafted steps, and one dear pass would
+    # otherwise stop drafting for good). A stale price is replaced by the next measurement.
     refresh_every: int = 64
     steps: int = 0
-    measured_at: dict[int, int] = field(default_factory=dict)  # tokens -> step of the last plain measurement
+    measured_at: dict[tuple[bool, int], int] = field(default_factory=dict)  # (drafted, tokens) -> step
+    _drafted_view: tuple[int, dict[int, float]] = (-1, {})
+
+    def _fresh(self, drafted: bool, tokens: int) -> bool:
+        at = self.measured_at.get((drafted, tokens))
+        return at is None or self.steps - at < self.refresh_every  # (a price set by hand has no age)
+
+    def _table(self, drafted: bool) -> dict[int, float]:
+        if not drafted:
+            return self.table
+        if self._drafted_view[0] != self.steps:  # the allocation asks many sizes per step: once
+            view = {t: v for t, v in self.drafted_table.items() if self._fresh(True, t)}
+            self._drafted_view = (self.steps, view)
+        return self._drafted_view[1] or self.table
 
     def step_time(self, tokens: int, drafted: bool = False) -> float:
         """Predicted seconds of a step of ``tokens`` tokens; ``drafted``: one that verifies drafts."""
-        table = self.drafted_table if drafted and self.drafted_table else self.table
+        table = self._table(drafted)
         if tokens in table:
             return table[tokens]
         known = sorted(table)  # a step's allocation asks for every size it weighs: bisect, no scan
@@ -228,10 +244,9 @@ class StepCostModel:
         then run plain, to measure it again."""
         if not self.drafted_table:
             return False
-        at = self.measured_at.get(tokens)
-        if at is None:
+        if (False, tokens) not in self.measured_at:
             return tokens not in self.table
-        return self.steps - at >= self.refresh_every
+        return not self._fresh(False, tokens)
 
     def observe(self, tokens: int, target_s: float, drafted: int, draft_s: float, verified: bool = False) -> None:
         """One decode-only step: ``tokens`` tokens in ``target_s`` seconds, ``drafted`` draft slots
@@ -251,12 +266,13 @@ class StepCostModel:
             a = (self._sy - b * self._st) / self._n
             self.per_token = max(b, 1e-7)
             self.fixed = max(a, 1e-6)
+        key = (verified, tokens)
+        stale = key in self.measured_at and not self._fresh(verified, tokens)
         self.steps += 1
-        if not verified:
-            self.measured_at[tokens] = self.steps
+        self.measured_at[key] = self.steps
         table = self.drafted_table if verified else self.table
         old = table.get(tokens)
-        table[tokens] = target_s if old is None else 0.8 * old + 0.2 * target_s
+        table[tokens] = target_s if old is None or stale else 0.8 * old + 0.2 * target_s
         if drafted:  # a step that offered no slot says nothing of a slot's price: both sums wait
             # (fed and decayed on every step, the slots' sum decayed towards 0 while the time of
             # empty calls kept coming, and the price of a slot grew without bound: no draft again)
