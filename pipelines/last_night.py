@@ -34,8 +34,8 @@ def last_night_results(day: DayLayout, storage_options: dict[str, Any] | None = 
     days = sorted((m.group(1) for m in (_DAY.match(e.rstrip("/").rsplit("/", 1)[-1]) for e in entries) if m),
                   reverse=True)
     for earlier in (d for d in days if d < day.date):
-        pattern = f"{day.root.rstrip('/')}/results/date={earlier}/shard=*/{PART}"
-        if fs.glob(f"{base.rstrip('/')}/date={earlier}/shard=*/{PART}"):
+        pattern = DayLayout(day.root, earlier).table("results", f"shard=*/{PART}")
+        if fs.glob(pattern):  # (fsspec strips the URL's protocol itself)
             return pattern
     return None
 

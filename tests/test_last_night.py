@@ -63,19 +63,9 @@ def test_outside_a_pipeline_last_night_is_refused_naming_what_to_give(tmp_path):
 def test_the_second_night_drafts_from_the_first_nights_results(tmp_path):
     """Two nights of the same pipeline with ``spec: suffix:last-night``: the first drafts by prompt
     lookup alone, the second from the first's results, and both answer as plain decoding does."""
-    import dagster as dg
     import pyarrow.parquet as pq
 
-    from kvbatch.pipelines import default
-    from kvbatch.pipelines.default import decode_results, prefill_kv, prompt_shards, prompts
-    from kvbatch.pipelines.partitions import date_shard_key
-    from kvbatch.resources import (
-        DecodeClusterResource,
-        KVStoreResource,
-        ModelResource,
-        ObjectStoreResource,
-        PricingResource,
-    )
+    from tests.pipeline_day import decode_metadata, prepared_day
 
     tiny = build_tiny_chat_model(tmp_path / "tiny", max_positions=96)
     root = tmp_path / "data"
@@ -85,24 +75,8 @@ def test_the_second_night_drafts_from_the_first_nights_results(tmp_path):
         data.write_text("".join(json.dumps({"custom_id": f"q{i}", "max_tokens": 12, "temperature": 0,
                                             "messages": [{"role": "user", "content": f"Count to {i}, twice."}]})
                                 + "\n" for i in range(4)))
-        resources = default.resources({
-            "object_store": ObjectStoreResource(url=str(root if spec else tmp_path / "plain")),
-            "model": ModelResource(model=str(tiny), max_batch=8, spec=spec),
-            "kv_store": KVStoreResource(memory_gb=0),
-            "pricing": PricingResource(),
-            "decode_cluster": DecodeClusterResource(),
-            "pipes_subprocess_client": dg.PipesSubprocessClient(),
-        })
-        instance = dg.DagsterInstance.ephemeral()
-        config = {"ops": {prompts.op.name: {"config": {"url": str(data)}}}}
-        assert dg.materialize([prompts, prompt_shards], resources=resources, partition_key=date, run_config=config,
-                              instance=instance).success
-        key = date_shard_key(date, "0000")
-        for asset in (prefill_kv, decode_results):
-            res = dg.materialize([asset], resources=resources, partition_key=key, selection=[asset], instance=instance)
-            assert res.success
-        meta = {k: v.value for k, v in res.asset_materializations_for_node(decode_results.op.name)[0].metadata.items()}
         base = root if spec else tmp_path / "plain"
+        meta = decode_metadata(prepared_day(base, tiny, data, date, spec=spec))
         rows = pq.read_table(DayLayout(str(base / "kvbatch"), date).shard("results", "0000")).sort_by("custom_id")
         return rows.select(["custom_id", "output_token_ids"]).to_pylist(), meta
 

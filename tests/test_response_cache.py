@@ -304,20 +304,10 @@ def test_the_cache_on_s3(tiny_chat, tmp_path, s3, s3_endpoint, monkeypatch):
 def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
     """``kv_store.response_cache`` on the decode_results asset: a second materialization of the
     shard is served from the cache, its results equal, its metadata counting hits/misses/writes."""
-    import dagster as dg
     import pyarrow.parquet as pq
 
-    from kvbatch.pipelines import default
-    from kvbatch.pipelines.default import decode_results, prefill_kv, prompt_shards, prompts
     from kvbatch.pipelines.layout import DayLayout
-    from kvbatch.pipelines.partitions import date_shard_key
-    from kvbatch.resources import (
-        DecodeClusterResource,
-        KVStoreResource,
-        ModelResource,
-        ObjectStoreResource,
-        PricingResource,
-    )
+    from tests.pipeline_day import decode_metadata, prepared_day
 
     date = "2026-11-29"
     tiny = build_tiny_chat_model(tmp_path / "tiny", max_positions=96)
@@ -325,30 +315,12 @@ def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
     data.write_text("".join(json.dumps({"custom_id": f"q{i}", "messages": [{"role": "user", "content": f"Say {i}."}],
                                         "max_tokens": 3, "temperature": 0}) + "\n" for i in range(4)))
     root = tmp_path / "data"
-    resources = default.resources({
-        "object_store": ObjectStoreResource(url=str(root)),
-        "model": ModelResource(model=str(tiny), max_batch=8),
-        "kv_store": KVStoreResource(memory_gb=0, response_cache="default"),
-        "pricing": PricingResource(),
-        "decode_cluster": DecodeClusterResource(),
-        "pipes_subprocess_client": dg.PipesSubprocessClient(),
-    })
-    # One instance: ingest adds the day's (date, shard) keys the shard runs then use.
-    instance = dg.DagsterInstance.ephemeral()
-    config = {"ops": {prompts.op.name: {"config": {"url": str(data)}}}}
-    assert dg.materialize([prompts, prompt_shards], resources=resources, partition_key=date, run_config=config,
-                          instance=instance).success
-    key = date_shard_key(date, "0000")
-    assert dg.materialize([prefill_kv], resources=resources, partition_key=key, selection=[prefill_kv],
-                          instance=instance).success
+    prepared = prepared_day(root, tiny, data, date, response_cache="default")
     day = DayLayout(str(root / "kvbatch"), date)  # the kvbatch pipeline's tables
     rows = pq.read_table(day.shard("shards", "0000")).num_rows
     seen, marked = [], []
     for _ in range(2):
-        res = dg.materialize([decode_results], resources=resources, partition_key=key, selection=[decode_results],
-                             instance=instance)
-        assert res.success
-        meta = {k: v.value for k, v in res.asset_materializations_for_node(decode_results.op.name)[0].metadata.items()}
+        meta = decode_metadata(prepared)
         seen.append((meta["response_cache_hits"], meta["response_cache_misses"], meta["response_cache_writes"]))
         results = pq.read_table(day.shard("results", "0000")).sort_by("custom_id")
         seen.append(results.select(["custom_id", "text", "output_token_ids", "finish_reason"]).to_pylist())
