@@ -154,8 +154,7 @@ def _open_response_cache(args: argparse.Namespace, llm: Any, stack: contextlib.E
     return cache
 
 
-def _response_cache_text(report: Any) -> str:
-    rc = report.response_cache
+def _response_cache_text(rc: dict[str, Any] | None) -> str:
     return (f"; response cache: {rc['hits']} hits, {rc['misses']} misses, {rc['writes']} writes"
             if rc is not None else "")
 
@@ -404,8 +403,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvbatch.ops.decode.response_cache import ResponseCacheMismatch
     from kvbatch.ops.jobs import IncompleteInput, tokenize_requests
 
-    if args.workers > 1 and args.response_cache:
-        return _fail(_WORKERS_NO_CACHE)
     with contextlib.ExitStack() as stack:
         # Everything that can fail in a second fails before the model loads.
         outputs, requests = _open_run(args, stack, ("output", "errors", "metrics"), strict=args.strict)
@@ -436,7 +433,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _fail(_incomplete_text(incomplete, args.input, report.requests - 1, args.output, "answered in"))
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; "
           f"{report.output_tokens} output tokens in {report.wall_s:.1f} s "
-          f"({metrics['output_tokens_per_s']} tok/s){_response_cache_text(report)} -> {args.output}", file=sys.stderr)
+          f"({metrics['output_tokens_per_s']} tok/s){_response_cache_text(report.response_cache)} -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
 
 
@@ -477,10 +474,6 @@ def _say_loaded(args: argparse.Namespace, llm: Any) -> None:
           f"generating {args.input} -> {args.output}", file=sys.stderr, flush=True)
 
 
-_WORKERS_NO_CACHE = ("--response-cache runs in one process: it is not wired into the worker group yet; "
-                     "drop --workers (or --response-cache)")
-
-
 def _run_worker_group(args: argparse.Namespace, command: str) -> int:
     """``--workers W``: start W local ranks of the worker entry point (``kvbatch.ops.decode.worker``, the
     one torchrun runs) and wait; rank 0 writes the output and the metrics."""
@@ -510,6 +503,8 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
     store = _store_config(args)
     if store is not None:
         spec["kv_store"] = store.model_dump()
+    if args.response_cache:  # every rank opens it (worker_commands.rank_response_cache)
+        spec["response_cache"] = {"url": args.response_cache, "verify": args.response_cache_verify}
     with tempfile.TemporaryDirectory(prefix="kvbatch-workers-") as tmp:
         spec["report"] = os.path.join(tmp, "report.json")
         spec_path = os.path.join(tmp, "spec.json")
@@ -534,8 +529,8 @@ def _run_worker_group(args: argparse.Namespace, command: str) -> int:
     resumed = (f", {m['resumed_rows']} of the {m['requests']} rows resumed from an earlier run"
                if m.get("resumed_rows") else "")
     print(f"{m['succeeded']} succeeded, {m['rejected']} rejected{resumed}{loaded}; {m['output_tokens']} output tokens "
-          f"in {m['wall_s']:.1f} s on {args.workers} workers ({m['output_tokens_per_s']} tok/s){ep_text} "
-          f"-> {args.output}", file=sys.stderr)
+          f"in {m['wall_s']:.1f} s on {args.workers} workers ({m['output_tokens_per_s']} tok/s){ep_text}"
+          f"{_response_cache_text(m.get('response_cache'))} -> {args.output}", file=sys.stderr)
     return code
 
 
@@ -589,8 +584,6 @@ def cmd_decode(args: argparse.Namespace) -> int:
     from kvbatch.ops.prefill.manifests import ManifestMismatch
 
     if args.workers > 1:
-        if args.response_cache:
-            return _fail(_WORKERS_NO_CACHE)
         return _run_worker_group(args, "decode")
     with contextlib.ExitStack() as stack:
         try:  # outputs checked before the model loads (run_decode opens its own writers)
@@ -620,7 +613,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
         outputs.write_metrics(metrics, f"the results were written to {args.output}")
     print(f"{report.succeeded} succeeded, {report.rejected} rejected; {report.loaded_prompt_tokens} of "
           f"{report.prompt_tokens} prompt tokens loaded from the store; {report.output_tokens} output tokens "
-          f"in {report.wall_s:.1f} s{_response_cache_text(report)} -> {args.output}", file=sys.stderr)
+          f"in {report.wall_s:.1f} s{_response_cache_text(report.response_cache)} -> {args.output}", file=sys.stderr)
     return EXIT_REJECTS if report.rejected else EXIT_OK
 
 

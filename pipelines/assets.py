@@ -406,15 +406,15 @@ def _decode_results(context: dg.AssetExecutionContext, object_store: ObjectStore
     engine_spec, drafts_from = resolve_last_night(model.engine_spec(), day, opts)
     if model.spec == SUFFIX_LAST_NIGHT:
         context.log.info(f"speculative decoding: {drafts_from}")
-    if piped and kv_store.response_cache:
-        raise dg.Failure(f"kv_store.response_cache is not wired into the {decode_cluster.launcher!r} decode launcher "
-                         f"yet: use decode_cluster.launcher 'in_process', or unset response_cache")
     if piped:
         spec = {"engine_spec": engine_spec.to_json(),
                 "kv_store": kv_store.store_config(object_store.shared_url, opts).model_dump(),
                 "manifests_url": manifests,
                 "results_url": results_url, "stats_url": stats_url, "parts_url": parts_url, "storage_options": opts,
                 "rows": _row_count(day.shard("shards", shard), opts)}
+        cache_options = kv_store.response_cache_options(object_store.shared_url, opts)
+        if cache_options is not None:  # every rank opens it (ops/decode/worker_commands.py)
+            spec["response_cache"] = cache_options
         yield from decode_cluster.run(context, spec, pipes_subprocess_client)
         stats = read_json(stats_url, storage_options=opts)
     else:

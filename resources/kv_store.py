@@ -46,18 +46,27 @@ class KVStoreResource(dg.ConfigurableResource):
             max_bytes=int(self.max_gb * GB) if self.max_gb else None,
             storage_options=dict(storage_options) if same else {})
 
-    def open_response_cache(self, default_url: str, storage_options: dict[str, Any], llm: Any) -> Any:
-        """The response cache for ``llm``'s engine, or None when ``response_cache`` is unset; the
-        object store's credentials when it is on the same kind of store."""
+    def response_cache_options(self, default_url: str, storage_options: dict[str, Any]) -> dict[str, Any] | None:
+        """Where the response cache is and how to reach it (``url``, ``verify``, ``storage_options``:
+        the object store's credentials when it is on the same kind of store), what a worker group's
+        spec carries; None when ``response_cache`` is unset."""
         if not self.response_cache:
             return None
-        from kvbatch.ops.decode.response_cache import ResponseCache
-
         url = default_url.rstrip("/") + "/responses" if self.response_cache == "default" else self.response_cache
         same = (url.split("://", 1)[0] if "://" in url else "file") == \
                (default_url.split("://", 1)[0] if "://" in default_url else "file")
-        return ResponseCache.for_llm(url, llm, verify=self.response_cache_verify,
-                                     storage_options=dict(storage_options) if same else {})
+        return {"url": url, "verify": self.response_cache_verify,
+                "storage_options": dict(storage_options) if same else {}}
+
+    def open_response_cache(self, default_url: str, storage_options: dict[str, Any], llm: Any) -> Any:
+        """The response cache for ``llm``'s engine (:meth:`response_cache_options`), or None."""
+        options = self.response_cache_options(default_url, storage_options)
+        if options is None:
+            return None
+        from kvbatch.ops.decode.response_cache import ResponseCache
+
+        return ResponseCache.for_llm(options["url"], llm, verify=options["verify"],
+                                     storage_options=options["storage_options"])
 
     def open(self, default_url: str, storage_options: dict[str, Any], engine_spec: Any) -> Any:
         """The store, checking blocks against ``engine_spec``'s KV fingerprint (the one builder's)."""

@@ -18,9 +18,10 @@ class PreparedDay:
 
 
 def prepared_day(root: Path, model: Path, data: Path, date: str, *, spec: str | None = None,
-                 response_cache: str | None = None) -> PreparedDay:
+                 response_cache: str | None = None, decode_cluster: Any = None) -> PreparedDay:
     """``data`` (a batch JSONL) through prompts, prompt_shards and prefill_kv of the default
-    pipeline under ``root``, with ``model`` at max_batch 8 and no KV memory tier."""
+    pipeline under ``root``, with ``model`` at max_batch 8 and no KV memory tier; ``decode_cluster``
+    (a DecodeClusterResource) launches the decode, in process by default."""
     import dagster as dg
 
     from kvbatch.pipelines import default
@@ -39,7 +40,7 @@ def prepared_day(root: Path, model: Path, data: Path, date: str, *, spec: str | 
         "model": ModelResource(model=str(model), max_batch=8, spec=spec),
         "kv_store": KVStoreResource(memory_gb=0, response_cache=response_cache),
         "pricing": PricingResource(),
-        "decode_cluster": DecodeClusterResource(),
+        "decode_cluster": decode_cluster or DecodeClusterResource(),
         "pipes_subprocess_client": dg.PipesSubprocessClient(),
     })
     # One instance: ingest adds the day's (date, shard) keys the shard runs then use.

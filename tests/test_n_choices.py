@@ -372,12 +372,11 @@ class _ChoiceLengthEngine:
 
 
 def test_a_worker_ranks_figures_count_a_row_of_choices_once(tmp_path) -> None:
-    from kvbatch.ops.decode.group_outputs import RankPartSink, RowFigures
+    from kvbatch.ops.decode.group_outputs import RankPartSink
 
     sink = RankPartSink(str(tmp_path / "parts"), 0, 1, "a", 10, {}, "k")
-    engine = RowFigures(_ChoiceLengthEngine(), sink.figures)
     jobs = [Job(0, "a", 1, [1, 2, 3], SamplingParams(max_tokens=4), n=3), Job(1, "b", 2, [1, 2], SamplingParams())]
-    run_jobs(engine, iter(jobs), sink)
+    run_jobs(_ChoiceLengthEngine(), iter(jobs), sink, on_answered=sink.note)
     rows = pq.read_table(sorted((tmp_path / "parts").rglob("*.parquet"))).to_pylist()
     assert [(r["prompt_tokens"], r["cached_prompt_tokens"], r["output_tokens"]) for r in rows] == [(3, 0, 6), (2, 0, 1)]
     assert sink.figures == {}  # every choice's figures taken, none left behind

@@ -261,14 +261,6 @@ def test_decode_takes_the_cache_too(tiny_chat, tmp_path):
     assert outs[0] == outs[1]
 
 
-def test_workers_refuse_the_cache(tiny_chat, tmp_path, capsys):
-    src = _write(tmp_path / "in.jsonl", GREEDY[:1])
-    code = main(["generate", "--model", str(tiny_chat), "--input", str(src), "--output", str(tmp_path / "o.jsonl"),
-                 "--workers", "2", "--response-cache", str(tmp_path / "cache"), "--no-progress"])
-    assert code == 2
-    assert "--response-cache runs in one process" in capsys.readouterr().err
-
-
 def test_the_cache_on_s3(tiny_chat, tmp_path, s3, s3_endpoint, monkeypatch):
     import s3fs
 

@@ -181,9 +181,13 @@ class ExpertParallelCompute:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank (one all_reduce)."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._collective_device())
+        return self.any_ranks(flag)[0]
+
+    def any_ranks(self, *flags: bool) -> tuple[bool, ...]:
+        """For each flag, True on every rank when it is true on any rank (one all_reduce for all)."""
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=self._collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return tuple(bool(v) for v in t.tolist())
 
     def _collective_device(self) -> torch.device:
         # NCCL moves CUDA tensors only; gloo is happy with CPU ones.

@@ -7,6 +7,7 @@ timings. It holds no global state; two ``LLM`` objects in one process are indepe
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +40,15 @@ from kvbatch.engine.speculative.verifier import VerifyRow, penalize_positions, v
 from kvbatch.engine.text.stop_checker import StopChecker
 from kvbatch.engine.text.structured import GrammarCompiler
 from kvbatch.engine.text.tokenizer import ChatTokenizer
+
+
+class Admitted(enum.Enum):
+    """Why :meth:`LLM.admit` stopped queueing requests."""
+
+    FULL = "full"  # ``cap`` requests wait
+    EXHAUSTED = "exhausted"  # the requests ran out
+    TICK = "tick"  # a None: the caller wants control back before the next step
+
 
 DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 
@@ -561,14 +571,24 @@ class LLM:
         """Content keys of every full block of a prompt, rooted at this model's fingerprint."""
         return chain_keys(self.kv_root_key, prompt_token_ids, self.engine_config.block_size)
 
-    def stream(self, requests: Iterable[GenerationRequest], max_waiting: int | None = None) -> Iterator[Result]:
+    def stream(self, requests: Iterable[GenerationRequest | None],
+               max_waiting: int | None = None) -> Iterator[Result | None]:
         """Yield results as requests finish, pulling new requests only as capacity frees up,
-        so memory stays bounded however long the input is."""
+        so memory stays bounded however long the input is.
+
+        A None among ``requests`` is a tick: it comes back as a None among the results once the
+        requests before it are queued, before the next step. A caller that answers some rows
+        itself (the response cache's hits) yields one whenever it has answers waiting, and so
+        gets control back to hand them out however long the engine's next result takes."""
         cap = max_waiting or 2 * self.engine_config.max_num_seqs
         it = iter(requests)
         exhausted = False
         while True:
-            exhausted = exhausted or self.admit(it, cap)
+            if not exhausted:
+                admitted = self.admit(it, cap)
+                exhausted = admitted is Admitted.EXHAUSTED
+                if admitted is Admitted.TICK:
+                    yield None
             if not self.scheduler.has_work():
                 if exhausted:
                     if self.connector is not None:
@@ -577,14 +597,18 @@ class LLM:
                 continue
             yield from self.step()
 
-    def admit(self, requests: Iterator[GenerationRequest], cap: int) -> bool:
-        """Queue requests from ``requests`` until ``cap`` wait; True once it is exhausted."""
+    def admit(self, requests: Iterator[GenerationRequest | None], cap: int) -> Admitted:
+        """Queue requests from ``requests`` until ``cap`` wait (``FULL``), it is exhausted
+        (``EXHAUSTED``) or it yields a tick, a None (``TICK``: see :meth:`stream`)."""
         while len(self.scheduler.waiting) < cap:
             try:
-                self.add_request(next(requests))
+                request = next(requests)
             except StopIteration:
-                return True
-        return False
+                return Admitted.EXHAUSTED
+            if request is None:
+                return Admitted.TICK
+            self.add_request(request)
+        return Admitted.FULL
 
     def generate(self, requests: list[GenerationRequest]) -> list[Result]:
         """Run every request to completion; results come back in input order."""

@@ -85,25 +85,6 @@ def answer_line(llm: LLM, answered: Answered, model_name: str, *,
     return line
 
 
-def _note_row_figures(llm: Any, answered: Answered) -> None:
-    """A worker rank's engine (:class:`~kvbatch.ops.decode.group_outputs.RowFigures`) notes each
-    request's figures under its request id, and its sink takes a row's under the row's index:
-    a row of several choices is noted once, under that index, with the prompt counted once
-    (its lead choice's figures) and the choices' output tokens, preemptions and drafts summed."""
-    if len(answered.choices) == 1:
-        return
-    # vars(), not getattr: a LazyEngine's attributes are its engine's, and asking would build it.
-    figures = vars(llm).get("figures")
-    if not isinstance(figures, dict):
-        return
-    noted = [figures.pop(r.request_id, None) for r in answered.choices]
-    if any(n is None for n in noted):
-        return
-    lead = noted[answered.choices.index(answered.lead())]
-    summed = ("output_tokens", "preemptions", "spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
-    figures[str(answered.job.index)] = {**lead, **{k: sum(n[k] for n in noted) for k in summed if k in lead}}
-
-
 def run_jobs(
     llm: LLM,
     jobs: Iterator[Job | Rejected],
@@ -114,9 +95,12 @@ def run_jobs(
     storage_options: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     response_cache: Any = None,
+    on_answered: Callable[[Answered], None] | None = None,
 ) -> BatchReport:
     """Run the jobs through ``llm``, writing one output line per job in index order.
     ``response_cache``: a :class:`~kvbatch.ops.decode.response_cache.ResponseCache`.
+    ``on_answered``: called with each answered row before its line is put (a worker rank's sink
+    keeps the row's figures beside its line).
 
     ``output_url`` and ``errors_url`` are URLs, or writers the caller already opened (the
     CLI opens its outputs before loading the model, so an unwritable one fails first); this
@@ -138,7 +122,8 @@ def run_jobs(
                 if errors is not None:
                     errors.write(line)
             else:
-                _note_row_figures(llm, outcome)
+                if on_answered is not None:
+                    on_answered(outcome)
                 out.put(outcome.job.index, answer_line(llm, outcome, model_name))
             if on_progress:
                 on_progress(report.succeeded + report.rejected, report.rejected)

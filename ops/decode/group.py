@@ -232,16 +232,28 @@ class LockstepLLM:
 
     def stream(self, requests: Iterable[Any], max_waiting: int | None = None) -> Iterator[Any]:
         """:meth:`LLM.stream`, except that a step is a group step: it runs while any rank has
-        work, and a rank with none joins it idle (its experts serve the others)."""
+        work, and a rank with none joins it idle (its experts serve the others). A tick (a None
+        among the requests) comes back as a None, as from :meth:`LLM.stream`; while no rank has
+        work but some rank is still reading its requests (a run of response-cache hits), the
+        group takes no step and waits for it."""
+        from kvbatch.engine.runtime.llm import Admitted
+
         llm = self.llm
         cap = max_waiting or 2 * llm.engine_config.max_num_seqs
         it = iter(requests)
         exhausted = False
         while True:
-            exhausted = exhausted or llm.admit(it, cap)
+            if not exhausted:
+                admitted = llm.admit(it, cap)
+                exhausted = admitted is Admitted.EXHAUSTED
+                if admitted is Admitted.TICK:
+                    yield None
             mine = llm.scheduler.has_work()
-            if not self.ep.any_rank(mine):
-                return
+            work, reading = self.ep.any_ranks(mine, not exhausted)
+            if not work:
+                if not reading:
+                    return
+                continue
             started = time.perf_counter()
             finished = llm.step() if mine else []
             self.ep.finish_step()

@@ -3,12 +3,14 @@
 Rows never travel through the process group; only each rank's counts and timings do.
 
 - The JSONL commands (``generate``, ``decode``): each rank commits its own output lines, each
-  with its figures (tokens by class, latencies, speculation: :class:`RowFigures`), as part files
+  with its figures (tokens by class, latencies, speculation, whether the response cache answered
+  it: :meth:`RankPartSink.note`), as part files
   every ``checkpoint_rows`` lines (:class:`RankPartSink` over
   :class:`~kvbatch.ops.decode.checkpoint.PartWriter`, as the pipeline's decode does) under
   ``parts_url`` (:func:`group_parts_url`). Rank 0 then merges the parts in input order into the
   output (the same file a single process writes) and sums the metrics once, over exactly the rows
-  written, so they equal one process's for any split (:func:`write_outputs`; the expert-parallel
+  written, so they equal one process's for any split (the response cache's counters, per run,
+  summed over the ranks) (:func:`write_outputs`; the expert-parallel
   figures: :func:`group_metrics`). An input that breaks part-way ends the output as in one
   process: every row read before the break answered, then one line saying where it ended. Parts
   an earlier, killed run of the same command left are merged too (:mod:`kvbatch.ops.decode.group_resume`).
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -33,10 +35,13 @@ from kvbatch.ops.decode.launch import EXIT_FATAL, EXIT_OK, EXIT_REJECTS
 
 # One output row in a rank's part file: the encoded line and the figures the metrics sum (null for
 # a rejected row), keyed by the row's place in the input (``manifest_index``, the part's index).
+# A ``cached`` row (every choice answered by the response cache) counts apart, as one process
+# counts it (BatchReport.add_cached), and has no latencies.
 GROUP_PART_SCHEMA = pa.schema([
     ("line", pa.binary()),
     ("rejected", pa.bool_()),
     ("reject_field", pa.string()),
+    ("cached", pa.bool_()),
     *[(name, pa.int64()) for name in ("prompt_tokens", "cached_prompt_tokens", "loaded_prompt_tokens",
                                       "output_tokens", "preemptions", "spec_draft_tokens", "spec_accepted_tokens",
                                       "spec_target_steps")],
@@ -47,29 +52,6 @@ GROUP_PART_SCHEMA = pa.schema([
 
 # ------------------------------------------------------------------------------------------------
 # A rank's output: part files, not lines gathered to rank 0
-
-
-class RowFigures:
-    """An engine whose :meth:`stream` notes each result's figures (tokens by class, latencies,
-    speculation) under its request id before handing it on, for :class:`RankPartSink` to store
-    beside the line ``run_jobs`` writes for it; everything else is the wrapped engine's."""
-
-    def __init__(self, engine: Any, figures: dict[str, dict[str, Any]]) -> None:
-        self.engine = engine
-        self.figures = figures
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def stream(self, requests: Iterable[Any], max_waiting: int | None = None) -> Iterator[Any]:
-        for result in self.engine.stream(requests, max_waiting):
-            self.figures[result.request_id] = {
-                "prompt_tokens": len(result.prompt_token_ids), "cached_prompt_tokens": result.num_cached_tokens,
-                "loaded_prompt_tokens": result.num_loaded_tokens, "output_tokens": len(result.output_token_ids),
-                "preemptions": result.num_preemptions, "spec_draft_tokens": result.spec_draft_tokens,
-                "spec_accepted_tokens": result.spec_accepted_tokens, "spec_target_steps": result.spec_target_steps,
-                "ttft_s": result.ttft_s, "tpot_s": result.tpot_s}
-            yield result
 
 
 class RankPartSink(OrderedJsonlWriter):
@@ -92,6 +74,19 @@ class RankPartSink(OrderedJsonlWriter):
     def _stats(self) -> dict[str, Any]:
         # in each part's footer: a re-run after a kill counts the killed run's time up to its last part
         return {"rows": self.rows, "wall_s": round(time.perf_counter() - self._started, 4)}
+
+    def note(self, answered: Any) -> None:
+        """Keep an answered row's figures (:meth:`~kvbatch.ops.decode.loop.Answered.totals`: the
+        prompt once, every choice's output) for its line's :meth:`put`; ``run_jobs`` calls it."""
+        r = answered.totals()
+        cached = answered.cached
+        self.figures[str(answered.job.index)] = {
+            "cached": cached, "prompt_tokens": len(r.prompt_token_ids), "cached_prompt_tokens": r.num_cached_tokens,
+            "loaded_prompt_tokens": r.num_loaded_tokens, "output_tokens": len(r.output_token_ids),
+            "preemptions": r.num_preemptions, "spec_draft_tokens": r.spec_draft_tokens,
+            "spec_accepted_tokens": r.spec_accepted_tokens, "spec_target_steps": r.spec_target_steps,
+            # a served row's latencies were not measured: left out of the percentiles, as in one process
+            "ttft_s": None if cached else r.ttft_s, "tpot_s": None if cached else r.tpot_s}
 
     def put(self, index: int, obj: Any) -> None:
         error = obj.get("error")
@@ -143,6 +138,9 @@ class _GroupTotals:
         self.rows = 0
         self.succeeded = 0
         self.sums = dict.fromkeys(self.COUNTS, 0)
+        self.cached_rows = 0  # rows the response cache answered, and their tokens (counted apart)
+        self.cached_prompt_tokens = 0
+        self.cached_output_tokens = 0
         self.rejects_by_field: dict[str, int] = {}
         self.ttft_s: list[float] = []
         self.tpot_s: list[float] = []
@@ -154,8 +152,13 @@ class _GroupTotals:
         rejected = window.column("rejected")
         self.rows += window.num_rows
         self.succeeded += window.num_rows - int(pc.sum(rejected).as_py() or 0)
+        cached = pc.fill_null(window.column("cached"), False)
+        served, computed = window.filter(cached), window.filter(pc.invert(cached))
+        self.cached_rows += served.num_rows
+        self.cached_prompt_tokens += int(pc.sum(served.column("prompt_tokens")).as_py() or 0)
+        self.cached_output_tokens += int(pc.sum(served.column("output_tokens")).as_py() or 0)
         for c in self.COUNTS:
-            self.sums[c] += int(pc.sum(window.column(c)).as_py() or 0)
+            self.sums[c] += int(pc.sum(computed.column(c)).as_py() or 0)
         by_field = window.filter(rejected).group_by("reject_field").aggregate([("rejected", "count")])
         for field_name, n in zip(by_field.column("reject_field").to_pylist(),
                                  by_field.column("rejected_count").to_pylist(), strict=True):
@@ -174,6 +177,14 @@ class _GroupTotals:
                              draft_s=sum(r["draft_s"] for r in ranks), step_s=sum(r["step_s_total"] for r in ranks))
         for c in self.COUNTS:
             setattr(report, c, self.sums[c])
+        caches = [r["response_cache"] for r in ranks if r.get("response_cache") is not None]
+        if caches:  # this run's counters (hits, misses, writes, requests), summed over its ranks
+            from kvbatch.ops.decode.report import sum_counters
+
+            report.response_cache = sum_counters(caches)
+            report.response_cache_rows = self.cached_rows
+            report.response_cache_prompt_tokens = self.cached_prompt_tokens
+            report.response_cache_output_tokens = self.cached_output_tokens
         return report
 
 

@@ -34,7 +34,7 @@ from kvbatch.engine.spec import EngineSpec
 from kvbatch.io.urls import redact
 from kvbatch.ops.decode.checkpoint import parts_count, parts_key, remove_parts
 
-GROUP_PARTS_FORMAT = 1  # bump when GROUP_PART_SCHEMA or a line's encoding changes: older parts are discarded
+GROUP_PARTS_FORMAT = 2  # bump when GROUP_PART_SCHEMA or a line's encoding changes: older parts are discarded
 
 # Key field -> the option a user changes to change it (named in the discard message).
 _KEY_FLAGS = {

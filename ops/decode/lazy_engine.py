@@ -23,10 +23,11 @@ batch's ``wall_s`` includes that build (it is the time the run took); the engine
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -163,6 +164,17 @@ class LazyEngine:
     @property
     def connector(self) -> Any:
         return self._llm.connector if self._llm is not None else None
+
+    def stream(self, requests: Iterable[Any], max_waiting: int | None = None) -> Iterator[Any]:
+        """:meth:`LLM.stream`, the engine built at the first request: the ticks (Nones) before it
+        come back as they are, so a run whose every row is a hit never builds it."""
+        it = iter(requests)
+        for request in it:
+            if request is None:
+                yield None
+                continue
+            yield from self.get().stream(itertools.chain([request], it), max_waiting)
+            return
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # never build for a private name (copying, pickling probes)

@@ -14,9 +14,14 @@ saying where and why the input ended; the error is kept in :attr:`DecodeLoop.bro
 
 With a ``response_cache`` (:mod:`kvbatch.ops.decode.response_cache`) the loop looks rows up in
 batches before they reach the engine: a hit is an :class:`Answered` with ``cached`` set, rebuilt
-from the entry, that never enters the engine; a miss runs and its answer is written. The loop
-then drives the engine step by step (``admit``, ``step``), so that a long run of hits is handed
-out as it is found, not held until the engine's next result.
+from the entry, that never enters the engine; a miss runs and its answer is written. Whenever
+hits are waiting, the requests fed to the engine's ``stream`` hold a tick (a None), which the
+engine hands back before its next step (:meth:`LLM.stream <kvbatch.engine.runtime.llm.LLM.stream>`),
+so a long run of hits is handed out as it is found, not held until the engine's next result.
+Any engine with that ``stream`` takes the cache: one process's, a lazily built one
+(:class:`~kvbatch.ops.decode.lazy_engine.LazyEngine`) and an expert-parallel rank's lockstep
+engine (:class:`~kvbatch.ops.decode.group.LockstepLLM`), whose group steps while any rank has work
+and waits, stepping nothing, while a rank is still reading hits.
 
 **Choices** (``n``, :attr:`Job.n <kvbatch.ops.jobs.Job.n>`): a row of n choices is n engine
 requests over its one prompt, ids :func:`~kvbatch.ops.jobs.choice_request_id` (the row's index,
@@ -43,7 +48,6 @@ from kvbatch.engine.runtime.llm import LLM, GenerationRequest, Result
 from kvbatch.engine.text.tool_calls import is_tools_spec
 from kvbatch.io.batch_requests import WHOLE_LINE, InputStreamError, RejectedRow
 from kvbatch.io.urls import redact_text
-from kvbatch.ops.decode.lazy_engine import LazyEngine, engine_started
 from kvbatch.ops.decode.report import BatchReport
 from kvbatch.ops.decode.response_cache import (
     LOOKUP_BATCH,
@@ -144,8 +148,7 @@ class DecodeLoop:
     """Iterate to run ``jobs`` through ``llm``; ``report`` counts requests, rejects by field and
     every result. ``skip(job)``: jobs answered before (a resumed run) are passed over, uncounted.
     ``model_name``: warn once per model name a row asks for that is not the one answering.
-    ``response_cache``: a :class:`~kvbatch.ops.decode.response_cache.ResponseCache` (plain
-    engines only, not an expert-parallel group's lockstep engine)."""
+    ``response_cache``: a :class:`~kvbatch.ops.decode.response_cache.ResponseCache`."""
 
     def __init__(self, llm: LLM, jobs: Iterable[Job | Rejected], report: BatchReport, *,
                  skip: Callable[[Job | Rejected], bool] | None = None, model_name: str | None = None,
@@ -161,8 +164,6 @@ class DecodeLoop:
         self._rows: dict[int, _Row] = {}  # row index -> its choices so far
         self._asked_for: set[str] = set()
         self.response_cache = response_cache
-        if response_cache is not None and not isinstance(llm, LazyEngine) and type(llm).stream is not LLM.stream:
-            raise ValueError("the response cache runs with one engine, not an expert-parallel group's")
         self._ready: deque[Answered] = deque()  # cache hits not yet handed out
         self._verify: dict[str, tuple[str, dict]] = {}  # request id -> (key, entry) being recomputed
         self._write: dict[str, str] = {}  # request id -> key its answer is stored under
@@ -244,17 +245,21 @@ class DecodeLoop:
             self._input_broke(exc, index)
 
     def __iter__(self) -> Iterator[Answered | Refused]:
-        if self.response_cache is not None:
-            yield from self._iter_cached(self.response_cache)
-            return
-        for result in self.llm.stream(self._requests()):
-            while self._refused:
-                yield self._refused.popleft()
-            out = self._deliver(*self._in_flight.pop(result.request_id), result, hit=False)
-            if out is not None:
-                yield out
-        while self._refused:
-            yield self._refused.popleft()
+        cache = self.response_cache
+        source = self._requests() if cache is None else self._cached_requests(cache)
+        try:
+            for result in self.llm.stream(source):
+                out = None if result is None else self._finished(result)  # None: a tick, hits may wait
+                while self._ready or self._refused:
+                    yield self._ready.popleft() if self._ready else self._refused.popleft()
+                if out is not None:
+                    yield out
+            while self._ready or self._refused:
+                yield self._ready.popleft() if self._ready else self._refused.popleft()
+        finally:
+            if cache is not None:
+                cache.flush()
+                self.report.response_cache = cache.to_json()
         assert not self._in_flight and not self._rows, "the engine answered every request it was fed"
 
     # -- with the response cache ------------------------------------------------------------
@@ -318,11 +323,13 @@ class DecodeLoop:
             if len(chunk) < LOOKUP_BATCH:
                 return
 
-    def _finished(self, cache: ResponseCache, result: Result) -> Answered | Refused | None:
-        """One engine result: verified against its entry or written (never an error: a request
-        the engine ended with one, structured outputs' grammar, is its row's 400, never cached)."""
+    def _finished(self, result: Result) -> Answered | Refused | None:
+        """One engine result; with the cache, verified against its entry or written (never an
+        error: a request the engine ended with one, structured outputs' grammar, is its row's 400,
+        never cached)."""
         index, choice = self._in_flight.pop(result.request_id)
-        if result.error is not None:
+        cache = self.response_cache
+        if cache is None or result.error is not None:
             self._write.pop(result.request_id, None)
             self._verify.pop(result.request_id, None)
             return self._deliver(index, choice, result, hit=False)
@@ -344,43 +351,3 @@ class DecodeLoop:
             if key is not None:
                 cache.put(key, result)
         return self._deliver(index, choice, result, hit=False)
-
-    def _iter_cached(self, cache: ResponseCache) -> Iterator[Answered | Refused]:
-        """:meth:`LLM.stream`'s loop (admit, step, drain at the end) over the misses, handing out
-        the hits and refusals between steps. A :class:`~kvbatch.ops.decode.lazy_engine.LazyEngine`
-        is built by the first miss's ``add_request``; until then nothing here touches it."""
-        llm = self.llm
-        cap = 2 * llm.engine_config.max_num_seqs
-        source = self._cached_requests(cache)
-        exhausted = False
-        try:
-            while True:
-                while not exhausted and (not engine_started(llm) or len(llm.scheduler.waiting) < cap):
-                    request = next(source, _END)
-                    if request is _END:
-                        exhausted = True
-                    elif request is None:
-                        break
-                    else:
-                        llm.add_request(request)
-                while self._ready or self._refused:
-                    yield self._ready.popleft() if self._ready else self._refused.popleft()
-                if not engine_started(llm) or not llm.scheduler.has_work():
-                    if exhausted:
-                        if llm.connector is not None:
-                            llm.connector.drain()
-                        break
-                    continue
-                for result in llm.step():
-                    out = self._finished(cache, result)
-                    while self._refused:
-                        yield self._refused.popleft()
-                    if out is not None:
-                        yield out
-        finally:
-            cache.flush()
-            self.report.response_cache = cache.to_json()
-        assert not self._in_flight and not self._rows, "the engine answered every request it was fed"
-
-
-_END = object()

@@ -124,3 +124,15 @@ class BatchReport:
             "drafter_time_share": round(self.draft_s / self.step_s, 4) if self.step_s else 0.0,
         }}
 
+
+
+def sum_counters(docs: list[Any]) -> Any:
+    """Numeric leaves summed across documents of the same shape (per-rank or per-run counters:
+    the KV connector's, the response cache's); a leaf that is not a number is the first document's."""
+    first = docs[0]
+    if isinstance(first, dict):
+        keys = {k for d in docs if isinstance(d, dict) for k in d}
+        return {k: sum_counters([d[k] for d in docs if isinstance(d, dict) and k in d]) for k in sorted(keys)}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(d for d in docs if isinstance(d, (int, float)))
+    return first

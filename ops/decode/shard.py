@@ -46,7 +46,7 @@ from kvbatch.ops.decode.checkpoint import (
     prepare_parts,
 )
 from kvbatch.ops.decode.loop import Answered, DecodeLoop, Refused
-from kvbatch.ops.decode.report import BatchReport
+from kvbatch.ops.decode.report import BatchReport, sum_counters
 from kvbatch.ops.jobs import Job, Rejected
 from kvbatch.ops.prefill.manifests import manifest_jobs, read_manifests
 from kvbatch.ops.results.metrics import ProgressMeter
@@ -209,13 +209,13 @@ def merge_stats(final: list[dict[str, Any]], earlier: list[dict[str, Any]], ttft
     for counters in ("connector", "response_cache"):  # per-run counters: summed over every run and rank
         docs = [s[counters] for s in every if counters in s]
         if docs:
-            out[counters] = _sum_numbers(docs)
+            out[counters] = sum_counters(docs)
     specs = [s["speculative"] for s in every if "speculative" in s]
     if specs:
         out["speculative"] = _merge_speculative(specs)
     stores = [s["store"] for s in final if "store" in s]
     if stores:
-        out["store"] = _sum_numbers(stores)
+        out["store"] = sum_counters(stores)
     if final and all("expert_rows_computed" in s for s in final):
         out["expert_load_balancedness"] = balancedness([s["expert_rows_computed"] for s in final])
     elif len(final) == 1 and "expert_load_balancedness" in final[0]:
@@ -230,7 +230,7 @@ def merge_stats(final: list[dict[str, Any]], earlier: list[dict[str, Any]], ttft
 def _merge_speculative(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """Speculative-decoding figures of several runs/ranks: counts summed, rates recomputed, the
     drafter's time share averaged (each rank's share of its own step time)."""
-    out = _sum_numbers(docs)
+    out = sum_counters(docs)
     drafted, accepted, steps = out.get("draft_tokens", 0), out.get("accepted_tokens", 0), out.get("target_steps", 0)
     out["acceptance_rate"] = round(accepted / drafted, 4) if drafted else 0.0
     out["mean_accepted_per_step"] = round(accepted / steps, 4) if steps else 0.0
@@ -246,17 +246,6 @@ def balancedness(rows_by_rank: list[dict[str, int]]) -> float | None:
         if max(loads) > 0:
             ratios.append(sum(loads) / len(loads) / max(loads))
     return round(sum(ratios) / len(ratios), 6) if ratios else None
-
-
-def _sum_numbers(docs: list[Any]) -> Any:
-    """Numeric leaves summed across documents of the same shape (per-rank connector counters)."""
-    first = docs[0]
-    if isinstance(first, dict):
-        keys = {k for d in docs if isinstance(d, dict) for k in d}
-        return {k: _sum_numbers([d[k] for d in docs if isinstance(d, dict) and k in d]) for k in sorted(keys)}
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        return sum(d for d in docs if isinstance(d, (int, float)))
-    return first
 
 
 def commit_parts(

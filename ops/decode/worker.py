@@ -14,13 +14,15 @@ The spec's ``command`` says what the ranks do (:mod:`kvbatch.ops.decode.worker_c
   ``parts_url`` (the ranks' staging folder, default a dot folder beside the output; every rank
   must reach it, and rank 0 deletes it once the output is committed), ``checkpoint_rows`` (lines
   per part, default 256), ``resume`` (default true: keep the parts an earlier run of the same
-  command left). Exit status 0, 1 when some rows were rejected, 2 on a fatal error (one line,
+  command left), ``response_cache`` (``{"url", "verify", "storage_options"}``: every rank opens
+  the exact response cache, :func:`~kvbatch.ops.decode.worker_commands.rank_response_cache`;
+  the metrics sum the ranks' counters). Exit status 0, 1 when some rows were rejected, 2 on a fatal error (one line,
   ``kvbatch: error: worker rank R: ...``; the launcher stops the group).
 - ``"shard"``: one pipeline shard's manifests to its results Parquet, what the ``decode_cluster``
   resource launches (:mod:`kvbatch.resources.decode_cluster`). Keys: ``manifests_url``,
   ``results_url``, ``stats_url``, optionally ``parts_url`` (the staging folder of the part files),
   ``checkpoint_rows``, ``rows`` (the shard's, for progress), ``decode_attempt`` (this run's id;
-  default a new one). Outside Pipes rank 0 prints the merged stats as one JSON line.
+  default a new one), ``response_cache`` (as for generate/decode). Outside Pipes rank 0 prints the merged stats as one JSON line.
 
 Every spec has ``engine_spec`` (a :class:`~kvbatch.engine.spec.EngineSpec` as JSON, built by
 :func:`kvbatch.ops.engine_build.build_llm`) and optionally ``kv_store``
@@ -104,8 +106,10 @@ def _main_piped() -> int:
             pipes.log.info(f"decoding {spec['manifests_url']} with {world} rank(s)")
             stats = run_command(spec, rank, world, log=pipes.log.info)
             assert stats is not None
-            pipes.report_asset_materialization(
-                metadata={k: (0.0 if stats.get(k) is None else stats[k]) for k in REPORTED})
+            metadata = {k: (0.0 if stats.get(k) is None else stats[k]) for k in REPORTED}
+            if "response_cache" in stats:  # the rows it served, looked up and missed, wrote: as in process
+                metadata.update({f"response_cache_{k}": stats["response_cache"][k] for k in ("hits", "misses", "writes")})
+            pipes.report_asset_materialization(metadata=metadata)
         return EXIT_OK
 
 

@@ -19,6 +19,7 @@ in a group already joined (:func:`kvbatch.ops.decode.group.joined_group`), on th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -72,7 +73,7 @@ def run_rank(spec: dict[str, Any], rank: int, world: int,
     from kvbatch.io.urls import redact_text
     from kvbatch.ops.decode.generate import run_jobs
     from kvbatch.ops.decode.checkpoint import done_index_array, remove_parts
-    from kvbatch.ops.decode.group_outputs import RankPartSink, RowFigures, group_parts_url, write_outputs
+    from kvbatch.ops.decode.group_outputs import RankPartSink, group_parts_url, write_outputs
     from kvbatch.ops.decode.launch import EXIT_OK
 
     if rank != 0:
@@ -89,14 +90,17 @@ def run_rank(spec: dict[str, Any], rank: int, world: int,
     broken: list[Any] = []
     skipped = [0]
     jobs = _rank_jobs(llm, spec, rank, world, done, skipped, broken)
-    report = run_jobs(RowFigures(engine, sink.figures), jobs, sink, model_name=spec.get("model_name", "kvbatch"),
-                      on_progress=on_progress if rank == 0 else None)
+    with rank_response_cache(spec, llm) as cache:
+        report = run_jobs(engine, jobs, sink, model_name=spec.get("model_name", "kvbatch"),
+                          on_progress=on_progress if rank == 0 else None, response_cache=cache,
+                          on_answered=sink.note)
     # What travels to rank 0 is this rank's counts and timings, never its rows (those are in its parts).
     mine = {"attempt": attempt, "rows": sink.rows, "resumed": skipped[0], "wall_s": report.wall_s,
             "draft_s": report.draft_s, "step_s_total": report.step_s,
             "spec_enabled": report.spec_enabled, "ep": ep.stats.to_json() if ep else None,
             "balancer": balancer.to_json() if balancer else None,
             "step_s": getattr(engine, "step_s", []) if rank == 0 else [],
+            "response_cache": report.response_cache,
             "broken": {"lines_read": broken[0].lines_read, "reason": redact_text(broken[0].reason, broken[0].url),
                        "message": str(broken[0])} if broken else None}
     ranks = gather_to_rank0(mine, rank, world)
@@ -132,7 +136,7 @@ def run_shard(spec: dict[str, Any], rank: int, world: int,
     from kvbatch.ops.results.metrics import ProgressMeter
     from kvbatch.ops.decode.shard import commit_parts, decode_rank, start_decode
 
-    engine, _, ep, _ = rank_engine(spec, world)
+    engine, llm, ep, _ = rank_engine(spec, world)
     opts = spec.get("storage_options") or {}
     parts_url = spec.get("parts_url") or default_parts_url(spec["results_url"])
     # Rank 0 drops parts of other manifests and names this decode run (``decode_attempt``: the
@@ -142,9 +146,11 @@ def run_shard(spec: dict[str, Any], rank: int, world: int,
         rank, world)
     mine = -(-(int(spec.get("rows", 0)) - rank) // world)  # rows i with i mod world == rank
     progress = None if log is None else ProgressMeter(f"decode rank {rank}/{world}", max(mine, 0), log)
-    stats = decode_rank(engine, spec["manifests_url"], parts_url, key=key, attempt=attempt,
-                        storage_options=opts, rank=rank, world_size=world,
-                        checkpoint_rows=int(spec.get("checkpoint_rows") or DEFAULT_CHECKPOINT_ROWS), progress=progress)
+    with rank_response_cache(spec, llm) as cache:
+        stats = decode_rank(engine, spec["manifests_url"], parts_url, key=key, attempt=attempt,
+                            storage_options=opts, rank=rank, world_size=world,
+                            checkpoint_rows=int(spec.get("checkpoint_rows") or DEFAULT_CHECKPOINT_ROWS),
+                            progress=progress, response_cache=cache)
     if ep is not None:  # expert rows this rank computed, per MoE layer: the group's load balance
         stats["expert_rows_computed"] = {str(k): int(v) for k, v in ep.stats.rows_computed.items()}
     final = gather_to_rank0(stats, rank, world)  # every rank's stats (never its rows: those are in its parts)
@@ -152,6 +158,26 @@ def run_shard(spec: dict[str, Any], rank: int, world: int,
         return None
     return commit_parts(final, parts_url, spec["results_url"], stats_url=spec.get("stats_url"),
                         storage_options=opts, extra={"world_size": world})
+
+
+@contextlib.contextmanager
+def rank_response_cache(spec: dict[str, Any], llm: Any) -> Iterator[Any]:
+    """The spec's ``response_cache`` (``{"url", "verify", "storage_options"}``) for this rank's
+    engine, closed (its writes waited for) on leaving; None without one. Every rank opens its
+    own: entries are content-addressed and written create-only, so ranks writing at once are
+    harmless, and each rank's counters travel to rank 0 with its other counts."""
+    options = spec.get("response_cache")
+    if not options:
+        yield None
+        return
+    from kvbatch.ops.decode.response_cache import ResponseCache
+
+    cache = ResponseCache.for_llm(str(options["url"]), llm, verify=float(options.get("verify") or 0.0),
+                                  storage_options=dict(options.get("storage_options") or {}))
+    try:
+        yield cache
+    finally:
+        cache.close()
 
 
 def _new_attempt() -> str:
