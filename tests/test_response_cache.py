@@ -552,7 +552,7 @@ def test_truncation_is_proven_or_refused():
     rc.engine_identity = lambda llm: "engine"
     try:
         assert rc.ResponseCache.for_llm("memory://rc-t", llm).truncate
-        drafting = SimpleNamespace(**{**vars(llm), "spec": object()})
+        drafting = SimpleNamespace(**{**vars(llm), "spec": SimpleNamespace(config={"method": "ngram"})})
         assert not rc.ResponseCache.for_llm("memory://rc-t", drafting).truncate
         other = SimpleNamespace(**{**vars(llm), "engine_config": SimpleNamespace(batch_invariant=False)})
         assert not rc.ResponseCache.for_llm("memory://rc-t", other).truncate
@@ -566,3 +566,24 @@ def test_truncation_is_proven_or_refused():
     assert rc.family_key("e", [1], p) == rc.family_key("e", [1], dataclasses.replace(p, max_tokens=3))
     assert rc.family_key("e", [1], p) != rc.family_key("e", [1], dataclasses.replace(p, top_p=0.5))
     assert rc.family_key("e", [1], p) != rc.row_key("e", [1], p)
+
+
+def test_greedy_rows_are_shared_by_nights_that_draft_differently(tiny_chat, tmp_path):
+    """A greedy row's key leaves the drafting config out (drafting never changes a greedy answer),
+    a seeded sampled row's keeps it: a plain night's greedy answers serve a night drafting by
+    n-gram and a night drafting from the first night's answers, each recomputing every hit
+    (``--response-cache-verify 1``) and finding it equal, logprobs included; the seeded row misses
+    under each new drafting config."""
+    cache = str(tmp_path / "cache")
+    rows = GREEDY[:3] + LOGPROBS + SEEDED
+    code, first, m1 = _run(tiny_chat, tmp_path, "plain", rows, cache)
+    assert code == 0 and m1["response_cache"]["writes"] == 5
+    answers = tmp_path / "plain.out.jsonl"
+    for name, spec in (("ngram", "ngram"), ("suffix", f"suffix:{answers}")):
+        code, lines, m = _run(tiny_chat, tmp_path, name, rows, cache, "--spec", spec, "--response-cache-verify", "1")
+        rc = m["response_cache"]
+        assert code == 0 and (rc["hits"], rc["verified"], rc["misses"], rc["writes"]) == (4, 4, 1, 1), (name, rc)
+        texts = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in lines}
+        for x in first[:4]:
+            c = x["response"]["body"]["choices"][0]
+            assert (texts[x["custom_id"]]["message"], texts[x["custom_id"]]["logprobs"]) == (c["message"], c["logprobs"])

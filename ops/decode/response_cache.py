@@ -10,10 +10,14 @@ holds from the entry, without the engine. Docs: ``docs/response-cache.md``.
 - the engine's identity, computed once per engine: the KV root key (the weights' fingerprint,
   the KV dtype with the weight format, the block size), the dtype, the weight format, the
   device type, the batch-invariant flag, the matmul precision, the CPU projection kernel
-  option, the context window, the speculative-decoding config, the tokenizer and chat template
+  option, the context window, the tokenizer and chat template
   (:func:`tokenizer_identity`: the tokenizer's whole serialization, the template, the special
   tokens, the EOS ids) and the engine's numerics version
-  (:data:`~kvbatch.engine.runtime.engine_config.NUMERICS_VERSION`);
+  (:data:`~kvbatch.engine.runtime.engine_config.NUMERICS_VERSION`); for a sampled row, also the
+  speculative-decoding config (:func:`drafting_identity`: drafts change which random draws a
+  seeded row's tokens take), never for a greedy row, whose answer drafting does not change (the
+  target model's argmax at every position; in deterministic mode bit for bit, logprobs included),
+  so nights with and without drafts, or drafting from another night's answers, share greedy rows;
 - the prompt's token ids (little-endian int32);
 - the whole engine :class:`~kvbatch.engine.runtime.sampling_params.SamplingParams` dataclass,
   every field, serialized canonically (:func:`sampling_identity`): a field added later is in
@@ -80,7 +84,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbatch.ops.decode.response_cache")
 
-KEY_VERSION = 1  # the key's own layout (the fields below and how they are hashed)
+KEY_VERSION = 2  # the key's own layout (the fields below and how they are hashed)
 ENTRY_FORMAT = "kvbatch-response-v1"
 LOOKUP_BATCH = 64  # rows looked up together (one concurrent batch of GETs)
 WRITE_THREADS = 8
@@ -169,7 +173,6 @@ def tokenizer_identity(tokenizer: Any) -> str:
 def engine_identity(llm: LLM) -> str:
     """Everything about ``llm`` that can change an answer (see the module docstring)."""
     ec = llm.engine_config
-    spec = getattr(llm, "spec", None)
     doc = {
         "key_version": KEY_VERSION,
         "numerics_version": NUMERICS_VERSION,
@@ -181,11 +184,25 @@ def engine_identity(llm: LLM) -> str:
         "matmul_precision": ec.matmul_precision,
         "linear": ec.linear,
         "max_model_len": llm.max_model_len,
-        "speculative": None if spec is None else _plain(spec.config),
         "tokenizer": tokenizer_identity(llm.tokenizer),
         "eos_token_ids": sorted(llm.eos_token_ids),
     }
     return hashlib.sha256(canonical_json(doc)).hexdigest()
+
+
+def drafting_identity(spec: Any) -> str | None:
+    """The speculative-decoding config of an engine's ``spec`` (its ``config``), in a sampled
+    row's key; None for an engine that does not draft."""
+    if spec is None:
+        return None
+    return hashlib.sha256(canonical_json(_plain(spec.config))).hexdigest()
+
+
+def sampled_identity(engine_id: str, drafting: str | None) -> str:
+    """The engine identity a sampled row is keyed with: ``engine_id`` and the drafting config."""
+    if drafting is None:
+        return engine_id
+    return hashlib.sha256(f"{engine_id}\0drafting:{drafting}".encode()).hexdigest()
 
 
 def row_key(engine_id: str, prompt_token_ids: list[int], params: Any) -> str | None:
@@ -344,17 +361,19 @@ class ResponseCache:
     ``write``: False reads only. ``truncate`` (with the engine's ``tokenizer``): also keep each
     row's answer under its :func:`family_key` and serve a row with a smaller ``max_tokens`` from it
     (:func:`truncated`); only for an engine with batch-invariant numerics and no drafter, which
-    :meth:`for_llm` checks. Thread-safe counters; :meth:`flush` waits for the writes."""
+    :meth:`for_llm` checks. ``drafting``: the engine's :func:`drafting_identity`, in sampled rows'
+    keys only. Thread-safe counters; :meth:`flush` waits for the writes."""
 
     def __init__(self, url: str, engine_id: str, *, verify: float = 0.0, verify_seed: int = 0,
                  storage_options: dict[str, Any] | None = None, write: bool = True, truncate: bool = False,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, drafting: str | None = None) -> None:
         if not 0.0 <= verify <= 1.0:
             raise ValueError(f"the response cache's verify fraction must be in [0, 1], got {verify}")
         self.url = url
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.layout = ObjectLayout(fs, root)
-        self.engine_id = engine_id
+        self.engine_id = engine_id  # greedy rows' (drafting never changes them)
+        self.sampled_engine_id = sampled_identity(engine_id, drafting)  # sampled rows'
         self.verify = verify
         self.verify_seed = verify_seed
         self.write = write
@@ -375,6 +394,7 @@ class ResponseCache:
         provable = bool(llm.engine_config.batch_invariant) and getattr(llm, "spec", None) is None
         kwargs.setdefault("truncate", provable)
         kwargs.setdefault("tokenizer", llm.tokenizer)
+        kwargs.setdefault("drafting", drafting_identity(getattr(llm, "spec", None)))  # a LazyEngine's too, unbuilt
         # A LazyEngine knows its identity without being built (ops/decode/lazy_engine.py).
         engine_id = llm.__dict__.get("engine_id") or engine_identity(llm)
         return cls(url, engine_id, **kwargs)
@@ -383,7 +403,8 @@ class ResponseCache:
         return f"{self.layout.root}/responses/v1/{key[:2]}/{key}.json"
 
     def key(self, job: Job) -> str | None:
-        key = row_key(self.engine_id, job.prompt_token_ids, job.sampling)
+        engine_id = self.engine_id if job.sampling.greedy else self.sampled_engine_id
+        key = row_key(engine_id, job.prompt_token_ids, job.sampling)
         if key is not None and self.truncate:
             family = family_key(self.engine_id, job.prompt_token_ids, job.sampling)
             if family is not None:
