@@ -84,7 +84,6 @@ import gzip
 import itertools
 import json
 import logging
-import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -110,6 +109,7 @@ from kvbatch.io.request_fields import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGIT_BIAS,  # noqa: F401 - ops.prefill.manifests reads it from this module
     MAX_STOP_SEQUENCES,
     MISSING,
     RESPONSES_URL,
@@ -122,6 +122,7 @@ from kvbatch.io.request_fields import (
     _short,
     _utf8_encodable,
     json_type,
+    logit_bias_ids,
     parse_response_format,
 )
 from kvbatch.io.tools import TOOL_FIELDS, history_message, parse_tools
@@ -287,30 +288,6 @@ class _ChatBody(BaseModel):
     @classmethod
     def _logit_bias(cls, v: Any) -> Any:
         return v if v is None else logit_bias_ids(v)
-
-
-MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
-_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
-
-
-def logit_bias_ids(v: Any) -> dict[int, float]:
-    """``logit_bias`` (an object of token-id strings to numbers in [-100, 100], at most 300) with
-    integer keys; ValueError naming the first bad key or value (ranges against the vocabulary are
-    the tokenizer's: ops.jobs)."""
-    if not isinstance(v, dict):
-        raise ValueError(f"must be an object of token ids to biases, got {json_type(v)}")
-    if len(v) > MAX_LOGIT_BIAS:
-        raise ValueError(f"has {len(v)} entries, at most {MAX_LOGIT_BIAS}")
-    out: dict[int, float] = {}
-    for key, bias in v.items():
-        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)) or int(key) > INT32_MAX:
-            raise ValueError(f"key {_short(key)} is not a token id (a string of an integer from 0 to {INT32_MAX})")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise ValueError(f"the bias of token {key} must be a number in [-100, 100], got {_short(bias)}")
-        if int(key) in out:
-            raise ValueError(f"token {int(key)} is given twice")
-        out[int(key)] = float(bias)
-    return out
 
 
 class _BatchEnvelope(BaseModel):

@@ -27,7 +27,9 @@ the answer refused, fields that change nothing accepted, unknown fields warned a
   (one line, one answer) cannot hold: a 400 saying to send one row per prompt. ``max_tokens``
   defaults to 16 as at OpenAI (not the reader's default); ``temperature``, ``top_p``, ``stop``,
   ``seed``; ``logprobs`` (0 to 5: the sampled token's logprob and that many alternatives, written in
-  the completions shape by :mod:`kvbatch.io.batch_output`). ``echo`` (the prompt's text and logprobs
+  the completions shape by :mod:`kvbatch.io.batch_output`); ``logit_bias``, ``presence_penalty`` and
+  ``frequency_penalty`` under a chat row's rules, into the same sampling fields (the penalties count
+  the output's tokens, never the prompt's). ``echo`` (the prompt's text and logprobs
   in the answer) and ``suffix`` (text after the insertion point) are refused: kvbatch computes
   neither prompt logprobs nor fill-in-the-middle.
 
@@ -59,6 +61,7 @@ from kvbatch.io.request_fields import (
     _short,
     _utf8_encodable,
     json_type,
+    logit_bias_ids,
     parse_response_format,
 )
 from kvbatch.io.tools import TOOL_FIELDS, add_responses_item, parse_responses_tools
@@ -112,9 +115,6 @@ COMPLETIONS_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "best_of": ("only best_of=1 is supported", (1,)),
     "echo": ("echo is not supported: the answer holds the completion only", (False,)),
     "suffix": ("suffix (insertion) is not supported", ("",)),
-    "logit_bias": ("logit_bias is not supported", ({},)),
-    "presence_penalty": ("presence_penalty is not supported (only 0)", (0,)),
-    "frequency_penalty": ("frequency_penalty is not supported (only 0)", (0,)),
 }
 COMPLETIONS_IGNORED = frozenset({"user", "stream", "stream_options"})
 
@@ -162,11 +162,20 @@ class _CompletionsBody(BaseModel):
     stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETIONS_LOGPROBS)
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    # As a chat row's (io.batch_requests._ChatBody): the same rules, the same SamplingParams fields.
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_str_to_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v: Any) -> Any:
+        return v if v is None else logit_bias_ids(v)
 
 
 class _ResponsesEnvelope(BaseModel):
@@ -400,5 +409,8 @@ def read_endpoint_row(obj: dict[str, Any], *, default_max_tokens: int, strict: b
                            body.model, unknown)
     return EndpointRow([], read["prompt"], {"max_tokens": body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS,
                                             "temperature": temperature, "top_p": top_p, "seed": body.seed,
-                                            "stop": tuple(body.stop or ()), "logprobs": body.logprobs},
+                                            "stop": tuple(body.stop or ()), "logprobs": body.logprobs,
+                                            "logit_bias": tuple(sorted((body.logit_bias or {}).items())),
+                                            "presence_penalty": float(body.presence_penalty or 0.0),
+                                            "frequency_penalty": float(body.frequency_penalty or 0.0)},
                        body.model, unknown, n=body.n or 1)

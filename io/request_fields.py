@@ -2,7 +2,8 @@
 :mod:`kvbatch.io.endpoints` for ``/v1/responses`` and ``/v1/completions`` rows): the batch URLs and
 integer bounds, strict UTF-8 text, JSON type names and short quotes of a bad value for reasons a JSON
 author understands, a pydantic error as (dotted field, reason), the neutral value of a refused field,
-and ``response_format`` as the engine's canonical string. No request type lives here: both readers
+``response_format`` as the engine's canonical string, and ``logit_bias`` with integer keys (chat and
+completions rows take it alike). No request type lives here: both readers
 build on it, so neither has to import the other.
 """
 
@@ -119,3 +120,27 @@ def _short(v: Any, limit: int = 60) -> str:
     except (TypeError, ValueError):
         s = repr(v)
     return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
+def logit_bias_ids(v: Any) -> dict[int, float]:
+    """``logit_bias`` (an object of token-id strings to numbers in [-100, 100], at most 300) with
+    integer keys; ValueError naming the first bad key or value (ranges against the vocabulary are
+    the tokenizer's: ops.jobs)."""
+    if not isinstance(v, dict):
+        raise ValueError(f"must be an object of token ids to biases, got {json_type(v)}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"has {len(v)} entries, at most {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key)) or int(key) > INT32_MAX:
+            raise ValueError(f"key {_short(key)} is not a token id (a string of an integer from 0 to {INT32_MAX})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ValueError(f"the bias of token {key} must be a number in [-100, 100], got {_short(bias)}")
+        if int(key) in out:
+            raise ValueError(f"token {int(key)} is given twice")
+        out[int(key)] = float(bias)
+    return out

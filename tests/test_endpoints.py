@@ -184,6 +184,18 @@ def test_completions_fields_map_to_sampling() -> None:
     s = got.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.stop, s.seed, s.logprobs) == (9, 0.3, 0.5, ("\n",), -4, 3)
     assert completions({"prompt": "x", "stop": ["a", "b"]}).sampling.stop == ("a", "b")
+    assert (s.logit_bias, s.presence_penalty, s.frequency_penalty) == ((), 0.0, 0.0)  # neutral values
+
+
+def test_completions_bias_and_penalties_are_a_chat_rows_sampling_fields() -> None:
+    knobs = {"logit_bias": {"50": 100, "7": -2.5}, "presence_penalty": 0.5, "frequency_penalty": -2}
+    got = completions({"prompt": "x", **knobs}, strict=True)
+    chat = parse_request_line(line("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                            **knobs}), 4)
+    assert isinstance(got, ChatRequest) and isinstance(chat, ChatRequest)
+    assert got.sampling.logit_bias == chat.sampling.logit_bias == ((7, -2.5), (50, 100.0))
+    assert (got.sampling.presence_penalty, got.sampling.frequency_penalty) == (0.5, -2.0)
+    assert (chat.sampling.presence_penalty, chat.sampling.frequency_penalty) == (0.5, -2.0)
 
 
 COMPLETIONS_BAD = [
@@ -203,6 +215,15 @@ COMPLETIONS_BAD = [
     ({"prompt": "x", "stop": [""]}, "body.stop.0", "at least 1 character"),
     ({"prompt": "x", "seed": 1.5}, "body.seed", "valid integer"),
     ({"prompt": "x", "temperature": -1}, "body.temperature", "greater than or equal to 0"),
+    # logit_bias and the penalties: a chat row's rules (tests/test_penalties.py), the same reasons.
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "body.logit_bias", 'key "abc" is not a token id'),
+    ({"prompt": "x", "logit_bias": {"5": 100.5}}, "body.logit_bias",
+     "the bias of token 5 must be a number in [-100, 100], got 100.5"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "body.logit_bias", "has 301 entries, at most 300"),
+    ({"prompt": "x", "logit_bias": [1]}, "body.logit_bias", "must be an object of token ids to biases, got array"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "body.presence_penalty", "less than or equal to 2"),
+    ({"prompt": "x", "frequency_penalty": "1"}, "body.frequency_penalty", "valid number"),
+    ({"prompt": "x", "presence_penalty": False}, "body.presence_penalty", "valid number"),
 ]
 
 
@@ -214,8 +235,7 @@ def test_each_bad_completions_field_is_a_400_naming_it(body: dict, field: str, r
 
 
 COMPLETIONS_REFUSED_SAMPLES: dict[str, Any] = {
-    "best_of": 3, "echo": True, "suffix": "def f():", "logit_bias": {"50256": -100},
-    "presence_penalty": 0.5, "frequency_penalty": 1,
+    "best_of": 3, "echo": True, "suffix": "def f():",
 }
 
 

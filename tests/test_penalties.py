@@ -354,6 +354,41 @@ def test_generate_honours_logit_bias(tiny_chat, chat_llm, tmp_path):
     assert err["field"] == "body.logit_bias" and "token 999999 is outside the model's vocabulary" in err["message"]
 
 
+def test_generate_honours_bias_and_penalties_on_completions_rows(tiny_chat, chat_llm, tmp_path):
+    """A ``/v1/completions`` row takes the chat row's fields: +100 forces a token, the penalties give
+    the answer of the chat row whose rendered prompt is the completions row's token ids, and an id
+    outside the vocabulary is the same 400."""
+    llm = chat_llm
+    word = llm.tokenizer.encode_chat([{"role": "user", "content": "banana"}])[-3]
+    messages = [{"role": "user", "content": "Hello"}]
+    ids = llm.tokenizer.encode_chat(messages)  # the chat row's prompt, given raw to the completions rows
+    penalties = {"presence_penalty": 2, "frequency_penalty": 2}
+    greedy = {"max_tokens": 8, "temperature": 0}
+
+    def row(cid: str, url: str, body: dict) -> dict:
+        return {"custom_id": cid, "method": "POST", "url": url, "body": {"model": "tiny", **greedy, **body}}
+
+    rows = [row("chat", "/v1/chat/completions", {"messages": messages, **penalties}),
+            row("penalized", "/v1/completions", {"prompt": ids, **penalties}),
+            row("free", "/v1/completions", {"prompt": ids}),
+            row("biased", "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "logit_bias": {str(word): 100}}),
+            row("outside", "/v1/completions", {"prompt": "Hello", "logit_bias": {"999999": 5}})]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["generate", "--model", str(tiny_chat), "--input", str(src), "--output", str(out)])
+    lines = {o["custom_id"]: o for o in map(json.loads, out.read_text().splitlines())}
+    assert code == 1 and len(lines) == 5  # the rejected row makes the exit status 1
+
+    def text(cid: str) -> str:
+        return lines[cid]["response"]["body"]["choices"][0]["text"]
+
+    assert text("biased") == llm.tokenizer.decode([word] * 4)
+    chat = lines["chat"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert text("penalized") == chat and text("penalized") != text("free")  # the penalties changed it
+    err = lines["outside"]["error"]
+    assert err["field"] == "body.logit_bias" and "token 999999 is outside the model's vocabulary" in err["message"]
+
+
 # ----------------------------------------------------------------------------- the pipeline's stages
 
 @pytest.mark.slow
