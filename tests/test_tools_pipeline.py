@@ -104,6 +104,80 @@ def test_ingest_rejects_a_tool_whose_parameters_cannot_compile(tmp_path):
     assert bad["field"] == "body.tools.0.function.parameters" and "'broken'" in bad["reason"]
 
 
+def test_ingest_parquet_carries_tools_rows(tmp_path):
+    """A Parquet night's ``tools`` (JSON text), ``tool_choice`` (a mode, or a named
+    function as JSON text) and ``parallel_tool_calls`` columns: each row's prompts-table record is the
+    one its JSONL chat row gives; tools that are not JSON, or cannot compile, are rejects naming them."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    rows = [("required", json.dumps(TOOLS), "required", False), ("named", json.dumps(TOOLS), json.dumps(named), None),
+            ("auto", json.dumps(TOOLS), None, None), ("plain", None, None, None),
+            ("not-json", "[{oops", "auto", None), ("broken", json.dumps(BAD_TOOLS), None, None)]
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [r[0] for r in rows], "q": [MESSAGES[0]["content"]] * len(rows),
+                             "tools": [r[1] for r in rows], "tool_choice": [r[2] for r in rows],
+                             "parallel_tool_calls": pa.array([r[3] for r in rows], pa.bool_()),
+                             "model": ["m"] * len(rows), "max_tokens": [8] * len(rows),
+                             "temperature": [0.0] * len(rows)}), src)
+    report = ingest(str(src), str(tmp_path / "p.parquet"), str(tmp_path / "r.parquet"),
+                    columns={"custom_id": "id", "prompt": "q"})
+    assert (report.valid, report.rejected) == (4, 2)
+    got = {r["custom_id"]: r for r in pq.read_table(tmp_path / "p.parquet").to_pylist()}
+    for cid, tools, choice, parallel in rows[:4]:
+        body = {k: v for k, v in (("tools", TOOLS if tools else None), ("parallel_tool_calls", parallel),
+                                  ("tool_choice", named if cid == "named" else choice)) if v is not None}
+        want = request_record(parse_request_line(_line(cid, **body).encode(), 1))
+        assert {**got[cid], "row": 1} == want, cid
+    assert got["required"]["response_format"] != got["auto"]["response_format"] != got["named"]["response_format"]
+    assert got["plain"]["response_format"] is None
+    rejects = {r["custom_id"]: (r["field"], r["reason"]) for r in pq.read_table(tmp_path / "r.parquet").to_pylist()}
+    assert rejects["not-json"][0] == "tools" and rejects["not-json"][1].startswith("malformed JSON")
+    assert rejects["broken"][0].endswith("tools.0.function.parameters") and "'broken'" in rejects["broken"][1]
+
+
+CALL_W = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+CALL_T = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+def test_results_row_keeps_every_choices_tool_calls():
+    """A tools row of n choices: ``choices[i].tool_calls`` are choice i's calls with the ids of its output
+    line's ``choices[i].message.tool_calls``; the top-level ``tool_calls`` stay choice 0's, as ``text`` is."""
+    import dataclasses
+
+    from kvbatch.engine.runtime.llm import Result
+    from kvbatch.ops.decode.generate import answer_line
+    from kvbatch.ops.decode.loop import Answered
+    from kvbatch.ops.decode.shard import RESULTS_SCHEMA, results_row
+    from kvbatch.ops.jobs import to_engine_sampling
+
+    req = dataclasses.replace(_request("required"), n=3)
+    job = Job(0, req.custom_id, req.line_no, [1, 2, 3], to_engine_sampling(req), n=3)
+    texts = [CALL_W, CALL_W + "\n" + CALL_T, "no call, cut"]
+    results = [Result(f"0.{i}", [1, 2, 3], [5] * (i + 1), t, "length" if i == 2 else "stop", 0, 0.0, None)
+               for i, t in enumerate(texts)]
+    answered = Answered(job, results, [False] * 3)
+    row = results_row(answered)
+    table = pa.Table.from_pylist([row], RESULTS_SCHEMA)  # the row fits the table's schema
+    back = table.to_pylist()[0]
+    assert [len(c["tool_calls"] or ()) for c in back["choices"]] == [1, 2, 0]
+    assert back["choices"][2]["tool_calls"] is None  # cut by max_tokens: text, as in the output line
+    assert back["tool_calls"] == back["choices"][0]["tool_calls"]
+    assert [c["name"] for c in back["choices"][1]["tool_calls"]] == ["get_weather", "get_time"]
+
+    class _NoTokenizer:  # answer_line reads the engine for logprobs and drafts only
+        tokenizer = None
+        spec = None
+
+    line = answer_line(_NoTokenizer(), answered, "m")  # the output line generate writes for the row
+    for i, choice in enumerate(line["response"]["body"]["choices"]):
+        calls = choice["message"].get("tool_calls")
+        want = None if calls is None else [{"id": c["id"], **c["function"]} for c in calls]
+        assert back["choices"][i]["tool_calls"] == want, i
+    ids = [c["id"] for c in back["choices"][0]["tool_calls"] + back["choices"][1]["tool_calls"]]
+    assert len(set(ids)) == 3  # each choice's calls have their own ids
+    one = results_row(Answered(dataclasses.replace(job, n=1), results[:1], [False]))
+    assert one["choices"] is None and len(one["tool_calls"]) == 1
+
+
 @pytest.mark.slow
 def test_pipeline_steps_answer_tool_rows_with_tool_calls(models, tmp_path):
     """A ``tool_choice: required`` row comes back with calls that validate against their tool's

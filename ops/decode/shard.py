@@ -16,7 +16,9 @@ the prompt once: ``text``, ``output_token_ids`` and ``finish_reason`` are choice
 latencies are the lead choice's (:meth:`~kvbatch.ops.decode.loop.Answered.lead`), and ``choices``
 lists every choice in order (null for a row of one). ``tool_calls`` (a row with tools whose answer
 called them, docs/tools.md; null otherwise) holds choice 0's calls as its output line's
-``message.tool_calls`` has them (:func:`tool_calls_column`), ``text`` the answer as generated.
+``message.tool_calls`` has them (:func:`tool_calls_column`), ``text`` the answer as generated; each
+entry of ``choices`` has its own choice's ``tool_calls`` the same way (the ids of that choice's
+``choices[i].message.tool_calls``), so a row of n choices keeps every choice's calls.
 Decode writes as it goes: each rank commits its results as part files every ``checkpoint_rows`` results, and a re-run after a
 crash resumes from them (:mod:`kvbatch.ops.decode.checkpoint`); the shard's ``part.parquet`` is
 then committed whole, atomically, from the parts (merged in manifest order, which is the shard's
@@ -51,6 +53,8 @@ from kvbatch.ops.jobs import Job, Rejected
 from kvbatch.ops.prefill.manifests import manifest_jobs, read_manifests
 from kvbatch.ops.results.metrics import ProgressMeter
 
+# A tools row's calls in one answer: each call (id, name, arguments as JSON text); null: none.
+TOOL_CALLS_TYPE = pa.list_(pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())]))
 RESULTS_SCHEMA = pa.schema([
     ("row", pa.int64()),
     ("custom_id", pa.string()),
@@ -69,11 +73,11 @@ RESULTS_SCHEMA = pa.schema([
     ("spec_draft_tokens", pa.int64()),
     ("spec_accepted_tokens", pa.int64()),
     ("spec_target_steps", pa.int64()),
-    # A row of n > 1 choices: each choice in order (null for a row of one choice).
+    # A row of n > 1 choices: each choice in order (null for a row of one choice), its calls too.
     ("choices", pa.list_(pa.struct([("text", pa.string()), ("output_token_ids", pa.list_(pa.int32())),
-                                    ("finish_reason", pa.string())]))),
-    # A row with tools whose answer called them: each call (id, name, arguments as JSON text).
-    ("tool_calls", pa.list_(pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())]))),
+                                    ("finish_reason", pa.string()), ("tool_calls", TOOL_CALLS_TYPE)]))),
+    # A row with tools whose answer called them: choice 0's calls.
+    ("tool_calls", TOOL_CALLS_TYPE),
 ])
 SPEC_FIELDS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_target_steps")
 
@@ -90,19 +94,22 @@ def results_row(answered: Answered) -> dict[str, Any]:
         "max_tokens": job.sampling.max_tokens, "ttft_s": lead.ttft_s, "tpot_s": lead.tpot_s,
         **{f: getattr(totals, f, None) for f in SPEC_FIELDS},
         "choices": None if len(answered.choices) == 1 else [
-            {"text": r.text, "output_token_ids": r.output_token_ids, "finish_reason": r.finish_reason}
-            for r in answered.choices],
+            {"text": r.text, "output_token_ids": r.output_token_ids, "finish_reason": r.finish_reason,
+             "tool_calls": tool_calls_column(job, r.text, r.finish_reason, choice=i)}
+            for i, r in enumerate(answered.choices)],
         "tool_calls": tool_calls_column(job, first.text, first.finish_reason),
     }
 
 
-def tool_calls_column(job: Job, text: str, finish_reason: str) -> list[dict[str, str]] | None:
-    """The calls of a tools row's answer as its output line gives them (the same ids, names and
-    arguments: :func:`~kvbatch.io.batch_output.result_line` parses them), or None (no tools, no calls)."""
+def tool_calls_column(job: Job, text: str, finish_reason: str, choice: int = 0) -> list[dict[str, str]] | None:
+    """The calls of a tools row's answer (its choice ``choice``) as its output line gives them (the
+    same ids, names and arguments: :func:`~kvbatch.io.batch_output.result_line` parses them, and
+    hashes the choice into the ids), or None (no tools, no calls)."""
     if not is_tools_spec(job.sampling.response_format):
         return None
     line = result_line(job.custom_id, job.line_no, text=text, finish_reason=finish_reason, prompt_tokens=0,
-                       completion_tokens=0, model="", response_format=job.sampling.response_format)
+                       completion_tokens=0, model="", response_format=job.sampling.response_format,
+                       choice=choice)
     calls = line["response"]["body"]["choices"][0]["message"].get("tool_calls")
     return None if calls is None else [
         {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]

@@ -84,7 +84,11 @@ ID_SCHEMA = pa.schema([("row", pa.int64()), ("custom_id", pa.string())])
 # Plain chat fields a Parquet column can be mapped to (target name -> what the validator reads).
 PARQUET_TARGETS = ("custom_id", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                    "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "ignore_eos",
-                   "response_format")
+                   "response_format", "tools", "tool_choice", "parallel_tool_calls")
+# Targets a string column may hold as JSON text (a table's usual way to store an object whose shape
+# varies by row: a schema, a list of tools whose ``parameters`` differ). ``tool_choice`` is JSON text
+# only when it spells an object: ``auto``, ``required`` and ``none`` are its plain strings.
+JSON_TEXT_TARGETS = ("response_format", "tools", "tool_choice")
 # The field a chat row's schema the grammar engine refuses is rejected under (as ops.jobs names it;
 # a /v1/responses row's: io.endpoints.schema_field).
 SCHEMA_FIELD = schema_field(CHAT_COMPLETIONS_URL)
@@ -150,7 +154,11 @@ def read_parquet_requests(
     ``messages``, ``max_tokens``...) to the file's column name; unmapped fields use their own
     name when the file has such a column. A ``prompt`` target takes a plain string column and
     makes it a single user message. A ``response_format`` column holds the object, or its JSON
-    text (a string column is how most tables hold a schema)."""
+    text (a string column is how most tables hold a schema); so does a ``tools`` column (the chat
+    ``tools`` array, best as JSON text: a struct column gives every row every tool field, null where
+    a row has none) and a ``tool_choice`` column (a mode string, or a named function as an object or
+    its JSON text). ``parallel_tool_calls`` is a boolean column. A row with tools is read as a chat
+    row with them (:mod:`kvbatch.io.tools`)."""
     mapping = dict(columns or {})
     unknown = sorted(set(mapping) - set(PARQUET_TARGETS) - {"prompt"})
     if unknown:
@@ -175,13 +183,7 @@ def read_parquet_requests(
                 if "prompt" in obj:
                     prompt = obj.pop("prompt")
                     obj.setdefault("messages", [{"role": "user", "content": prompt}])
-                item: ChatRequest | RejectedRow | None = None
-                if isinstance(obj.get("response_format"), str):
-                    try:
-                        obj["response_format"] = json.loads(obj["response_format"])
-                    except ValueError as exc:
-                        cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
-                        item = RejectedRow(row_no, cid, "response_format", f"malformed JSON: {exc}")
+                item = _json_text_fields(obj, row_no)
                 if item is None:
                     try:
                         line = json.dumps(obj, ensure_ascii=False, allow_nan=True).encode("utf-8", "surrogatepass")
@@ -195,6 +197,21 @@ def read_parquet_requests(
                     if first != row_no:
                         item = RejectedRow(row_no, cid, "custom_id", f"duplicate of row {first}")
                 yield item
+
+
+def _json_text_fields(obj: dict[str, Any], row_no: int) -> RejectedRow | None:
+    """Parse, in place, the :data:`JSON_TEXT_TARGETS` a row holds as JSON text; the first that is not
+    JSON is the row's reject, naming that field (a plain row's field, as the validator names them)."""
+    for target in JSON_TEXT_TARGETS:
+        text = obj.get(target)
+        if not isinstance(text, str) or (target == "tool_choice" and not text.lstrip().startswith("{")):
+            continue
+        try:
+            obj[target] = json.loads(text)
+        except ValueError as exc:
+            cid = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
+            return RejectedRow(row_no, cid, target, f"malformed JSON: {exc}")
+    return None
 
 
 def read_dataset(
