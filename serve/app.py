@@ -37,7 +37,7 @@ def _owner_dependency(keys: ApiKeys | None) -> Callable[[Request], str]:
     return owner
 
 
-# A request field this server does not act on (OpenAI's ``output_expires_after``, say) is refused,
+# A request field this server does not act on (one OpenAI adds after this server was written, say) is refused,
 # never ignored: the caller would believe it took effect.
 UNSUPPORTED_FIELD = "not supported by this server (a field it does not act on is refused, not ignored)"
 

@@ -3,6 +3,10 @@
 An upload is streamed to the store while it is counted, so the limits (bytes and, for
 ``purpose=batch``, request lines) are checked without holding the file in memory; an upload
 over a limit is a 400 that says which limit, and leaves nothing behind.
+
+A file with an ``expires_at`` (a batch's output and error files, under the batch's
+``output_expires_after``) is gone from that second on: 404 on every route, out of the listings,
+whether or not :meth:`FileService.sweep_expired` has deleted its bytes yet.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
 from kvbatch.serve.errors import ApiError, not_found
@@ -77,18 +81,23 @@ class JsonlProbe:
 
 
 class FileService:
-    def __init__(self, store: StateStore, settings: ServeSettings) -> None:
+    def __init__(self, store: StateStore, settings: ServeSettings, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.settings = settings
+        self.clock = clock  # seconds since the epoch; tests pass their own, to expire files without waiting
         self._lock = threading.Lock()
         self._files: dict[str, dict[str, Any]] = {r["object"]["id"]: r for r in store.records("files")}
 
     # -- records
 
+    def _expired(self, rec: dict[str, Any]) -> bool:
+        expires_at = rec["object"].get("expires_at")
+        return expires_at is not None and self.clock() >= expires_at
+
     def _record(self, owner: str, file_id: str) -> dict[str, Any]:
         with self._lock:
             rec = self._files.get(file_id)
-        if rec is None or rec["owner"] != owner:
+        if rec is None or rec["owner"] != owner or self._expired(rec):
             raise not_found("file", file_id)
         return rec
 
@@ -104,17 +113,29 @@ class FileService:
 
     def list(self, owner: str, purpose: str | None = None) -> list[FileObject]:
         with self._lock:
-            recs = [r for r in self._files.values() if r["owner"] == owner]
+            recs = [r for r in self._files.values() if r["owner"] == owner and not self._expired(r)]
         recs.sort(key=lambda r: (r["object"]["created_at"], r.get("created_ns", 0)), reverse=True)  # newest first
         return [FileObject(**r["object"]) for r in recs if not purpose or r["object"]["purpose"] == purpose]
 
     def delete(self, owner: str, file_id: str) -> dict[str, Any]:
         self._record(owner, file_id)
+        self._remove(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def _remove(self, file_id: str) -> None:
         with self._lock:
             self._files.pop(file_id, None)
         self.store.delete("files", f"{file_id}.json")  # the record first: no record, no file
         self.store.delete("files", f"{file_id}.jsonl")
-        return {"id": file_id, "object": "file", "deleted": True}
+
+    def sweep_expired(self) -> list[str]:
+        """Delete every file past its ``expires_at`` (already unreachable: this frees the store);
+        returns their ids."""
+        with self._lock:
+            gone = [i for i, r in self._files.items() if self._expired(r)]
+        for file_id in gone:
+            self._remove(file_id)
+        return gone
 
     def read(self, owner: str, file_id: str) -> Iterator[bytes]:
         self._record(owner, file_id)
@@ -165,17 +186,21 @@ class FileService:
             raise
         return self.add(owner, file_id, filename, purpose, size, lines)
 
-    def add(self, owner: str, file_id: str, filename: str, purpose: str, size: int, lines: int) -> FileObject:
-        """Record a file whose content is already committed at ``files/<id>.jsonl``."""
-        obj = FileObject(id=file_id, bytes=size, created_at=int(time.time()), filename=filename[:255],
-                         purpose=purpose)
+    def add(self, owner: str, file_id: str, filename: str, purpose: str, size: int, lines: int,
+            expires_after_s: int | None = None) -> FileObject:
+        """Record a file whose content is already committed at ``files/<id>.jsonl``; one given
+        ``expires_after_s`` expires that many seconds after its ``created_at``."""
+        now = int(self.clock())
+        obj = FileObject(id=file_id, bytes=size, created_at=now, filename=filename[:255], purpose=purpose,
+                         expires_at=None if expires_after_s is None else now + expires_after_s)
         rec = {"object": obj.model_dump(), "owner": owner, "lines": lines, "created_ns": time.time_ns()}
         self.store.put_record("files", file_id, rec)
         with self._lock:
             self._files[file_id] = rec
         return obj
 
-    def write_output(self, owner: str, filename: str, lines: Iterable[bytes]) -> FileObject | None:
+    def write_output(self, owner: str, filename: str, lines: Iterable[bytes],
+                     expires_after_s: int | None = None) -> FileObject | None:
         """A batch's output or error file from its lines; None when there are none (OpenAI then
         leaves ``output_file_id`` / ``error_file_id`` null)."""
         file_id = "file-" + uuid.uuid4().hex[:24]
@@ -193,4 +218,4 @@ class FileService:
         except BaseException:
             sink.abort()
             raise
-        return self.add(owner, file_id, filename, "batch_output", size, n)
+        return self.add(owner, file_id, filename, "batch_output", size, n, expires_after_s)

@@ -25,8 +25,10 @@ WORKER_MODULE = "kvbatch.serve.worker"
 
 
 class Launcher(Protocol):
-    def launch(self, batch_id: str, input_url: str, work_url: str, chunk_rows: int) -> dict[str, Any]:
-        """Start (or queue) the run; returns the handle the batch record keeps."""
+    def launch(self, batch_id: str, input_url: str, work_url: str, chunk_rows: int,
+               endpoint: str | None = None) -> dict[str, Any]:
+        """Start (or queue) the run; returns the handle the batch record keeps. ``endpoint``: the
+        batch's, which every row's ``url`` must name."""
 
     def alive(self, handle: dict[str, Any] | None) -> bool:
         """Whether the run of ``handle`` may still be going (when unsure: True)."""
@@ -62,8 +64,10 @@ class LocalLauncher:
                                               start_new_session=True)
         return self._proc
 
-    def launch(self, batch_id: str, input_url: str, work_url: str, chunk_rows: int) -> dict[str, Any]:
-        job = {"batch_id": batch_id, "input_url": input_url, "work_url": work_url, "chunk_rows": chunk_rows}
+    def launch(self, batch_id: str, input_url: str, work_url: str, chunk_rows: int,
+               endpoint: str | None = None) -> dict[str, Any]:
+        job = {"batch_id": batch_id, "input_url": input_url, "work_url": work_url, "chunk_rows": chunk_rows,
+               "endpoint": endpoint}
         with self._lock:
             proc = self._ensure()
             assert proc.stdin is not None

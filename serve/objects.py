@@ -4,12 +4,15 @@ A File: ``id, object="file", bytes, created_at, filename, purpose, status, expir
 status_details``. A Batch: ``id, object="batch", endpoint, errors, input_file_id,
 completion_window, status, output_file_id, error_file_id, created_at, in_progress_at,
 expires_at, finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at,
-request_counts {total, completed, failed}, metadata, model, usage``.
+request_counts {total, completed, failed}, metadata, model, usage {input_tokens,
+input_tokens_details {cached_tokens}, output_tokens, output_tokens_details {reasoning_tokens},
+total_tokens}``. ``POST /v1/batches`` takes ``input_file_id, endpoint, completion_window,
+metadata, output_expires_after {anchor, seconds}``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,6 +25,9 @@ TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 ENDPOINTS = BATCH_URLS
 COMPLETION_WINDOW = "24h"
 WINDOW_S = 24 * 3600
+# OpenAI's limits on ``metadata`` and on ``output_expires_after.seconds`` (1 hour to 30 days).
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+OUTPUT_EXPIRES_MIN_S, OUTPUT_EXPIRES_MAX_S = 3600, 30 * 24 * 3600
 
 
 class FileObject(BaseModel):
@@ -54,6 +60,24 @@ class BatchErrors(BaseModel):
     data: list[BatchErrorItem] = Field(default_factory=list)
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # kvbatch's models answer without a hidden reasoning phase
+
+
+class BatchUsage(BaseModel):
+    """Tokens summed over the batch's answered rows (its output file), as each row's usage counts them."""
+
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+
 class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -77,7 +101,24 @@ class BatchObject(BaseModel):
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
     metadata: dict[str, str] | None = None
     model: str | None = None
-    usage: dict[str, Any] | None = None
+    usage: BatchUsage | None = None
+
+
+class OutputExpiresAfter(BaseModel):
+    """When a batch's output and error files expire: ``seconds`` after each file's own
+    ``created_at`` (OpenAI's only anchor; the file's creation, not the batch's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    anchor: Literal["created_at"]
+    seconds: int
+
+    @field_validator("seconds")
+    @classmethod
+    def _seconds(cls, v: int) -> int:
+        if not OUTPUT_EXPIRES_MIN_S <= v <= OUTPUT_EXPIRES_MAX_S:
+            raise ValueError(f"must be between {OUTPUT_EXPIRES_MIN_S} (1 hour) and {OUTPUT_EXPIRES_MAX_S} "
+                             f"(30 days), got {v}")
+        return v
 
 
 class CreateBatch(BaseModel):
@@ -88,6 +129,7 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: OutputExpiresAfter | None = None
 
     @field_validator("endpoint")
     @classmethod
@@ -106,11 +148,15 @@ class CreateBatch(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512.
-        if v is not None:
-            if len(v) > 16:
-                raise ValueError(f"at most 16 pairs, got {len(v)}")
-            for k, val in v.items():
-                if len(k) > 64 or len(val) > 512:
-                    raise ValueError(f"key {k[:64]!r}: keys are at most 64 characters, values at most 512")
+        if v is None:
+            return v
+        if len(v) > METADATA_PAIRS:
+            raise ValueError(f"at most {METADATA_PAIRS} pairs, got {len(v)}")
+        for k, val in v.items():
+            if len(k) > METADATA_KEY_CHARS:
+                raise ValueError(f"key {k[:METADATA_KEY_CHARS]!r}... is {len(k)} characters; keys are at most "
+                                 f"{METADATA_KEY_CHARS}")
+            if len(val) > METADATA_VALUE_CHARS:
+                raise ValueError(f"the value of key {k!r} is {len(val)} characters; values are at most "
+                                 f"{METADATA_VALUE_CHARS}")
         return v

@@ -1,5 +1,5 @@
 """The batch worker of ``kvbatch serve``: reads one job per line on stdin (``batch_id``,
-``input_url``, ``work_url``, ``chunk_rows``) and executes each as a run of the
+``input_url``, ``work_url``, ``chunk_rows``, ``endpoint``) and executes each as a run of the
 ``kvbatch_batch_api`` job in the Dagster instance of ``DAGSTER_HOME`` (an ephemeral one when
 unset), tagged ``kvbatch/batch_id``; exits when stdin closes.
 
@@ -30,7 +30,8 @@ def run_one(instance: dg.DagsterInstance, job: dict) -> bool:
                                                     statuses=[dg.DagsterRunStatus.STARTED]))
     for run in stale:
         instance.report_run_failed(run, message="its worker stopped; a new run resumes the batch")
-    config = batch_run_config(batch_id, job["input_url"], job["work_url"], int(job["chunk_rows"]))
+    config = batch_run_config(batch_id, job["input_url"], job["work_url"], int(job["chunk_rows"]),
+                              endpoint=job.get("endpoint"))
     result = defs.get_job_def(BATCH_JOB).execute_in_process(run_config=config, instance=instance,
                                                             tags={BATCH_TAG: batch_id}, raise_on_error=False)
     return result.success

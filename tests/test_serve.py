@@ -226,6 +226,10 @@ def test_a_batch_runs_to_completion_like_generate(server, tiny_chat, tmp_path):
     assert all(0 <= c <= p for c, p in zip(cached, prompt, strict=True)) and max(cached) > 0
     assert batch.usage.input_tokens == sum(prompt)
     assert batch.usage.input_tokens_details.cached_tokens == sum(cached)
+    completion = [o["response"]["body"]["usage"]["completion_tokens"] for o in out]
+    assert batch.usage.output_tokens == sum(completion) > 0
+    assert batch.usage.output_tokens_details.reasoning_tokens == 0
+    assert batch.usage.total_tokens == sum(prompt) + sum(completion)
 
     # The same file through `kvbatch generate` with the same model: the same lines.
     gen = tmp_path / "gen.jsonl"
@@ -320,6 +324,31 @@ def test_each_refused_request_field_is_a_400_naming_it(server, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_row_whose_url_is_not_the_batchs_endpoint_is_its_400(server, tmp_path):
+    """Every row of a batch must be for the batch's endpoint (OpenAI's rule): a `/v1/completions`
+    row in a chat batch, or a chat row in a `/v1/completions` batch, is that row's 400 in the error
+    file, field `url`, naming both; the batch's other rows are answered."""
+    client = server.client(KEY_A)
+    other = json.dumps({"custom_id": "other", "method": "POST", "url": "/v1/completions",
+                        "body": {"prompt": "Hello", "max_tokens": 3}})
+    for endpoint, rows, answered, refused in [
+            ("/v1/chat/completions", [_row("chat"), other], "chat", ("other", "/v1/completions")),
+            ("/v1/completions", [_row("chat"), other], "other", ("chat", "/v1/chat/completions"))]:
+        batch = client.batches.create(input_file_id=_upload(client, tmp_path / "in.jsonl", rows), endpoint=endpoint,
+                                      completion_window="24h")
+        batch = _wait(client, batch.id, _done)
+        assert batch.status == "completed", batch
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+        assert [o["custom_id"] for o in _lines(client, batch.output_file_id)] == [answered]
+        (err,) = _lines(client, batch.error_file_id)
+        cid, url = refused
+        assert err["custom_id"] == cid and err["response"]["status_code"] == 400
+        assert err["error"]["field"] == "url"
+        line = rows.index(next(r for r in rows if json.loads(r)["custom_id"] == cid)) + 1
+        assert err["error"]["message"] == f"line {line}: url: the batch's endpoint is {endpoint}; this row's url is {url}"
+
+
+@pytest.mark.slow
 def test_limits_and_bad_requests_are_clear_400s(server, tmp_path):
     client = server.client(KEY_A)
     with pytest.raises(openai.BadRequestError, match="701 requests; the limit is 700"):
@@ -342,10 +371,10 @@ def test_limits_and_bad_requests_are_clear_400s(server, tmp_path):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="1h")
     with pytest.raises(openai.BadRequestError, match="limit must be between 1 and 100"):
         client.batches.list(limit=101)
-    with pytest.raises(openai.BadRequestError, match="output_expires_after: not supported by this server") as exc:
+    with pytest.raises(openai.BadRequestError, match="priority: not supported by this server") as exc:
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
-                              output_expires_after={"anchor": "created_at", "seconds": 3600})
-    assert exc.value.param == "output_expires_after"
+                              extra_body={"priority": "high"})
+    assert exc.value.param == "priority"
     with pytest.raises(openai.BadRequestError, match="at most 16 pairs"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
                               metadata={f"k{i}": "v" for i in range(17)})

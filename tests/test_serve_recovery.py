@@ -124,10 +124,10 @@ def test_a_cancel_while_finalizing_finalizes_also_after_an_interrupted_finalize(
     run.pipe_file(f"{work}/done.json", json.dumps({"status": "completed"}).encode())
     real_write = service.files.write_output
 
-    def dies_at_the_error_file(owner, filename, lines):
+    def dies_at_the_error_file(owner, filename, lines, **kw):
         if filename.endswith("_error.jsonl"):
             raise KeyboardInterrupt  # the server is killed in the middle of finalizing
-        return real_write(owner, filename, lines)
+        return real_write(owner, filename, lines, **kw)
 
     monkeypatch.setattr(service.files, "write_output", dies_at_the_error_file)
     with pytest.raises(KeyboardInterrupt):

@@ -89,7 +89,8 @@ class FakeLauncher:
         self.launched: list[str] = []
         self.running = True
 
-    def launch(self, batch_id: str, input_url: str, work_url: str, chunk_rows: int) -> dict[str, Any]:
+    def launch(self, batch_id: str, input_url: str, work_url: str, chunk_rows: int,
+               endpoint: str | None = None) -> dict[str, Any]:
         self.launched.append(work_url)
         return {"host": "test", "pid": len(self.launched)}
 
@@ -377,10 +378,10 @@ def test_a_finalize_interrupted_is_finished_by_the_next_server(s3, monkeypatch):
     run.pipe_file(f"{work}/done.json", json.dumps({"status": "completed"}).encode())
     real_write = service.files.write_output
 
-    def dies_at_the_error_file(owner, filename, lines):
+    def dies_at_the_error_file(owner, filename, lines, **kw):
         if filename.endswith("_error.jsonl"):
             raise KeyboardInterrupt  # the server is killed between the two files
-        return real_write(owner, filename, lines)
+        return real_write(owner, filename, lines, **kw)
 
     monkeypatch.setattr(service.files, "write_output", dies_at_the_error_file)
     with pytest.raises(KeyboardInterrupt):
