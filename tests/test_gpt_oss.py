@@ -196,12 +196,23 @@ def test_experts_go_through_the_expert_hook(tmp_path):
     assert ExpertParallelCompute.runs_biased_experts  # docs/models.md: runs expert-parallel (the test below)
     # A rank's share (--workers): the kept experts' rows of the converted weights and biases, the
     # whole checkpoint's fingerprint (every rank agrees on the cache keys).
-    whole, part = load_checkpoint(str(tmp_path)), load_expert_share(str(tmp_path), {i: [0, 2] for i in range(3)})
+    _check_share(tmp_path)
+
+
+def _check_share(folder: Path) -> None:
+    """A rank's share equals the whole load's kept experts, with its fingerprint, read one expert
+    at a time (a whole load made to fail)."""
+    from kvbatch.engine.models import expert_loading
+
+    whole = load_checkpoint(str(folder))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(expert_loading, "load_checkpoint", lambda *a, **k: pytest.fail("the share read the whole checkpoint"))
+        part = load_expert_share(str(folder), {i: [0, 2] for i in range(3)})
     assert part.expert_ids == {i: [0, 2] for i in range(3)} and part.fingerprint == whole.fingerprint
-    for i in range(3):
-        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
-            key = f"model.layers.{i}.mlp.experts.{name}"
-            assert torch.equal(part.tensors[key], whole.tensors[key][[0, 2]]), key
+    assert sorted(part.tensors) == sorted(whole.tensors)
+    for key, t in part.tensors.items():
+        want = whole.tensors[key][[0, 2]] if ".mlp.experts." in key else whole.tensors[key]
+        assert t.dtype == want.dtype and torch.equal(t, want), key
 
 
 @pytest.mark.slow
@@ -353,6 +364,7 @@ def test_mxfp4_checkpoint_loads_and_generates_as_transformers_on_its_dequantized
     ref, published = build_mxfp4_gpt_oss(tmp_path)
     ckpt = load_checkpoint(str(tmp_path))
     assert not any(n.endswith(("_blocks", "_scales")) for n in ckpt.tensors)
+    _check_share(tmp_path)  # a rank's share dequantizes its experts one by one, bit for bit the whole load's
     layer = ref.model.layers[1].mlp.experts
     gate_up = ckpt.tensors["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2 I, H]: gate rows, then up
     assert torch.equal(gate_up[:, :64], layer.gate_up_proj[:, :, 0::2].transpose(1, 2))
@@ -365,6 +377,8 @@ def test_mxfp4_checkpoint_loads_and_generates_as_transformers_on_its_dequantized
     edit_weights(tmp_path, lambda t: t.pop("model.layers.0.mlp.experts.down_proj_scales"))
     with pytest.raises(ModelLoadError, match="down_proj has no _scales"):
         load_checkpoint(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="down_proj has no _scales"):
+        load_expert_share(str(tmp_path), {0: [1]})
     assert blocks.dtype == torch.uint8
 
 
@@ -454,10 +468,12 @@ def test_reference_sinks_equal_transformers_eager_attention(fast):
     torch.testing.assert_close(whole.transpose(1, 2), want, atol=1e-6, rtol=1e-6)
 
 
-def test_sinks_and_biased_experts_take_the_reference_where_triton_would_run(tmp_path, monkeypatch):
-    """The Triton attention and MoE kernels take no sinks, expert biases or clamped SwiGLU: where they
-    would run, the dispatcher runs the reference for such calls, and a gpt-oss model's sliding layers
-    take the reference's windowed plan, not the Triton route."""
+def test_sinks_go_to_triton_and_biased_experts_to_the_reference(tmp_path, monkeypatch):
+    """Where Triton would run, attention calls with sinks take the Triton kernels, sinks passed on
+    (they take them: tests/test_triton_sinks.py), except a prefill call with a windowed reference plan
+    (gpt-oss's sliding layers, whose window only the plan holds), which the reference runs. Biased
+    experts and clamped SwiGLU run the reference (the Triton MoE kernel takes neither), and a gpt-oss
+    model's sliding layers take the reference's windowed plan, not the Triton route."""
     from types import SimpleNamespace
 
     from kvbatch.engine.models.llama import ForwardBatch, sliding_plans
@@ -466,19 +482,31 @@ def test_sinks_and_biased_experts_take_the_reference_where_triton_would_run(tmp_
     def refuse(*args, **kwargs):
         raise AssertionError("a Triton kernel ran")
 
-    fake = SimpleNamespace(paged_decode_attention=refuse, prefill_attention=refuse, fused_moe=refuse)
+    calls = []
+
+    def attention(name):
+        def kernel(*args, sinks=None, **kwargs):
+            calls.append((name, sinks))
+            return torch.zeros_like(args[0])
+        return kernel
+
+    fake = SimpleNamespace(paged_decode_attention=attention("decode"), prefill_attention=attention("prefill"),
+                           fused_moe=refuse)
     monkeypatch.setattr(dispatch, "_impl", lambda t: fake)
     monkeypatch.setattr(dispatch, "native", lambda t, bf16=False: False)
     g = torch.Generator().manual_seed(6)
     k_cache, v_cache = torch.randn(8, 4, 2, 16, generator=g), torch.randn(8, 4, 2, 16, generator=g)
     tables, sinks = torch.arange(8, dtype=torch.int32).view(2, 4), torch.randn(4, generator=g)
     q, lens = torch.randn(2, 4, 16, generator=g), torch.tensor([7, 13], dtype=torch.int32)
-    want = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, sinks=sinks)
-    torch.testing.assert_close(dispatch.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, sinks=sinks),
-                               want)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    torch.testing.assert_close(dispatch.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25, sinks=sinks),
-                               want, atol=1e-6, rtol=1e-6)
+    dispatch.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, sinks=sinks)
+    dispatch.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25, sinks=sinks)
+    assert [(name, s is sinks) for name, s in calls] == [("decode", True), ("prefill", True)]
+    plan = reference.plan_prefill(tables, cu, lens, 4, 2, WINDOW)
+    want = reference.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25, plan, sinks)
+    torch.testing.assert_close(dispatch.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.25, plan,
+                                                          sinks=sinks), want)
+    assert len(calls) == 2
     x, w_gate_up, w_down = (torch.randn(*shape, generator=g) for shape in ((3, 16), (2, 8, 16), (2, 16, 4)))
     ids, weights = torch.tensor([[0], [1], [0]]), torch.ones(3, 1)
     biased = {"gate_up_bias": torch.randn(2, 8, generator=g), "down_bias": torch.randn(2, 16, generator=g),
