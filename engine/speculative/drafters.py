@@ -131,6 +131,19 @@ class NgramDrafter:
         return n, arr[start:start + k].tolist()
 
 
+@dataclass
+class _SuffixLookup:
+    """A request's last lookup: the match for its tokens as they stood at ``num_tokens``."""
+
+    num_tokens: int
+    asked: int  # tokens asked for
+    evidence: int  # the winning source's match length (the corpus's offset by CORPUS_EVIDENCE)
+    tokens: list[int] | None  # the proposal; None while the corpus's continuation is not walked
+    # the corpus match (n, lo, hi) and prompt lookup's (n, tokens), kept until the walk
+    corpus: tuple[int, int, int] | None = None
+    ngram: tuple[int, list[int]] | None = None
+
+
 class SuffixDrafter:
     """Drafts from earlier runs' answers (``suffix.py``) beside prompt lookup; per request, per
     step, the longer match proposes (ties: the corpus, whose continuation is the most frequent of
@@ -143,9 +156,7 @@ class SuffixDrafter:
         self.index = index
         self.ngram = ngram  # a NgramDrafter: prompt lookup over the request's own tokens
         self.max_pattern = max_pattern
-        # seq -> (its num_tokens, tokens asked for, evidence, proposal or None, the corpus match
-        # (n, lo, hi) and prompt lookup's (n, tokens) while the proposal is not walked) of the last lookup
-        self._found: dict[int, tuple[int, int, int, list[int] | None, tuple | None]] = {}
+        self._found: dict[int, _SuffixLookup] = {}  # seq -> its last lookup
         self.corpus_drafts = 0  # proposals that came from the corpus (the rest from the prompt)
 
     def _lookup_once(self, seq: Sequence, k: int) -> tuple[int, list[int] | None]:
@@ -153,28 +164,28 @@ class SuffixDrafter:
         corpus matched longer and its continuation is not walked yet (:meth:`_walk`): the outlook
         of every row needs the match lengths only, and most rows of a large batch get no slot."""
         hit = self._found.get(seq.seq_id)
-        if hit is None or hit[0] != seq.num_tokens or hit[1] < k:
+        if hit is None or hit.num_tokens != seq.num_tokens or hit.asked < k:
             tokens = seq.token_ids
             ngram_n, ngram_tokens = self.ngram.match(tokens, k)
             n, lo, hi = self.index.longest_match(tokens, self.max_pattern)
             if n and n >= ngram_n:
-                hit = (seq.num_tokens, k, CORPUS_EVIDENCE + n, None, (n, lo, hi, ngram_n, ngram_tokens))
+                hit = _SuffixLookup(seq.num_tokens, k, CORPUS_EVIDENCE + n, None, (n, lo, hi), (ngram_n, ngram_tokens))
             else:
-                hit = (seq.num_tokens, k, ngram_n, ngram_tokens, None)
+                hit = _SuffixLookup(seq.num_tokens, k, ngram_n, ngram_tokens)
             self._found[seq.seq_id] = hit
-        return hit[2], hit[3]
+        return hit.evidence, hit.tokens
 
     def _walk(self, seq: Sequence) -> tuple[int, list[int]]:
         """The proposal of the request's last lookup, the corpus's continuation walked now; where
         the corpus has none (the answer ended there), prompt lookup's."""
-        stamp, k, evidence, tokens, found = self._found[seq.seq_id]
-        if tokens is None:
-            n, lo, hi, ngram_n, ngram_tokens = found
-            tokens = self.index.continuation(n, lo, hi, k)
-            if not tokens:
-                evidence, tokens = ngram_n, ngram_tokens
-            self._found[seq.seq_id] = (stamp, k, evidence, tokens, None)
-        return evidence, tokens
+        hit = self._found[seq.seq_id]
+        if hit.tokens is None:
+            assert hit.corpus is not None and hit.ngram is not None
+            hit.tokens = self.index.continuation(*hit.corpus, hit.asked)
+            if not hit.tokens:
+                hit.evidence, hit.tokens = hit.ngram
+            hit.corpus = hit.ngram = None
+        return hit.evidence, hit.tokens
 
     def outlook(self, seq: Sequence, max_len: int) -> DraftOutlook:
         # A corpus match offers up to max_len tokens (its continuation, walked if a slot is granted,
