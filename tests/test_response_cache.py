@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -293,21 +294,22 @@ def test_the_cache_on_s3(tiny_chat, tmp_path, s3, s3_endpoint, monkeypatch):
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
-    """``kv_store.response_cache`` on the decode_results asset: a second materialization of the
-    shard is served from the cache, its results equal, its metadata counting hits/misses/writes."""
+def two_pipeline_nights(tmp_path: Path, model: Path, decode_cluster=None) -> tuple[Any, int]:
+    """One day of the default pipeline on ``model`` with ``kv_store.response_cache: default``, its
+    shard's ``decode_results`` materialized twice (launched by ``decode_cluster``, in process by
+    default): the first computes and writes every row, the second is served whole from the cache,
+    its results equal, its rows marked ``cached``. The day's layout and its row count."""
     import pyarrow.parquet as pq
 
     from kvbatch.pipelines.layout import DayLayout
     from tests.pipeline_day import decode_metadata, prepared_day
 
     date = "2026-11-29"
-    tiny = build_tiny_chat_model(tmp_path / "tiny", max_positions=96)
     data = tmp_path / "requests.jsonl"
     data.write_text("".join(json.dumps({"custom_id": f"q{i}", "messages": [{"role": "user", "content": f"Say {i}."}],
                                         "max_tokens": 3, "temperature": 0}) + "\n" for i in range(4)))
     root = tmp_path / "data"
-    prepared = prepared_day(root, tiny, data, date, response_cache="default")
+    prepared = prepared_day(root, model, data, date, response_cache="default", decode_cluster=decode_cluster)
     day = DayLayout(str(root / "kvbatch"), date)  # the kvbatch pipeline's tables
     rows = pq.read_table(day.shard("shards", "0000")).num_rows
     seen, marked = [], []
@@ -321,6 +323,15 @@ def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
     assert seen[1] == seen[3]
     # The results table marks the rows the cache answered: none the first time, all the second.
     assert marked == [[False] * rows, [True] * rows]
+    return day, rows
+
+
+def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
+    """``kv_store.response_cache`` on the decode_results asset: a second materialization of the
+    shard is served from the cache, its results equal, its metadata counting hits/misses/writes."""
+    import pyarrow.parquet as pq
+
+    day, rows = two_pipeline_nights(tmp_path, build_tiny_chat_model(tmp_path / "tiny", max_positions=96))
     # Its cost row: every row at zero compute, the cache's lookups priced from the decode's own stats.
     from kvbatch.io.shard_tables import read_json
     from kvbatch.ops.results.cost import Pricing, class_tokens, shard_metrics
@@ -333,7 +344,7 @@ def test_the_pipeline_decode_reports_hits_misses_writes(tmp_path):
     assert class_tokens(m)["output"] == 0 and m["output_tokens_response_cache"] == m["output_tokens"] > 0
     assert m["response_cache_requests_get"] == rows  # this decode's lookups: one GET per row
     assert m["cost_response_cache_usd"] == pytest.approx(rows * 0.4 / 1000)
-    assert list((root / "responses").rglob("*.json"))
+    assert list((tmp_path / "data" / "responses").rglob("*.json"))
 
 
 def test_a_served_batch_takes_the_cache(tiny_chat, tmp_path):

@@ -9,7 +9,18 @@ from pathlib import Path
 import pytest
 
 from tests.test_expert_parallel import build_moe_chat_model
-from tests.test_response_cache import BAD, GREEDY, LOGPROBS, SEEDED, UNSEEDED, _answers, _entries, _row, _run
+from tests.test_response_cache import (
+    BAD,
+    GREEDY,
+    LOGPROBS,
+    SEEDED,
+    UNSEEDED,
+    _answers,
+    _entries,
+    _row,
+    _run,
+    two_pipeline_nights,
+)
 from tests.tiny_models import build_tiny_chat_model
 
 ROWS = GREEDY + LOGPROBS + SEEDED + UNSEEDED + BAD
@@ -95,30 +106,6 @@ def test_the_pipeline_decode_under_torchrun_takes_the_cache(tiny_chat, tmp_path)
     """``kv_store.response_cache`` with a two-rank decode group (launcher local: torchrun, Pipes):
     the second materialization of the shard is served from the cache by both ranks, its results
     equal and marked ``cached``, its metadata counting the hits."""
-    import json
-
-    import pyarrow.parquet as pq
-
-    from kvbatch.pipelines.layout import DayLayout
     from kvbatch.resources import DecodeClusterResource
-    from tests.pipeline_day import decode_metadata, prepared_day
 
-    date = "2026-11-29"
-    data = tmp_path / "requests.jsonl"
-    data.write_text("".join(json.dumps({"custom_id": f"q{i}", "messages": [{"role": "user", "content": f"Say {i}."}],
-                                        "max_tokens": 3, "temperature": 0}) + "\n" for i in range(4)))
-    root = tmp_path / "data"
-    prepared = prepared_day(root, tiny_chat, data, date, response_cache="default",
-                            decode_cluster=DecodeClusterResource(launcher="local", world_size=2, backend="gloo"))
-    day = DayLayout(str(root / "kvbatch"), date)
-    rows = pq.read_table(day.shard("shards", "0000")).num_rows
-    seen, marked = [], []
-    for _ in range(2):
-        meta = decode_metadata(prepared)
-        seen.append((meta["response_cache_hits"], meta["response_cache_misses"], meta["response_cache_writes"]))
-        results = pq.read_table(day.shard("results", "0000")).sort_by("custom_id")
-        seen.append(results.select(["custom_id", "text", "output_token_ids", "finish_reason"]).to_pylist())
-        marked.append(results.column("cached").to_pylist())
-    assert seen[0] == (0, rows, rows) and seen[2] == (rows, 0, 0)
-    assert seen[1] == seen[3]
-    assert marked == [[False] * rows, [True] * rows]
+    two_pipeline_nights(tmp_path, tiny_chat, DecodeClusterResource(launcher="local", world_size=2, backend="gloo"))
