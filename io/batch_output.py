@@ -179,9 +179,10 @@ def _tool_message(h: str, text: str, finish_reason: str, response_format: str | 
     cut by ``max_tokens`` mid-call, or plain text under ``tool_choice: auto``, stays text."""
     if finish_reason != "stop" or not is_tools_spec(response_format):
         return None
-    if ToolsSpec.parse(response_format).choice == "none":  # type: ignore[arg-type]
+    spec = ToolsSpec.parse(response_format)  # type: ignore[arg-type]
+    if spec.choice == "none":
         return None
-    parsed = parse_tool_calls(text)
+    parsed = parse_tool_calls(text, spec.format, spec.control_token)
     if parsed is None:
         return None
     content, calls = parsed

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.structured import schema_error, tools_error
 from kvbatch.engine.text.tokenizer import ChatTokenizer
-from kvbatch.engine.text.tool_calls import ToolsSpec, is_tools_spec
+from kvbatch.engine.text.tool_calls import MARKERS, ToolsSpec, history_for_format, is_tools_spec, with_format
 from kvbatch.io.batch_requests import (
     CHAT_COMPLETIONS_URL,
     RESPONSES_URL,
@@ -134,6 +134,7 @@ def tokenize_request(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len
     ids = prompt_ids(tokenizer, max_model_len, item)
     if isinstance(ids, RejectedRow):
         return Rejected(index, ids)
+    item = with_tool_format(item, tokenizer.tokenizer if isinstance(tokenizer, CachedChatEncoder) else tokenizer)
     return request_job(index, item, ids)
 
 
@@ -160,7 +161,7 @@ def prompt_ids(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len: int,
                 chat = tokenizer.tokenizer if isinstance(tokenizer, CachedChatEncoder) else tokenizer
                 if chat.tool_call_format is None:
                     return reject(item, "body.tools" if tools is not None else field, no_tool_format(chat))
-                ids = chat.encode_chat(item.messages, tools=tools)
+                ids = chat.encode_chat(history_for_format(item.messages, chat.tool_call_format), tools=tools)
             else:
                 ids = tokenizer.encode_chat(item.messages)
         except ValueError as exc:  # a template that raises for this conversation
@@ -174,7 +175,8 @@ def no_tool_format(chat: ChatTokenizer) -> str:
     """The reason a row with tools (or a tool-call history) cannot run on this model."""
     return (f"tool calling needs a chat template that renders tools and tool calls; the chat template of "
             f"{redact(chat.source) if chat.source else 'this model'} has no tool-call format (known: Hermes, '<tool_call>' JSON "
-            f"'</tool_call>', as Qwen2.5 and Qwen3 templates write it)")
+            f"'</tool_call>', as Qwen2.5 and Qwen3 templates write it; Llama 3.1+'s bare JSON call; Mistral's "
+            f"'[TOOL_CALLS] [...]')")
 
 
 def raw_prompt_ids(tokenizer: ChatTokenizer | CachedChatEncoder, prompt: str | tuple[int, ...]) -> list[int] | str:
@@ -203,3 +205,25 @@ class IncompleteInput(Exception):
         self.error = error
         self.report = report
         super().__init__(str(error))
+
+
+def with_tool_format(item: ChatRequest, chat: ChatTokenizer) -> ChatRequest:
+    """The row with its tools spec in the template's tool-call format (and its marker's control
+    token, where the vocabulary has one): the request reader knows no model, and the grammar and the
+    output parser read them from the spec. Other rows, and any row of a template without a format
+    (prompt_ids refuses its tool rows), as they are."""
+    rf, fmt = item.sampling.response_format, chat.tool_call_format
+    if fmt is None or rf is None or not is_tools_spec(rf):
+        return item
+    spec = with_format(rf, fmt, tool_control_token(chat, fmt))
+    if spec == rf:
+        return item
+    return dataclasses.replace(item, sampling=dataclasses.replace(item.sampling, response_format=spec))
+
+
+def tool_control_token(chat: ChatTokenizer, fmt: str) -> int | None:
+    """The id of the format's marker (``[TOOL_CALLS]``, ``<|python_tag|>``) when it is a control
+    token of the vocabulary, or None: the grammar lets the model write it as it was trained to."""
+    marker = MARKERS.get(fmt)
+    token_id = None if marker is None else chat.token_id(marker)
+    return token_id if token_id in chat.special_token_ids else None

@@ -136,6 +136,10 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled ``token`` (a control token's too), or None."""
+        return self._tok.token_to_id(token)
+
     # ------------------------------------------------------------ chat
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -38,6 +38,7 @@ from kvbatch.engine.models.weights import TokenizerSource
 from kvbatch.engine.runtime.block_hash import chain_keys
 from kvbatch.engine.spec import EngineSpec
 from kvbatch.engine.text.tokenizer import ChatTokenizer
+from kvbatch.engine.text.tool_calls import HERMES, is_tools_spec, with_format
 from kvbatch.io.batch_requests import ChatRequest, RejectedRow
 from kvbatch.io.prompt_table import (
     PROMPTS_SCHEMA,
@@ -49,7 +50,7 @@ from kvbatch.io.prompt_table import (
 from kvbatch.io.shard_tables import join, shard_url
 from kvbatch.ops.fingerprint import model_identity
 from kvbatch.ops.ingest.prompts import TableStream
-from kvbatch.ops.jobs import Rejected, prompt_ids, tokenize_requests
+from kvbatch.ops.jobs import Rejected, prompt_ids, tokenize_requests, tool_control_token, with_tool_format
 from kvbatch.ops.shards.prompt_columns import ColumnarTokenizer
 from kvbatch.ops.shards.prompt_tokens import CachedChatEncoder
 from kvbatch.ops.shards.routing import DEFAULT_MAX_ROWS_PER_SHARD, shard_index, shard_keys, shard_of, shards_for_rows
@@ -375,6 +376,15 @@ def build_shards(
     else:
         rows = tokenized_in_process(llm, request_batches())
 
+    found: list[ChatTokenizer] = []  # the tokenizer tool rows' specs are stamped with (ops.jobs)
+
+    def tool_chat() -> ChatTokenizer:
+        if not found:  # built at the first tool row: most files have none
+            chat = llm.build().tokenizer if isinstance(llm, RowTokenizer) else llm.tokenizer
+            assert chat is not None, "tokenizing needed the tokenizer already"
+            found.append(chat)
+        return found[0]
+
     # Every shard's file is open until the end: spooled, so each costs a local file, not an
     # object-store upload buffer in memory (a night has a thousand shards).
     writers = {k: TableStream(shard_url(root, table, k), SHARD_SCHEMA, storage_options=storage_options,
@@ -389,6 +399,8 @@ def build_shards(
                     report.rejects_by_field[outcome.field] = report.rejects_by_field.get(outcome.field, 0) + 1
                     rejects.add(reject_record(outcome))
                     continue
+                if is_tools_spec(req.sampling.response_format):
+                    req = with_tool_format(req, tool_chat())
                 rec = request_record(req)
                 rec["prompt_token_ids"] = outcome.prompt_token_ids
                 rec["block_keys"] = outcome.block_keys
@@ -407,6 +419,22 @@ def build_shards(
         w.commit()
     rejects.commit()
     return report
+
+
+def _with_tool_format(table: pa.Table, chat: ChatTokenizer) -> pa.Table:
+    """The rows with their tools specs in the template's tool-call format (what
+    :func:`~kvbatch.ops.jobs.with_tool_format` does to a row): the decode step's grammar and output
+    parser read it from the spec. A Hermes spec is unchanged, so only other formats rewrite the column."""
+    fmt = chat.tool_call_format
+    if fmt is None or fmt == HERMES or "response_format" not in table.column_names:
+        return table
+    i = table.schema.get_field_index("response_format")
+    column = table.column(i)
+    if not pc.any(pc.starts_with(column.cast(pa.string()), '{"type":"tools"')).as_py():
+        return table
+    token = tool_control_token(chat, fmt)
+    values = [with_format(v, fmt, token) if is_tools_spec(v) else v for v in column.to_pylist()]
+    return table.set_column(i, table.schema.field(i), pa.array(values, pa.string()).cast(column.type))
 
 
 # Each record batch is split into one spilled piece per shard (ops/shards/spill.py): batches are
@@ -473,6 +501,7 @@ def _build_shards_columnar(row_tokenizer: RowTokenizer, prompts_url: str, root: 
                 token_ids, block_keys = out.take(rows)
                 kept = (pa.Table.from_batches([batch]).take(pa.array(rows))
                         .append_column("prompt_token_ids", token_ids).append_column("block_keys", block_keys))
+                kept = _with_tool_format(kept, tokenizer.encoder.tokenizer)
                 n_tokens = np.asarray(pc.list_value_length(token_ids), dtype=np.int64)
                 rows_by_shard += np.bincount(shard, minlength=num_shards)
                 tokens_by_shard += np.bincount(shard[order], weights=n_tokens, minlength=num_shards).astype(np.int64)
