@@ -191,6 +191,9 @@ class ChatRequest:
     # Choices asked for (``n``, 1 to MAX_CHOICES): the decode loop runs n engine requests over the
     # one prompt and gathers them into one answer (ops.decode.loop).
     n: int = 1
+    # A ``/v1/completions`` row's ``echo``: the answer's text starts with the prompt's (io.endpoints).
+    # Output only, so not in ``sampling``: the engine and the response cache never see it.
+    echo: bool = False
     # A diagnostic about the line, not part of the request: two rows asking the same are equal.
     unknown_fields: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
@@ -360,7 +363,8 @@ def parse_request_line(
         if isinstance(got, Problem):
             return RejectedRow(line_no, custom_id, got.path, got.reason)
         return ChatRequest(line_no, custom_id, got.messages, SamplingParams(**got.sampling), got.model,
-                           endpoint=obj["url"], prompt=got.prompt, unknown_fields=got.unknown_fields, n=got.n)
+                           endpoint=obj["url"], prompt=got.prompt, unknown_fields=got.unknown_fields, n=got.n,
+                           echo=got.echo)
     prefix = "body." if is_batch else ""
     raw = obj.get("body") if is_batch else obj
     refused = [(prefix + name, why) for name, why in _refused_fields(raw)] if isinstance(raw, dict) else []

@@ -29,9 +29,13 @@ the answer refused, fields that change nothing accepted, unknown fields warned a
   ``seed``; ``logprobs`` (0 to 5: the sampled token's logprob and that many alternatives, written in
   the completions shape by :mod:`kvbatch.io.batch_output`); ``logit_bias``, ``presence_penalty`` and
   ``frequency_penalty`` under a chat row's rules, into the same sampling fields (the penalties count
-  the output's tokens, never the prompt's). ``echo`` (the prompt's text and logprobs
-  in the answer) and ``suffix`` (text after the insertion point) are refused: kvbatch computes
-  neither prompt logprobs nor fill-in-the-middle.
+  the output's tokens, never the prompt's). ``echo: true`` puts the prompt's text before each
+  choice's completion in ``choices[i].text``, as OpenAI's legacy endpoint does (a prompt of token
+  ids echoes their decoding); it changes only the output line, never what the engine runs
+  (:attr:`EndpointRow.echo`, carried to :attr:`kvbatch.ops.jobs.Job.echo`). ``echo`` with
+  ``logprobs`` is a 400 naming both: OpenAI then gives the prompt tokens' logprobs too, which
+  kvbatch's engine does not compute. ``suffix`` (text after the insertion point) is refused:
+  kvbatch has no fill-in-the-middle.
 
 The row keeps its endpoint (:attr:`ChatRequest.endpoint`), so every later step can answer in its
 shape; a completions row keeps its prompt in :attr:`ChatRequest.prompt` and has no messages.
@@ -70,6 +74,7 @@ __all__ = [
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "COMPLETIONS_IGNORED",
     "COMPLETIONS_REFUSED",
+    "ECHO_WITH_LOGPROBS",
     "RESPONSES_IGNORED",
     "RESPONSES_REFUSED",
     "EndpointRow",
@@ -113,10 +118,13 @@ RESPONSES_IGNORED = frozenset({
 })
 COMPLETIONS_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "best_of": ("only best_of=1 is supported", (1,)),
-    "echo": ("echo is not supported: the answer holds the completion only", (False,)),
     "suffix": ("suffix (insertion) is not supported", ("",)),
 }
 COMPLETIONS_IGNORED = frozenset({"user", "stream", "stream_options"})
+# OpenAI answers echo + logprobs with the prompt tokens' logprobs as well (the first one null);
+# the engine computes logprobs of sampled tokens only, and a half-filled list would be wrong.
+ECHO_WITH_LOGPROBS = ("echo cannot be combined with logprobs: the answer would need the prompt tokens' "
+                      "logprobs, which kvbatch does not compute (drop body.echo or body.logprobs)")
 
 # Where a row's prompt and its structured-output schema are, by endpoint (for the reasons of
 # checks made after parsing: the prompt's length, the schema's compilation).
@@ -166,6 +174,8 @@ class _CompletionsBody(BaseModel):
     logit_bias: dict[int, float] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # Output only: the prompt's text before the completion (ops.decode.generate.answer_line).
+    echo: bool | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -355,6 +365,9 @@ class EndpointRow:
     model: str | None
     unknown_fields: tuple[str, ...]
     n: int = 1  # choices asked for (a completions row's ``n``; a Responses row has one)
+    # A completions row's ``echo``: its answer's text starts with the prompt's. Not a sampling
+    # field: the engine's answer (and the response cache's key) is the same with or without it.
+    echo: bool = False
 
 
 def read_endpoint_row(obj: dict[str, Any], *, default_max_tokens: int, strict: bool) -> EndpointRow | Problem:
@@ -387,6 +400,8 @@ def read_endpoint_row(obj: dict[str, Any], *, default_max_tokens: int, strict: b
         problems += [(f"body.{name}", f"{why}, got {_short(value)}") for name, value in raw.items()
                      if name in _REFUSED[url] and not _neutral(value, _REFUSED[url][name][1])
                      for why in (_REFUSED[url][name][0],)]
+        if url == COMPLETIONS_URL and raw.get("echo") is True and raw.get("logprobs") is not None:
+            problems.append(("body.echo", ECHO_WITH_LOGPROBS))
     # A part read by hand may repeat the schema's own complaint about it (``input`` missing).
     problems = list(dict.fromkeys(problems))
     if problems:
@@ -413,4 +428,4 @@ def read_endpoint_row(obj: dict[str, Any], *, default_max_tokens: int, strict: b
                                             "logit_bias": tuple(sorted((body.logit_bias or {}).items())),
                                             "presence_penalty": float(body.presence_penalty or 0.0),
                                             "frequency_penalty": float(body.frequency_penalty or 0.0)},
-                       body.model, unknown, n=body.n or 1)
+                       body.model, unknown, n=body.n or 1, echo=bool(body.echo))

@@ -19,7 +19,9 @@ was before the columns existed.
 chat rows is what it was before the column existed), which decides the answer's shape. A
 ``/v1/completions`` row has no messages: its raw prompt is ``prompt`` (text) or ``prompt_ids``
 (token ids), which the shard step tokenizes without the chat template
-(:func:`~kvbatch.ops.jobs.prompt_ids`).
+(:func:`~kvbatch.ops.jobs.prompt_ids`). A completions row's ``echo`` has no column: it changes only
+the OpenAI output line, and the pipeline's results table holds the answer as generated (its ``text``
+never starts with the prompt, which is in this table), so a row read back has ``echo`` false.
 
 Tool calling (docs/tools.md): a row's tools spec is its ``response_format`` (the same column, a
 string starting ``{"type":"tools"``), and a message's tool-call history is in two fields of the

@@ -46,6 +46,10 @@ class Job:
     model: str | None = None
     endpoint: str = CHAT_COMPLETIONS_URL  # the API the row was written for: the answer's shape
     n: int = 1  # choices: n engine requests over this one prompt, gathered into one answer
+    # A completions row's ``echo``: the prompt's text, put before each choice's text in the output
+    # line (ops.decode.generate.answer_line); None: no echo. Output only, so not in ``sampling``: the
+    # engine and the response cache's key are those of the same row without it.
+    echo: str | None = None
 
 
 def choice_request_id(index: int, choice: int) -> str:
@@ -135,14 +139,27 @@ def tokenize_request(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len
     if isinstance(ids, RejectedRow):
         return Rejected(index, ids)
     item = with_tool_format(item, tokenizer.tokenizer if isinstance(tokenizer, CachedChatEncoder) else tokenizer)
-    return request_job(index, item, ids)
+    return request_job(index, item, ids, echo=echo_text(tokenizer, item))
 
 
-def request_job(index: int, item: ChatRequest, ids: list[int]) -> Job:
+def request_job(index: int, item: ChatRequest, ids: list[int], *, echo: str | None = None) -> Job:
     """The job of a valid, tokenized row: every field of the request the engine and the answer need
-    (its sampling, model, endpoint and choices), so no path that makes jobs can drop one."""
+    (its sampling, model, endpoint and choices), so no path that makes jobs can drop one. ``echo``:
+    the text :func:`echo_text` gives (it needs the tokenizer; a row without ``echo`` has none)."""
     return Job(index, item.custom_id, item.line_no, ids, to_engine_sampling(item), item.model, item.endpoint,
-               n=item.n)
+               n=item.n, echo=echo)
+
+
+def echo_text(tokenizer: ChatTokenizer | CachedChatEncoder, item: ChatRequest) -> str | None:
+    """The text a completions row with ``echo`` puts before its answer, or None (no ``echo``): the
+    prompt as written, or the decoding of a prompt given as token ids, special tokens kept (vLLM
+    echoes such a prompt as ``tokenizer.decode(ids)``, which keeps them too)."""
+    if not item.echo or item.prompt is None:
+        return None
+    if isinstance(item.prompt, str):
+        return item.prompt
+    chat = tokenizer.tokenizer if isinstance(tokenizer, CachedChatEncoder) else tokenizer
+    return chat.decode(item.prompt, skip_special_tokens=False)
 
 
 def prompt_ids(tokenizer: ChatTokenizer | CachedChatEncoder, max_model_len: int,

@@ -235,7 +235,7 @@ def test_each_bad_completions_field_is_a_400_naming_it(body: dict, field: str, r
 
 
 COMPLETIONS_REFUSED_SAMPLES: dict[str, Any] = {
-    "best_of": 3, "echo": True, "suffix": "def f():",
+    "best_of": 3, "suffix": "def f():",
 }
 
 
@@ -247,9 +247,9 @@ def test_each_refused_completions_field_is_a_400_naming_it(name: str) -> None:
 
 
 def test_a_row_wrong_in_several_ways_gives_every_reason_and_unknown_fields_follow_strict() -> None:
-    got = completions({"prompt": ["a", "b"], "temperature": 9, "echo": True})
+    got = completions({"prompt": ["a", "b"], "temperature": 9, "suffix": "x"})
     assert isinstance(got, RejectedRow) and got.field == "body.temperature"
-    assert "; body.prompt: an array of 2 prompts" in got.reason and "; body.echo: echo is not supported" in got.reason
+    assert "; body.prompt: an array of 2 prompts" in got.reason and "; body.suffix: suffix (insertion)" in got.reason
     lenient = responses({"input": "x", "max_output_token": 5})
     assert isinstance(lenient, ChatRequest) and lenient.unknown_fields == ("body.max_output_token",)
     strict = responses({"input": "x", "max_output_token": 5}, strict=True)

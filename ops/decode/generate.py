@@ -66,11 +66,14 @@ def answer_line(llm: LLM, answered: Answered, model_name: str, *,
     """The output line of an answered row in its endpoint's shape: every choice, in order
     (``index`` i), each built as a row of one choice would be; ``usage`` with the prompt once and the
     choices' output (and draft) tokens summed. ``cached_tokens``: the row's
-    ``prompt_tokens_details.cached_tokens`` (:attr:`Answered.cached_prompt_tokens`), or None for none."""
+    ``prompt_tokens_details.cached_tokens`` (:attr:`Answered.cached_prompt_tokens`), or None for none.
+    A completions row with ``echo`` (:attr:`Job.echo`) has the prompt's text before each choice's:
+    only the line changes, the engine's answer (and what the response cache holds) is as generated."""
     job = answered.job
+    echo = job.echo or ""
     draft = [result_draft_tokens(llm, r) for r in answered.choices]
     drafted = None if draft[0] is None else (sum(d[0] for d in draft if d), sum(d[1] for d in draft if d))
-    lines = [result_line(job.custom_id, job.line_no, text=r.text, finish_reason=r.finish_reason,
+    lines = [result_line(job.custom_id, job.line_no, text=echo + r.text, finish_reason=r.finish_reason,
                          prompt_tokens=answered.prompt_tokens,
                          completion_tokens=answered.completion_tokens if i == 0 else len(r.output_token_ids),
                          model=model_name, logprobs=result_logprobs(llm, r), draft_tokens=drafted,

@@ -9,7 +9,8 @@ Manifest line (JSONL), one per input row, in input order:
 ``{"v", "index", "custom_id", "line_no", "model", "fingerprint", "kv_root", "block_size", "dtype",
 "prompt_token_ids", "block_keys", "block_locations", "sampling", "request_model"}`` (and ``"endpoint"``
 for a ``/v1/responses`` or ``/v1/completions`` row: the shape decode answers it in; ``"n"``, 1 to
-``MAX_CHOICES``, for a row of several choices) or, for a rejected row,
+``MAX_CHOICES``, for a row of several choices; ``"echo"``, the prompt's text, for a ``/v1/completions``
+row with ``echo``: decode puts it before the answer's text in the output line) or, for a rejected row,
 ``{"v", "index", "custom_id", "line_no", "rejected": {"field", "reason"}}``.
 
 ``block_locations`` (version 2) gives, for each of ``block_keys``, where the durable store holds
@@ -53,6 +54,7 @@ from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.text.structured import schema_error
 from kvbatch.io.batch_requests import (
     CHAT_COMPLETIONS_URL,
+    COMPLETIONS_URL,
     INT64_MAX,
     INT64_MIN,
     MAX_LOGIT_BIAS,
@@ -112,6 +114,7 @@ def manifest_line(llm: LLM, job: Job, model_name: str) -> dict[str, Any]:
         "request_model": job.model,
         **({} if job.endpoint == CHAT_COMPLETIONS_URL else {"endpoint": job.endpoint}),  # the answer's shape
         **({} if job.n == 1 else {"n": job.n}),  # choices: decode runs n requests over the one prompt
+        **({} if job.echo is None else {"echo": job.echo}),  # output only: decode's line starts with it
     }
 
 
@@ -178,6 +181,7 @@ class _Job(_Head):
     request_model: Text | None = None
     endpoint: Literal["/v1/chat/completions", "/v1/responses", "/v1/completions"] = CHAT_COMPLETIONS_URL
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    echo: Text | None = None
 
 
 class _RejectedReason(BaseModel):
@@ -280,6 +284,8 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
         problem = _use_locations(llm, j.block_keys, j.block_locations, item.line)
     if problem is None and j.sampling.response_format is not None:
         problem = _format_problem(j.sampling.response_format)
+    if problem is None and j.echo is not None:
+        problem = _echo_problem(j)
     if problem is not None:
         return _bad(position, item.line, m, *problem)
     sp = j.sampling.model_dump()
@@ -288,7 +294,18 @@ def _job(llm: LLM, want: dict[str, Any], vocab: int, position: int, item: Manife
         sampling = SamplingParams(**sp)
     except ValueError as exc:  # the engine's own guard; the schema above should have said so first
         return _bad(position, item.line, m, "sampling", str(exc))
-    return Job(position, j.custom_id, j.line_no, list(ids), sampling, j.request_model, j.endpoint, n=j.n)
+    return Job(position, j.custom_id, j.line_no, list(ids), sampling, j.request_model, j.endpoint, n=j.n,
+               echo=j.echo)
+
+
+def _echo_problem(j: _Job) -> tuple[str, str] | None:
+    """Why a line's ``echo`` cannot be honoured (the reader refuses these rows; a line altered
+    after prefill must not write an answer the request could never have had), or None."""
+    if j.endpoint != COMPLETIONS_URL:
+        return "echo", f"only a /v1/completions row echoes its prompt, not a {j.endpoint} row"
+    if j.sampling.logprobs is not None:
+        return "echo", "cannot be combined with sampling.logprobs (no prompt logprobs)"
+    return None
 
 
 def _format_problem(response_format: str) -> tuple[str, str] | None:
