@@ -6,7 +6,7 @@
 One engine answers ``--rows`` chat requests whose ``response_format`` cycles through three JSON
 schemas (an enum, a bounded integer with a boolean, a nested object with an array), greedy, each
 at most ``--max-tokens`` tokens. The engine's two grammar calls are timed where it makes them
-(``fill_token_bitmask``: llguidance computes the constrained rows' bitmask on the host;
+(``fill_draft_bitmask``: llguidance computes the constrained rows' bitmask on the host;
 ``apply_token_bitmask``: the tensor ops that unpack it over ``[rows, vocab]`` and mask the
 logits), and each step's wall time is taken from the engine's own counter. Printed per decode
 step (steps where every scheduled sequence decodes): mask compute, mask apply, the rest of the
@@ -66,7 +66,7 @@ def main() -> None:
     llm = LLM(args.model, engine_config=EngineConfig(max_num_seqs=args.rows, device="cpu"))
 
     timed = {"fill": [], "apply": []}
-    fill, apply = llm_module.fill_token_bitmask, llm_module.apply_token_bitmask
+    fill, apply = llm_module.fill_draft_bitmask, llm_module.apply_token_bitmask
 
     def timer(name, fn):
         def run(*a, **k):
@@ -76,7 +76,7 @@ def main() -> None:
             return out
         return run
 
-    llm_module.fill_token_bitmask = timer("fill", fill)
+    llm_module.fill_draft_bitmask = timer("fill", fill)
     llm_module.apply_token_bitmask = timer("apply", apply)
     formats = [parse_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": s, "strict": True}})
                for s in SCHEMAS]

@@ -13,6 +13,10 @@ past it are dropped.
 A constrained row whose mask (cut to the logits' width) allows nothing is reported, not
 sampled: :func:`fill_token_bitmask` says which, the engine ends those rows with an error and
 opens their masks so the batch's arithmetic never sees a row of all ``-inf`` (no NaN).
+
+Under speculative decoding a constrained row verifies drafts: :func:`fill_draft_bitmask` fills one
+mask per verify position (the grammar's state after the drafts before it) in the same call, so
+the verifier reads the same masked distribution plain sampling would at each position.
 """
 
 from __future__ import annotations
@@ -38,17 +42,45 @@ def fill_token_bitmask(matchers: list[llguidance.LLMatcher | None], tokenizer_vo
     """The host bitmask ``[N, ceil(tokenizer_vocab / 32)]`` of one step (row ``i`` for
     ``matchers[i]``; None: unconstrained, all ones) and the rows whose mask allows no token below
     ``logits_width`` (those rows are reopened to all ones: the caller must not emit their token)."""
-    n, words = len(matchers), (tokenizer_vocab + 31) // 32
-    bitmask = torch.full((n, words), -1, dtype=torch.int32)
-    rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+    return fill_draft_bitmask([(m, i, []) for i, m in enumerate(matchers) if m is not None], len(matchers),
+                              tokenizer_vocab, logits_width)
+
+
+def fill_draft_bitmask(rows: list[tuple[llguidance.LLMatcher, int, list[int]]], num_rows: int, tokenizer_vocab: int,
+                       logits_width: int) -> tuple[torch.Tensor, list[int]]:
+    """:func:`fill_token_bitmask` for a step that verifies drafts: ``rows`` holds (matcher, its first
+    logits row ``r``, the drafts verified after it); row ``r + j`` gets the mask of the grammar's
+    state after ``drafts[:j]``, every other row of ``num_rows`` is all ones. Returns the bitmask and
+    the rows that allow nothing below ``logits_width`` (reopened, as there).
+
+    The draft masks come from llguidance's executor in one parallel call: for each matcher it
+    consumes the drafts one by one, writing the mask before each and after the last, and rolls
+    them all back, so every matcher ends where it started. It stops at a draft the grammar refuses
+    or that ends it (EOS): the rows after that one stay all ones, and the engine never emits a
+    token from them (such a draft is rejected for sure, or the request ends at it). Drafts are cut
+    before any id outside the tokenizer's vocabulary, on which llguidance errors for good."""
+    words = (tokenizer_vocab + 31) // 32
+    bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
+    plain: list[tuple[llguidance.LLMatcher, int]] = []
+    drafted: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+    filled: list[int] = []
+    for m, r, drafts in rows:
+        inside = next((j for j, t in enumerate(drafts) if not 0 <= t < tokenizer_vocab), len(drafts))
+        if inside:
+            drafted.append((m, r, list(drafts[:inside])))
+        else:
+            plain.append((m, r))
+        filled.extend(range(r, r + len(drafts) + 1))
     # llguidance writes each row's words in place (what llguidance.torch's fill functions do;
     # that module is not imported: it compiles a kernel with torch.compile at import).
-    if len(rows) >= PAR_MIN_ROWS:
-        _par_executor().unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, n)
+    if len(plain) >= PAR_MIN_ROWS:
+        _par_executor().unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, num_rows)
     else:
-        for m, i in rows:
-            m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
-    idx = torch.tensor([i for _, i in rows], dtype=torch.long)
+        for m, r in plain:
+            m.unsafe_compute_mask_ptr(bitmask[r].data_ptr(), words * 4)
+    if drafted:
+        _par_executor().unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), words * 4, num_rows)
+    idx = torch.tensor(filled, dtype=torch.long)
     dead = _allows_nothing(bitmask.index_select(0, idx), logits_width)
     empty = [int(i) for i in idx[dead]]
     if empty:

@@ -21,7 +21,7 @@ from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_check
 from kvbatch.engine.runtime.block_hash import chain_keys, kv_layout_dtype, root_key
 from kvbatch.engine.runtime.block_manager import BlockManager
 from kvbatch.engine.runtime.engine_config import DTYPE_NAMES, EngineConfig, default_dtype_name, resolve_device
-from kvbatch.engine.runtime.grammar_mask import apply_token_bitmask, fill_token_bitmask
+from kvbatch.engine.runtime.grammar_mask import apply_token_bitmask, fill_draft_bitmask
 from kvbatch.engine.runtime.kv_connector import BlockStore, KVConnector
 from kvbatch.engine.runtime.model_runner import ModelRunner
 from kvbatch.engine.runtime.sampler import (
@@ -38,7 +38,7 @@ from kvbatch.engine.speculative.controller import SpecConfig, SpecController
 from kvbatch.engine.speculative.drafters import DraftRequest, build_drafter
 from kvbatch.engine.speculative.verifier import VerifyRow, penalize_positions, verify_batch
 from kvbatch.engine.text.stop_checker import StopChecker
-from kvbatch.engine.text.structured import GrammarCompiler
+from kvbatch.engine.text.structured import GrammarCompiler, draft_length
 from kvbatch.engine.text.tokenizer import ChatTokenizer
 
 
@@ -260,9 +260,6 @@ class LLM:
         t0 = time.perf_counter()
         if self.spec is not None:
             self.spec.plan(self.scheduler.running, self.max_model_len, self.drafter.outlook)
-            for seq in self.scheduler.running:  # constrained requests do not draft (no rollback needed)
-                if seq.sampling.response_format is not None:
-                    seq.num_lookahead = 0
         step = self.scheduler.schedule()
         if not step:
             return []
@@ -313,7 +310,7 @@ class LLM:
                 s.seq.finish_time = now
                 self._finish(s.seq, "prefilled")
                 finished.append(self._result(s.seq))
-            elif self.spec is not None and s.seq.num_output_tokens > 0 and s.seq.sampling.response_format is None:
+            elif self.spec is not None and s.seq.num_output_tokens > 0:
                 if s.num_spec or not s.seq.sampling.greedy:
                     verified.append(i)
                 else:
@@ -347,21 +344,26 @@ class LLM:
         if any(s.seq.sampling.penalized for s in sampled):  # logit bias and penalties, before any mask
             logits = penalize_positions(logits, [(s.seq.sampling, s.seq.output_token_ids,
                                                   s.seq.spec_token_ids[:s.num_spec]) for s in sampled])
+        dead: dict[int, int] = {}  # verified entry -> the draft position where its grammar allows nothing
+        if any(sampled[i].seq.sampling.response_format is not None for i in plain + verified):
+            logits, dead = self._constrain(logits, sampled, offsets, plain, verified)
+        # A verified entry's rows: one per draft it still has (a dead end cut some) plus the bonus row.
+        ends = {i: offsets[i] + len(sampled[i].seq.spec_token_ids) + 1 for i in verified}
         rb = self.readback
         lp_rows: list[torch.Tensor] = []  # logits rows whose logprobs are wanted, and their tokens
         lp_tokens: list[torch.Tensor] = []
         lp_k = 0
         # Verified entries first, then plain ones: the order their logprob rows are queued and read.
         if verified:
-            verdict = verify_batch([VerifyRow(logits[offsets[i]:offsets[i + 1]], sampled[i].seq.spec_token_ids,
+            verdict = verify_batch([VerifyRow(logits[offsets[i]:ends[i]], sampled[i].seq.spec_token_ids,
                                               sampled[i].seq.spec_draft_probs, sampled[i].seq.sampling,
                                               sampled[i].seq.generator) for i in verified])
             at_acc, at_tok = rb.add(verdict.num_accepted), rb.add(verdict.tokens)
             for n, i in enumerate(verified):
                 if sampled[i].seq.sampling.logprobs is not None:
                     # Every row of the entry: the host keeps those of the tokens it emits.
-                    lp_rows.append(logits[offsets[i]:offsets[i + 1]])
-                    lp_tokens.append(verdict.tokens[n, :offsets[i + 1] - offsets[i]])
+                    lp_rows.append(logits[offsets[i]:ends[i]])
+                    lp_tokens.append(verdict.tokens[n, :ends[i] - offsets[i]])
                     lp_k = max(lp_k, sampled[i].seq.sampling.logprobs)
         if plain:
             wanted = [offsets[i] for i in plain]
@@ -369,8 +371,6 @@ class LLM:
             rows = logits if wanted == list(range(logits.shape[0])) else logits.index_select(
                 0, host_to_device(torch.tensor(wanted, dtype=torch.long), logits.device))
             entries = [sampled[i] for i in plain]
-            if any(s.seq.sampling.response_format is not None for s in entries):
-                rows = self._constrain(rows, entries)
             ids = sample_on_device(rows, [s.seq.sampling for s in entries], [s.seq.generator for s in entries])
             at_ids = rb.add(ids)
             for row, s in enumerate(entries):
@@ -395,9 +395,16 @@ class LLM:
 
         if verified:
             for n, i in enumerate(verified):
-                seq, rows, accepted = sampled[i].seq, offsets[i + 1] - offsets[i], int(host[at_acc][n])
+                seq, rows, accepted = sampled[i].seq, ends[i] - offsets[i], int(host[at_acc][n])
                 tokens = [int(t) for t in host[at_tok][n][:accepted + 1]]
-                self._apply_verdict(seq, tokens, accepted, logprobs(seq, tokens, rows), now, finished)
+                lp = logprobs(seq, tokens, rows)
+                if dead.get(i) == accepted:  # the kept drafts reach a state that allows no token
+                    self._apply_verdict(seq, tokens[:accepted], accepted, lp, now, finished)
+                    if seq.finish_reason is None:
+                        seq.error = self._no_token_error(seq)
+                        self._fail(seq, now, finished)
+                    continue
+                self._apply_verdict(seq, tokens, accepted, lp, now, finished)
         if plain:
             for s, tok in zip(entries, host[at_ids]):
                 lp = logprobs(s.seq, [int(tok)], 1)
@@ -406,18 +413,38 @@ class LLM:
                     continue
                 self._emit(s.seq, [int(tok)], lp, now, finished)
 
-    def _constrain(self, rows: torch.Tensor, entries: list) -> torch.Tensor:
-        """``rows`` with each constrained entry's grammar mask applied (tensor ops over the whole
-        batch; only the bitmask's filling is per row, in llguidance). A constrained row whose mask
-        allows nothing gets ``seq.error`` and an open mask: it is ended, not sampled."""
-        vocab = self.grammars.vocab_size if self.grammars is not None else rows.shape[1]
-        bitmask, empty = fill_token_bitmask([s.seq.matcher if s.seq.error is None else None for s in entries],
-                                            vocab, rows.shape[1])
-        for i in empty:
-            seq = entries[i].seq
-            seq.error = (f"response_format: the grammar allows no token after {seq.num_output_tokens} output "
-                         f"tokens ({seq.matcher.get_error() or 'no token of this model continues it'})")
-        return apply_token_bitmask(rows, bitmask)
+    def _constrain(self, logits: torch.Tensor, sampled: list, offsets: list[int], plain: list[int],
+                   verified: list[int]) -> tuple[torch.Tensor, dict[int, int]]:
+        """``logits`` with each constrained entry's grammar masks applied (tensor ops over the whole
+        step; only the bitmask's filling is per row, in llguidance): a plain entry's row gets its
+        matcher's mask, a verified entry's row ``j`` the mask after its first ``j`` drafts.
+
+        A plain entry whose mask allows nothing gets ``seq.error`` and an open mask: it is ended, not
+        sampled. A verified entry whose mask at draft position ``j`` allows nothing keeps only
+        ``drafts[:j]`` (nothing after that state may be verified) and is returned as ``{entry: j}``:
+        it ends in error if the verifier keeps all ``j``, as plain decoding would after emitting them."""
+        vocab = self.grammars.vocab_size if self.grammars is not None else logits.shape[1]
+        rows = [(sampled[i].seq.matcher, offsets[i], sampled[i].seq.spec_token_ids if i in verified else [])
+                for i in plain + verified if sampled[i].seq.matcher is not None and sampled[i].seq.error is None]
+        bitmask, empty = fill_draft_bitmask(rows, logits.shape[0], vocab, logits.shape[1])
+        owner = {r: i for i in plain + verified for r in range(offsets[i], offsets[i + 1])}
+        dead: dict[int, int] = {}
+        for row in sorted(empty):
+            i = owner[row]
+            seq = sampled[i].seq
+            if i not in verified:
+                seq.error = self._no_token_error(seq)
+            elif i not in dead:  # its first dead end: the drafts after it are not verified
+                dead[i] = row - offsets[i]
+                seq.spec_token_ids = seq.spec_token_ids[:dead[i]]
+                if seq.spec_draft_probs is not None:
+                    seq.spec_draft_probs = seq.spec_draft_probs[:dead[i]]
+        return apply_token_bitmask(logits, bitmask), dead
+
+    @staticmethod
+    def _no_token_error(seq: Sequence) -> str:
+        return (f"response_format: the grammar allows no token after {seq.num_output_tokens} output "
+                f"tokens ({seq.matcher.get_error() or 'no token of this model continues it'})")
 
     def _fail(self, seq: Sequence, now: float, finished: list[Result]) -> None:
         """End a request with its ``seq.error`` (finish_reason ``error``); the batch goes on."""
@@ -440,6 +467,11 @@ class LLM:
         assert self.spec is not None
         drafts = self.drafter.propose([DraftRequest(s.seq, s.num_spec, self.spec.alpha(s.seq)) for s in wanted])
         for s, d in zip(wanted, drafts):
+            if s.seq.matcher is not None and d.tokens:  # a constrained row verifies only what its grammar allows
+                p = s.seq.sampling
+                n = draft_length(s.seq.matcher, d.tokens, self.grammars.vocab_size, self.eos_token_ids, p.ignore_eos,
+                                 d.probs is not None and not p.greedy)
+                d.tokens, d.probs = d.tokens[:n], d.probs[:n] if d.probs is not None else None
             s.seq.spec_token_ids = d.tokens
             s.seq.spec_draft_probs = d.probs
             s.num_new_tokens -= s.num_spec - len(d.tokens)

@@ -15,7 +15,10 @@ token for token that of plain greedy decoding.
 plain sampler draws from, so speculation changes speed, never what is sampled. A request's logit
 bias and presence and frequency penalties are part of it: :func:`penalize_positions` applies them
 to every draft position's logits as the plain sampler would have at that point of the output (the
-output so far plus the drafts before the position), before the verifier reads them.
+output so far plus the drafts before the position), before the verifier reads them. So is a
+constrained request's grammar: the engine masks each draft position's logits with the grammar's
+state after the drafts before it (:func:`kvbatch.engine.runtime.grammar_mask.fill_draft_bitmask`),
+so ``p`` is the masked distribution plain sampling would draw from there.
 
 :func:`verify` is the specification, one request at a time on the host. The engine runs
 :func:`verify_batch`: every request of a step at once, on the logits' device, through the batched

@@ -20,6 +20,9 @@ cannot spin forever on spaces between tokens.
 A row with ``tools`` carries a tools spec in the same place (:mod:`kvbatch.engine.text.tool_calls`:
 its grammar is a lark grammar of the template's tool-call format with each tool's ``parameters``
 inline); :func:`tools_error` checks each tool's schema alone, so a refusal names the tool.
+
+Under speculative decoding :func:`draft_length` cuts a constrained row's drafts at the grammar's
+first refusal, before they cost a verify slot (docs/speculative-decoding.md, constrained rows).
 """
 
 from __future__ import annotations
@@ -188,3 +191,33 @@ class GrammarCompiler:
         if elapsed > COMPILE_TIME_LIMIT_S:
             return _schema_problem(f"compiling it took {elapsed:.1f}s, over the {COMPILE_TIME_LIMIT_S:g}s limit")
         return m
+
+
+def draft_length(matcher: llguidance.LLMatcher, tokens: list[int], vocab_size: int, eos_token_ids: frozenset[int],
+                 ignore_eos: bool, from_distribution: bool) -> int:
+    """How many of a constrained request's drafted ``tokens`` go to verification: those up to the
+    first the grammar refuses (checked with ``validate_tokens``: the matcher does not move), so no
+    verify slot is spent on a draft the mask would reject anyway.
+
+    The cut depends on the drafts' values, which is exact for a deterministic drafter (q one-hot:
+    a refused draft is rejected for sure and the token there is drawn from the masked ``p``, what
+    the cut's bonus draw does) and for greedy rows, but not for drafts *sampled* from a
+    distribution (``from_distribution``): rejection sampling must draw a refused draft's
+    replacement from ``max(0, p - q)``, so such a row keeps its first refused draft (the masked
+    target rejects it for sure) and drops only what follows it.
+
+    An end-of-sequence draft ends the window (nothing after it is ever emitted); with
+    ``ignore_eos`` it is cut before it, as the grammar's state after it (EOS only) has no mask in the
+    batch's fill, and such a row with sampled drafts does not draft at all (cutting at a sampled
+    EOS would bias it). Ids outside the tokenizer's vocabulary (a padded head) count as refused:
+    llguidance errors on them, so they never reach it."""
+    if from_distribution and ignore_eos:
+        return 0
+    inside = next((j for j, t in enumerate(tokens) if not 0 <= t < vocab_size), len(tokens))
+    valid = matcher.validate_tokens(tokens[:inside]) if inside else 0
+    for j, t in enumerate(tokens[:valid]):
+        if t in eos_token_ids:
+            return j if ignore_eos else j + 1
+    if from_distribution and valid < len(tokens):
+        return valid + 1
+    return valid
