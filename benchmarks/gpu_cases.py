@@ -7,6 +7,7 @@ built on a CPU (the Triton interpreter) in the tests and in ``gpu_check --smoke`
 
 from __future__ import annotations
 
+import itertools
 
 import torch
 
@@ -86,7 +87,7 @@ def prefill_case(K, ctx_lens, new_lens, Hq, Hkv, D, dtype, block_size=16, seed=0
     dev = DEVICE
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, tables = make_cache(ctx_lens, block_size, Hkv, D, dtype, dev, gen)
-    cu = torch.tensor([0, *itertools_accumulate(new_lens)], device=dev, dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(new_lens)], device=dev, dtype=torch.int32)
     q = torch.randn(sum(new_lens), Hq, D, device=dev, dtype=dtype)
     cl = torch.tensor(ctx_lens, device=dev, dtype=torch.int32)
     scale = D**-0.5
@@ -107,12 +108,71 @@ def prefill_case(K, ctx_lens, new_lens, Hq, Hkv, D, dtype, block_size=16, seed=0
     return run_triton, run_reference, check, nbytes, 4 * visible * Hq * D
 
 
-def itertools_accumulate(xs):
-    total, out = 0, []
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
+def _sinks(Hq, dev, gen):
+    """gpt-oss-like sink logits: one above every score (head 0: the maximum must take it), one -inf (no sink)."""
+    sinks = torch.randn(Hq, generator=gen) * 2
+    sinks[0] = 40.0
+    sinks[-1] = -float("inf")
+    return sinks.to(dev)
+
+
+def sinks_decode_case(K, lens, Hq, Hkv, D, dtype, window=0, block_size=16, seed=0, **kwargs):
+    """Paged decode with gpt-oss's attention sinks and a sliding ``window`` (0: a full layer). The
+    twin: the decode rows as prefill chunks of one token through the reference's windowed plan
+    (its padded decode takes no window)."""
+    R, _, TA, *_ = K
+    dev = DEVICE
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = make_cache(lens, block_size, Hkv, D, dtype, dev, gen)
+    q = torch.randn(len(lens), Hq, D, device=dev, dtype=dtype)
+    cl = torch.tensor(lens, device=dev, dtype=torch.int32)
+    cu = torch.arange(len(lens) + 1, device=dev, dtype=torch.int32)
+    sinks, scale = _sinks(Hq, dev, gen), D**-0.5
+
+    def run_triton():
+        return TA.paged_decode_attention(q, k_cache, v_cache, tables, cl, scale, max_context_len=max(lens),
+                                         window=window, sinks=sinks, **kwargs)
+
+    def run_reference():
+        plan = R.plan_prefill(tables, cu, cl, block_size, Hq // Hkv, window)
+        return R.prefill_attention(q, k_cache, v_cache, tables, cu, cl, scale, plan, sinks)
+
+    def check():
+        poison_allocator(q.numel() * 4 * 4, dev)
+        return max_error(run_triton(), run_reference(), ATTN_TOL[dtype])
+
+    tokens = sum(min(n, window) if window else n for n in lens)
+    nbytes = 2 * tokens * Hkv * D * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    return run_triton, run_reference, check, nbytes, 4 * tokens * Hq * D
+
+
+def sinks_prefill_case(K, ctx_lens, new_lens, Hq, Hkv, D, dtype, window=0, block_size=16, seed=0):
+    """Prefill chunks with gpt-oss's attention sinks and a sliding ``window`` (0: a full layer),
+    against the reference's windowed plan with the same sinks."""
+    R, _, TA, *_ = K
+    dev = DEVICE
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = make_cache(ctx_lens, block_size, Hkv, D, dtype, dev, gen)
+    cu = torch.tensor([0, *itertools.accumulate(new_lens)], device=dev, dtype=torch.int32)
+    q = torch.randn(sum(new_lens), Hq, D, device=dev, dtype=dtype)
+    cl = torch.tensor(ctx_lens, device=dev, dtype=torch.int32)
+    sinks, scale = _sinks(Hq, dev, gen), D**-0.5
+
+    def run_triton():
+        return TA.prefill_attention(q, k_cache, v_cache, tables, cu, cl, scale, max_query_len=max(new_lens),
+                                    window=window, sinks=sinks)
+
+    def run_reference():
+        plan = R.plan_prefill(tables, cu, cl, block_size, Hq // Hkv, window)
+        return R.prefill_attention(q, k_cache, v_cache, tables, cu, cl, scale, plan, sinks)
+
+    def check():
+        poison_allocator(q.numel() * 4 * 4, dev)
+        return max_error(run_triton(), run_reference(), ATTN_TOL[dtype])
+
+    seen = [sum(min(c - n + i + 1, window or c) for i in range(n)) for c, n in zip(ctx_lens, new_lens)]
+    nbytes = 2 * sum(ctx_lens) * Hkv * D * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    return run_triton, run_reference, check, nbytes, 4 * sum(seen) * Hq * D
 
 
 def rms_norm_case(K, T, H, dtype, residual=True):

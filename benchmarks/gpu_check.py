@@ -431,7 +431,9 @@ def smoke_check_cases(K: Any) -> list[tuple[str, Callable[[], tuple]]]:
             ("mla_decode", P(G.mla_case, K, [1, 17], 4, 32, 16, f32)), ("spec_verify", P(G.verify_case, K, 4, 2, 50)),
             ("silu_and_mul", P(G.silu_and_mul_case, K, 5, 40, f32)),
             ("mla_prefill", P(G.mla_prefill_case, K, [9, 5], [4, 5], 2, 16, 8, f32, block_size=4)),
-            ("fp8_gemm", P(G.fp8_gemm_case, K, 3, 70, 100, f32))]
+            ("fp8_gemm", P(G.fp8_gemm_case, K, 3, 70, 100, f32)),
+            ("sinks_decode", P(G.sinks_decode_case, K, [1, 17, 40], 8, 2, 16, f32, window=8, partition_size=16)),
+            ("sinks_prefill", P(G.sinks_prefill_case, K, [20, 5], [9, 5], 8, 2, 16, f32, window=8))]
 
 
 def stage_kernels(st: Stage) -> None:

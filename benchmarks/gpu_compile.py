@@ -102,6 +102,14 @@ MODELS: dict[str, dict[str, Any]] = {
                         rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
                         quantization_config=FP8_128),
+    # gpt-oss-20b (-120b: the same attention, more experts and layers): attention sinks, so its decode
+    # and prefill compile with HAS_SINKS; its biased, clamped experts run the reference, not Triton MoE
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, vocab_size=201088, max_position_embeddings=131072,
+                        sliding_window=128, attention_bias=True, num_local_experts=32, num_experts_per_tok=4,
+                        swiglu_limit=7.0, rope_theta=150000.0,
+                        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": 4096}),
     "Moonlight-16B-A3B": dict(model_type="deepseek_v3", hidden_size=2048, intermediate_size=11264,
                               num_attention_heads=16, num_key_value_heads=16, vocab_size=163840,
                               max_position_embeddings=8192, q_lora_rank=None, kv_lora_rank=512,
@@ -144,7 +152,7 @@ def _eb(c: dict[str, Any]) -> int:
 
 
 _ATTN_PTRS = {"q_ptr": "*", "k_cache_ptr": "*", "v_cache_ptr": "*", "block_tables_ptr": "i32",
-              "context_lens_ptr": "i32", "out_ptr": "*"}
+              "context_lens_ptr": "i32", "sinks_ptr": "fp32", "out_ptr": "*"}
 KERNELS: dict[str, KernelSpec] = {
     "_rms_norm_kernel": KernelSpec(
         "triton_rms_norm", (), {"x_ptr": "*", "res_ptr": "*", "w_ptr": "*", "out_ptr": "*", "new_res_ptr": "*"},
@@ -166,7 +174,7 @@ KERNELS: dict[str, KernelSpec] = {
     "_paged_decode_merge_kernel": KernelSpec(
         "triton_attention", ("stride_od",),
         {"part_acc_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32", "context_lens_ptr": "i32",
-         "out_ptr": "*"}, (), lambda c: c["BLOCK_P"] * c["BLOCK_D"] * 4),
+         "sinks_ptr": "fp32", "out_ptr": "*"}, (), lambda c: c["BLOCK_P"] * c["BLOCK_D"] * 4),
     "_prefill_kernel": KernelSpec(
         "triton_attention", ("stride_qd", "stride_kd", "stride_vd", "stride_btn", "stride_od"),
         {**_ATTN_PTRS, "cu_query_lens_ptr": "i32"}, ("scale_log2e",),
@@ -291,9 +299,11 @@ def _contexts(max_len: int, block_size: int) -> Iterable[int]:
 
 
 def _attention(col: _Collector, model: str, dtype: str, D: int, num_kv_heads: int, group: int,
-               max_len: int) -> None:
+               max_len: int, sinks: bool = False) -> None:
     """Paged decode (and its merge) and prefill attention over a [*, Hkv, D] cache, GQA ``group``;
-    decode at every partition size its launcher picks for a batch and a longest context."""
+    decode at every partition size its launcher picks for a batch and a longest context. ``sinks``:
+    the model's attention has sinks (gpt-oss): the prefill and unsplit decode kernels read them, a
+    split decode leaves them to its merge (as the launcher does)."""
     attn = _module("triton_attention")
     numerics = _numerics(dtype)
     dec = attn.decode_tiles(D, group, interpreted=False)
@@ -305,17 +315,20 @@ def _attention(col: _Collector, model: str, dtype: str, D: int, num_kv_heads: in
                 part, n_parts = attn.split_plan(ctx, size, dec["block_n"])
                 col.add(model, "_paged_decode_kernel", dtype, dec["num_warps"], dec["num_stages"],
                         GROUP=group, GROUP_PAD=dec["group_pad"], HEAD_DIM=D, BLOCK_D=dec["block_d"],
-                        BLOCK_SIZE=bs, BLOCK_N=dec["block_n"], PARTITION_SIZE=part, SPLIT=n_parts > 1, **numerics)
+                        BLOCK_SIZE=bs, BLOCK_N=dec["block_n"], PARTITION_SIZE=part, SPLIT=n_parts > 1,
+                        HAS_SINKS=sinks and n_parts == 1, **numerics)
                 if n_parts > 1:
-                    _merge(col, model, dtype, D, dec["block_d"], part, n_parts)
+                    _merge(col, model, dtype, D, dec["block_d"], part, n_parts, sinks)
         col.add(model, "_prefill_kernel", dtype, pre["num_warps"], pre["num_stages"], GROUP=group, HEAD_DIM=D,
-                BLOCK_D=pre["block_d"], BLOCK_SIZE=bs, BLOCK_M=pre["block_m"], BLOCK_N=pre["block_n"], **numerics)
+                BLOCK_D=pre["block_d"], BLOCK_SIZE=bs, BLOCK_M=pre["block_m"], BLOCK_N=pre["block_n"],
+                HAS_SINKS=sinks, **numerics)
 
 
-def _merge(col: _Collector, model: str, dtype: str, width: int, block: int, part: int, n_parts: int) -> None:
+def _merge(col: _Collector, model: str, dtype: str, width: int, block: int, part: int, n_parts: int,
+           sinks: bool = False) -> None:
     attn = _module("triton_attention")
     col.add(model, "_paged_decode_merge_kernel", dtype, 4, None, HEAD_DIM=width, BLOCK_D=block,
-            PARTITION_SIZE=part, BLOCK_P=attn.merge_block_p(n_parts))
+            PARTITION_SIZE=part, BLOCK_P=attn.merge_block_p(n_parts), HAS_SINKS=sinks)
 
 
 def _rms_norm(col: _Collector, model: str, dtype: str, hidden: int, residual: bool) -> None:
@@ -403,7 +416,8 @@ def configurations(models: dict[str, dict[str, Any]] | None = None,
                 _fp8_gemm(col, name, dtype, tuple(block))
             if c.moe is None or c.moe.first_k_dense_replace or c.moe.mlp_only_layers or c.moe.decoder_sparse_step > 1:
                 _mlp(col, name, dtype, c.intermediate_size)
-            if c.moe is not None:
+            # biased experts (gpt-oss) run the reference on every device (dispatch.fused_moe)
+            if c.moe is not None and not c.moe.expert_bias:
                 _moe(col, name, dtype, c.hidden_size, c.moe.num_experts, c.moe.top_k)
                 if c.moe.shared_expert_intermediate_size:
                     _mlp(col, name, dtype, c.moe.shared_expert_intermediate_size)
@@ -413,7 +427,7 @@ def configurations(models: dict[str, dict[str, Any]] | None = None,
                 _rotary_and_store(col, name, dtype, c.head_dim, c.num_heads, c.num_kv_heads)
                 _store(col, name, dtype, c.num_kv_heads, c.head_dim)
                 _attention(col, name, dtype, c.head_dim, c.num_kv_heads, c.num_heads // c.num_kv_heads,
-                           c.max_position_embeddings)
+                           c.max_position_embeddings, c.attention_sinks)
             else:
                 _mla(col, name, dtype, c)
         _speculative(col, name, c.vocab_size)
@@ -445,7 +459,7 @@ def _mla(col: _Collector, model: str, dtype: str, c: Any) -> None:
                 _merge(col, model, dtype, C, tiles["block_c"], part, n_parts)
         col.add(model, "_prefill_kernel", dtype, pre["num_warps"], pre["num_stages"], GROUP=c.num_heads,
                 HEAD_DIM=C + R, BLOCK_D=pre["block_d"], BLOCK_SIZE=bs, BLOCK_M=pre["block_m"],
-                BLOCK_N=pre["block_n"], **numerics)
+                BLOCK_N=pre["block_n"], HAS_SINKS=False, **numerics)
 
 
 def subset(configs: list[Config]) -> list[Config]:

@@ -18,7 +18,8 @@ count theirs), TFLOP/s and % of the card's dense bf16 FLOP/s, the PyTorch refere
 the speedup over it. The headline is decode attention at long contexts: 32 sequences x 8k
 context, 32 q / 8 kv heads, D=128, bf16 (goal: >= 70% of the measured copy); the fused MoE's goal
 is >= 2x the PyTorch reference (its bytes are the weights of the experts the batch touches, its
-FLOPs ``6 * pairs * I * H``). Kernels: paged decode and prefill attention, RMSNorm + residual,
+FLOPs ``6 * pairs * I * H``). Kernels: paged decode and prefill attention (also with gpt-oss's
+sinks and sliding window), RMSNorm + residual,
 rotary, silu_and_mul, store_kv, fused MoE, MLA decode and prefill attention, the speculative
 accept/reject step.
 
@@ -56,6 +57,8 @@ from gpu_cases import (
     rms_norm_case,
     rotary_case,
     silu_and_mul_case,
+    sinks_decode_case,
+    sinks_prefill_case,
     store_kv_case,
     verify_case,
 )
@@ -298,6 +301,17 @@ def check_cases(K) -> list[tuple[str, Callable[[], tuple]]]:
         add(f"prefill {dn} chunked + full", prefill_case, [700, 1, 1500, 64], [300, 1, 1500, 0], 32, 8, 128,
             dtype, seed=5)
         add(f"prefill {dn} D=64 block 8", prefill_case, [129, 33], [65, 33], 9, 3, 64, dtype, block_size=8, seed=6)
+        # gpt-oss's attention (64 q / 8 kv heads, D=64, sinks): a sliding layer's window of 128 and a full layer
+        add(f"decode sinks {dn} gpt-oss, window 128, split", sinks_decode_case, [1, 17, 4096, 1000, 129, 128],
+            64, 8, 64, dtype, window=128, seed=23)
+        add(f"decode sinks {dn} gpt-oss full layer, split", sinks_decode_case, [1, 17, 4096, 1000, 513], 64, 8, 64,
+            dtype, seed=24)
+        add(f"decode sinks {dn} gpt-oss full layer, no split", sinks_decode_case, [1, 7, 300, 33], 64, 8, 64, dtype,
+            seed=25, partition_size=2048)
+        add(f"prefill sinks {dn} gpt-oss, window 128, chunked + full", sinks_prefill_case, [700, 1, 1500, 64],
+            [300, 1, 1500, 64], 64, 8, 64, dtype, window=128, seed=26)
+        add(f"prefill sinks {dn} gpt-oss full layer, block 8", sinks_prefill_case, [129, 33], [65, 33], 64, 8, 64,
+            dtype, block_size=8, seed=27)
         add(f"rms_norm {dn} residual", rms_norm_case, 333, 4096, dtype)
         add(f"rms_norm {dn} no residual H=576", rms_norm_case, 7, 576, dtype, residual=False)
         add(f"rotary {dn} 9/3 heads D=64", rotary_case, 100, 9, 3, 64, dtype)
@@ -410,6 +424,10 @@ def bench_cases(K) -> list[tuple[str, str, Callable[[], tuple]]]:
         ("prefill", "4 x (2k cached + 2k new), 32q/8kv, D128, bf16",
          P(prefill_case, K, [4096] * 4, [2048] * 4, 32, 8, 128, bf16)),
         ("prefill", "8 x 1k new, 32q/8kv, D128, bf16", P(prefill_case, K, [1024] * 8, [1024] * 8, 32, 8, 128, bf16)),
+        ("decode + sinks", "gpt-oss full layer: 32 seq x 8k ctx, 64q/8kv, D64, bf16",
+         P(sinks_decode_case, K, [8192] * 32, 64, 8, 64, bf16)),
+        ("prefill + sinks", "gpt-oss window 128: 4 x 2k new, 64q/8kv, D64, bf16",
+         P(sinks_prefill_case, K, [2048] * 4, [2048] * 4, 64, 8, 64, bf16, window=128)),
         ("rms_norm + residual", "16k tok x 4096, bf16", P(rms_norm_case, K, 16384, 4096, bf16)),
         ("rotary (in place)", "16k tok, 32q/8kv, D128, bf16", P(rotary_case, K, 16384, 32, 8, 128, bf16)),
         ("silu_and_mul", "16k tok x I14336 (Llama-3.1-8B MLP), bf16", P(silu_and_mul_case, K, 16384, 14336, bf16)),

@@ -248,16 +248,16 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`reference.paged_decode_attention` (``workspace`` and ``plan`` serve the reference
-    only). ``sinks``: gpt-oss's per-head sink logits, taken by the native kernel and the reference;
-    the Triton kernels take none, so calls with sinks run the reference on CUDA too."""
+    only). ``sinks``: gpt-oss's per-head sink logits [Hq] fp32, taken by every implementation (the
+    native kernel, the Triton kernel, the reference)."""
     if native(q, bf16=True) and q.dtype == k_cache.dtype:
         sink = {} if sinks is None else {"sinks": sinks}  # gpt-oss only
         return native_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, **sink)
     impl = _impl(q)
-    if impl is reference or sinks is not None:
+    if impl is reference:
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots,
                                                 workspace, plan, sinks)
-    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots)
+    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slots, sinks=sinks)
 
 
 def prefill_attention(
@@ -274,14 +274,18 @@ def prefill_attention(
 ) -> torch.Tensor:
     """See :func:`reference.prefill_attention` (``plan`` serves the reference only).
     ``max_query_len`` > 0: the longest chunk, known on the host, sizes the Triton kernel's grid
-    (no device-to-host read of ``cu_query_lens``). ``sinks``: gpt-oss's per-head sink logits (the
-    reference on every device: the Triton kernel takes none)."""
+    (no device-to-host read of ``cu_query_lens``). ``sinks``: gpt-oss's per-head sink logits [Hq]
+    fp32, taken by the Triton kernel and the reference alike.
+
+    A ``plan`` where Triton runs is never :func:`plan_prefill`'s (None there): it is a caller's
+    windowed reference plan (gpt-oss's sliding layers, ``llama.sliding_plans``), and only the
+    reference knows its window (this call carries none), so the reference runs it."""
     impl = _impl(q)
-    if impl is reference or sinks is not None:
+    if impl is reference or plan is not None:
         return reference.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
                                            plan, sinks)
     return impl.prefill_attention(q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, scale,
-                                  max_query_len=max_query_len or None)
+                                  max_query_len=max_query_len or None, sinks=sinks)
 
 
 def plan_decode(x: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -21,6 +21,16 @@ keys ``p - window + 1 .. p`` only, and a program starts reading at the ``block_n
 the first key any of its queries sees (a decode partition wholly before the window reads nothing
 and leaves an empty partial, which the merge weighs 0).
 
+Both take ``sinks`` (gpt-oss): one logit per query head that joins its softmax's denominator and
+contributes no value, ``m = max(max_j s_j, sink)``, ``out = sum_j exp(s_j - m) v_j / (sum_j
+exp(s_j - m) + exp(sink - m))`` (:func:`reference.attention_with_sinks`). After the key loop the
+sink joins the online softmax's state as one more score with no value (the running maximum and sum
+take it, the accumulator is rescaled): once per row, outside the loop, so the loop is the one a call
+without sinks runs (starting the loop from the sink instead made sm_90's fp32 split decode spill
+272 bytes, against none without sinks). A split decode's partitions run without sinks, and the merge
+kernel adds each head's sink to the merged maximum and denominator, once. A row that sees no key
+gives zeros.
+
 Numerics: like the reference, ``q`` is rounded to the cache dtype first; scores, softmax and
 accumulators are fp32. fp16/bf16 caches feed ``tl.dot`` in their own dtype on a GPU (fp32
 accumulate); fp32 caches use ``input_precision="ieee"`` (no tf32). Under the Triton
@@ -35,6 +45,7 @@ import triton.language as tl
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps fully masked rows NaN-free
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)  # the kernels' scores are in log2 units (exp2): sinks are scaled to match
 
 
 @triton.jit
@@ -61,8 +72,25 @@ def _load_kv_tile(bt_row, offs_n, mask_n, offs_d, mask_d, kvh, k_cache_ptr, v_ca
 
 
 @triton.jit
+def _sink_log2(sink):
+    """A sink logit in the kernels' log2 units, held at or above ``_NEG_BIG`` so that a sink of -inf
+    (no sink) keeps every maximum finite and the state NaN-free."""
+    return tl.maximum(sink.to(tl.float32) * _LOG2E_C, _NEG_BIG)
+
+
+@triton.jit
+def _add_sink(sink, m_i, l_i, acc):
+    """The online softmax's state (running max, running sum, accumulator) after one more score, the
+    row's sink (``_sink_log2``): it joins the maximum and the sum but adds no value. Applied once,
+    after the key loop, so the loop is the one a call without sinks runs."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale_log2e,
     stride_qb, stride_qh, stride_qd,
@@ -74,7 +102,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -130,7 +158,10 @@ def _paged_decode_kernel(
         tl.store(part_max_ptr + row, m_i, mask=mask_g)
         tl.store(part_sum_ptr + row, l_i, mask=mask_g)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context gives zeros, like the twin
+        if HAS_SINKS:  # the whole context is here (split, the merge adds them: once per head, not per partition)
+            sink = _sink_log2(tl.load(sinks_ptr + heads, mask=mask_g, other=0.0))
+            l_i, acc = _add_sink(sink, m_i, l_i, acc)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context gives zeros (with sinks too), like the twin
         tl.store(
             out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
@@ -140,11 +171,11 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_decode_merge_kernel(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, context_lens_ptr, sinks_ptr, out_ptr,
     stride_ob, stride_oh, stride_od,
     num_partitions, num_q_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -160,6 +191,9 @@ def _paged_decode_merge_kernel(
         offs_p = p0 + tl.arange(0, BLOCK_P)
         m_all = tl.maximum(m_all, tl.load(part_max_ptr + base + offs_p, mask=offs_p < n_parts, other=_NEG_BIG))
     m_glob = tl.max(m_all, 0)
+    if HAS_SINKS:  # the head's sink: one more score of the merged softmax, with no value
+        sink = _sink_log2(tl.load(sinks_ptr + h))
+        m_glob = tl.maximum(m_glob, sink)
 
     denom = tl.zeros([BLOCK_P], tl.float32)
     acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
@@ -174,6 +208,8 @@ def _paged_decode_merge_kernel(
         denom += w * s
         acc += w[:, None] * a
     total = tl.sum(denom, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_glob)
     out = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=mask_d)
@@ -181,7 +217,7 @@ def _paged_decode_merge_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr, sinks_ptr, out_ptr,
     scale_log2e,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -191,7 +227,7 @@ def _prefill_kernel(
     window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     mb = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
@@ -245,6 +281,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS:  # every row of the tile is head h: one sink
+        l_i, acc = _add_sink(_sink_log2(tl.load(sinks_ptr + h)), m_i, l_i, acc)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
@@ -356,6 +394,17 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     return Hq, Hkv, q.shape[-1]
 
 
+def _sinks(sinks: torch.Tensor | None, num_q_heads: int, dummy: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the pointer the kernels take for ``sinks``, whether they read it). Without sinks ``dummy``
+    stands in, never read. The engine's sinks are contiguous fp32 already: no copy per call (a
+    CUDA graph captures the same buffer)."""
+    if sinks is None:
+        return dummy, False
+    if sinks.shape != (num_q_heads,):
+        raise ValueError(f"sinks: expected one logit per query head [{num_q_heads}], got {tuple(sinks.shape)}")
+    return sinks.to(torch.float32).contiguous(), True
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -371,9 +420,11 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`reference.paged_decode_attention` (same arguments and result;
-    ``window`` > 0: each sequence's last ``window`` keys only, as the native kernel's window).
+    ``window`` > 0: each sequence's last ``window`` keys only, as the native kernel's window;
+    ``sinks`` [Hq] fp32: gpt-oss's sink logits, as the reference's).
 
     ``slots`` is accepted for signature parity and ignored (keys are looked up through
     ``block_tables`` in the kernel), but its width, the longest context, sizes the grid.
@@ -401,8 +452,9 @@ def paged_decode_attention(
         partition_size = decode_partition_size(max_context_len, B, Hkv)
     partition_size, num_partitions, split, (part_acc, part_max, part_sum) = _partitions(
         out, max_context_len, partition_size, block_n, D)
+    sinks, has_sinks = _sinks(sinks, Hq, q)
     _paged_decode_kernel[(B, Hkv, num_partitions)](
-        q, k_cache, v_cache, block_tables, context_lens,
+        q, k_cache, v_cache, block_tables, context_lens, sinks,
         out, part_acc, part_max, part_sum,
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
@@ -411,10 +463,12 @@ def paged_decode_attention(
         HEAD_DIM=D, BLOCK_D=tiles["block_d"],
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION_SIZE=partition_size,
         SPLIT=split, COMPUTE_F32=compute_f32, DOT_PRECISION=precision,
+        HAS_SINKS=has_sinks and not split,  # split: the merge adds them, and this kernel is the one without
         num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"],
     )
     if split:
-        _merge_partitions(part_acc, part_max, part_sum, context_lens, out, partition_size, tiles["block_d"])
+        _merge_partitions(part_acc, part_max, part_sum, context_lens, out, partition_size, tiles["block_d"],
+                          sinks if has_sinks else None)
     return out
 
 
@@ -435,14 +489,16 @@ def _partitions(out: torch.Tensor, max_context_len: int, partition_size: int, bl
 
 
 def _merge_partitions(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
-                      context_lens: torch.Tensor, out: torch.Tensor, partition_size: int, block_d: int) -> None:
-    """Combine the per-partition softmax partials into ``out`` (log-sum-exp merge)."""
+                      context_lens: torch.Tensor, out: torch.Tensor, partition_size: int, block_d: int,
+                      sinks: torch.Tensor | None = None) -> None:
+    """Combine the per-partition softmax partials into ``out`` (log-sum-exp merge), with each head's
+    sink (fp32 [H], checked by the caller) in the denominator when given."""
     B, H, num_partitions = part_max.shape
     _paged_decode_merge_kernel[(B, H)](
-        part_acc, part_max, part_sum, context_lens, out,
+        part_acc, part_max, part_sum, context_lens, part_max if sinks is None else sinks, out,
         *out.stride(), num_partitions, H,
         HEAD_DIM=out.shape[2], BLOCK_D=block_d, PARTITION_SIZE=partition_size,
-        BLOCK_P=merge_block_p(num_partitions),
+        BLOCK_P=merge_block_p(num_partitions), HAS_SINKS=sinks is not None,
         num_warps=4,
     )
 
@@ -462,9 +518,11 @@ def prefill_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`reference.prefill_attention` (same arguments and result; ``window``
-    > 0: a sliding window, as :func:`reference.plan_prefill`'s).
+    > 0: a sliding window, as :func:`reference.plan_prefill`'s; ``sinks`` [Hq] fp32: gpt-oss's
+    sink logits, as the reference's).
 
     ``max_query_len`` (the longest chunk) sizes the grid; without it it is read from
     ``cu_query_lens`` (one host sync, as in the reference).
@@ -488,14 +546,15 @@ def prefill_attention(
     block_m = block_m or tiles["block_m"]
     block_n = block_n or tiles["block_n"]
     grid = (triton.cdiv(max_query_len, block_m), S, Hq)
+    sinks, has_sinks = _sinks(sinks, Hq, q)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, out,
+        q, k_cache, v_cache, block_tables, cu_query_lens, context_lens, sinks, out,
         scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         window,
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=tiles["block_d"],
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        COMPUTE_F32=compute_f32, DOT_PRECISION=precision,
+        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, HAS_SINKS=has_sinks,
         num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"],
     )
     return out

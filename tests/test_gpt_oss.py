@@ -473,7 +473,7 @@ def test_sinks_go_to_triton_and_biased_experts_to_the_reference(tmp_path, monkey
     (they take them: tests/test_triton_sinks.py), except a prefill call with a windowed reference plan
     (gpt-oss's sliding layers, whose window only the plan holds), which the reference runs. Biased
     experts and clamped SwiGLU run the reference (the Triton MoE kernel takes neither), and a gpt-oss
-    model's sliding layers take the reference's windowed plan, not the Triton route."""
+    model's sliding layers take the Triton route (its kernels take the window and the sinks)."""
     from types import SimpleNamespace
 
     from kvbatch.engine.models.llama import ForwardBatch, sliding_plans
@@ -521,7 +521,7 @@ def test_sinks_go_to_triton_and_biased_experts_to_the_reference(tmp_path, monkey
                          prefill_block_tables=tables[:0], prefill_cu_query_lens=torch.zeros(1, dtype=torch.int32),
                          prefill_context_lens=lens[:0], logits_rows=torch.arange(2))
     steps = sliding_plans(model, torch.zeros(2, 64), batch, torch.zeros(3, 2, 8, 4, 2, 16), 3)
-    assert {s.route for s in steps.values()} == {"reference"} and steps[WINDOW].plan is not None
+    assert {s.route for s in steps.values()} == {"triton"} and steps[WINDOW].plan is None
 
 
 # ---------------------------------------------------------------- configs

@@ -78,7 +78,7 @@ def test_gpu_check_smoke_runs_every_stage_and_streams_each_case(tmp_path):
     assert all(r["%copy"] is not None and r["%nominal"] is None for r in kernels["decode"])
     assert {c["case"] for c in kernels["checks"]} == {"prefill", "rms_norm", "rotary", "store_kv", "fused_moe",
                                                      "mla_decode", "spec_verify", "silu_and_mul", "mla_prefill",
-                                                     "fp8_gemm"}
+                                                     "fp8_gemm", "sinks_decode", "sinks_prefill"}
     engine = stages["engine"]["result"]
     assert engine["all_equal"] is True and [r["model"] for r in engine["engine"]] == ["tiny-llama", "tiny-mixtral"]
     throughput = stages["throughput"]["result"]

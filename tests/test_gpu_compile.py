@@ -124,6 +124,14 @@ for dt in (torch.bfloat16, torch.float32):
                                    e(8, D))
         triton_store_kv.store_kv(e(3, Hkv, D, dtype=dt), e(3, Hkv, D, dtype=dt), cache, cache,
                                  torch.zeros(3, dtype=torch.long))
+    # gpt-oss (64 query heads, 8 KV heads, D 64): every attention launch carries its sinks
+    cache, sinks = e(4, 16, 8, 64, dtype=dt), e(64)
+    bt, lens = torch.zeros(2, 256, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    for ctx in (16, 4096, 131072):
+        triton_attention.paged_decode_attention(e(2, 64, 64, dtype=dt), cache, cache, bt, lens, 0.1,
+                                                max_context_len=ctx, window=128, sinks=sinks)
+    triton_attention.prefill_attention(e(5, 64, 64, dtype=dt), cache, cache, bt, torch.tensor([0, 2, 5],
+                                       dtype=torch.int32), lens, 0.1, max_query_len=3, window=128, sinks=sinks)
     row = e(1, 16, 1, 576, dtype=dt)  # DeepSeek-V3's latent cache row: 512 + 64
     bt, lens = torch.zeros(2, 64, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     for ctx in (16, 8192):
@@ -164,9 +172,10 @@ print(json.dumps({"launches": len(launches), "kernels": sorted({l[0] for l in la
 
 
 def test_the_enumerated_configurations_hold_every_launch_the_launchers_choose():
-    """For each supported head dim (64, 96, 128, 256; GQA groups 3, 1, 4, 7, 2) and MLA (128 heads,
-    512 + 64), bf16 and fp32, one and many partitions, decode/prefill/MoE tiers/norms/verify: the
-    constexprs and launch options each launcher picks are among gpu_compile's configurations."""
+    """For each supported head dim (64, 96, 128, 256; GQA groups 3, 1, 4, 7, 2), gpt-oss's attention with
+    sinks (64, group 8) and MLA (128 heads, 512 + 64), bf16 and fp32, one and many partitions,
+    decode/prefill/MoE tiers/norms/verify: the constexprs and launch options each launcher picks are
+    among gpu_compile's configurations."""
     proc = _python(RECORD)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

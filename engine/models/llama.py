@@ -199,7 +199,7 @@ def sliding_plans(model: "LlamaModel", h: torch.Tensor, batch: ForwardBatch, kv_
     if not windows:
         return {}
     nd = batch.num_decode
-    if K.backend(h) == "triton" and not c.attention_sinks:  # the Triton kernels take no sinks (gpt-oss)
+    if K.backend(h) == "triton":  # the Triton kernels take the window and the sinks (gpt-oss) themselves
         return {w: SlidingStep("triton", batch.prefill_block_tables, batch.prefill_cu_query_lens,
                                batch.prefill_context_lens, None) for w in windows}
     group = c.num_heads // c.num_kv_heads
@@ -499,7 +499,7 @@ class LlamaModel:
         attn = torch.empty_like(q)
         if nd:
             decode = (native_kernels.paged_decode_attention if triton is None else triton.paged_decode_attention)
-            sink = {} if sinks is None else {"sinks": sinks}  # the native kernel's (never Triton's: sliding_plans)
+            sink = {} if sinks is None else {"sinks": sinks}
             out = decode(q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale,
                          window=window, **sink)
             if nd == T:
@@ -512,7 +512,7 @@ class LlamaModel:
             else:
                 attn[nd:] = triton.prefill_attention(q[nd:], k_cache, v_cache, step.tables, step.cu, step.lens,
                                                      self.scale, max_query_len=batch.max_query_len or None,
-                                                     window=window)
+                                                     window=window, sinks=sinks)
         return attn
 
     def _lean_qkv(self, qkv: torch.Tensor, li: int, kv_cache: torch.Tensor, batch: ForwardBatch,
