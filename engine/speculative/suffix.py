@@ -115,6 +115,13 @@ class SuffixIndex:
         out: list[int] = []
         size = self.tokens.size
         for depth in range(k):
+            if starts.size == 1:  # one occurrence left (a long match's usual case): what follows it
+                at = int(starts[0]) + n + depth
+                for token in self._tokens[at:at + k - depth]:
+                    if token == SEPARATOR:
+                        break
+                    out.append(token)
+                break
             pos = starts + n + depth
             starts = starts[pos < size]
             if not starts.size:
