@@ -399,24 +399,13 @@ class LlamaModel:
         if self.embed_multiplier is not None:
             h = h * self.embed_multiplier
         residual: torch.Tensor | None = None
-        # Attention bookkeeping that is the same in every layer, worked out once.
-        plan = decode_plan = None
-        if not self.batch_invariant:
-            if nd < T:
-                plan = K.plan_prefill(h, batch.prefill_block_tables, batch.prefill_cu_query_lens,
-                                      batch.prefill_context_lens, kv_cache.shape[3], Hq // Hkv)
-            if nd:
-                decode_plan = K.plan_decode(h, batch.decode_block_tables, batch.decode_context_lens, kv_cache.shape[3])
         layers = self.layers[:num_layers]
-        windows = sliding_plans(self, h, batch, kv_cache, len(layers))
         # The lean path (fewer small ops, the same bits: see _lean_qkv and tests/test_small_ops.py)
         # everywhere but the batch-invariant mode, which keeps the code it was pinned with; layers
         # with Qwen3's q/k norms take its norms but rotate and store q and k one by one.
         lean = self.lean_ops and not self.batch_invariant
         norm = reference.rms_norm_fp32 if self.norm_fp32 else K.add_rms_norm if lean else K.rms_norm
         head_norm = reference.rms_norm_fp32 if self.norm_fp32 else K.rms_norm
-        # one rotary table per distinct rope (sliding layers may have their own)
-        ropes = {id(t): K.rotary_table(h, batch.positions, t) for t in self.rope_tables} if lean else {}
         # Decode steps, and steps whose chunks are short (drafted tokens to verify, the tail of a
         # prompt the prefix cache or the KV store did not hold), take the fused layers, each
         # token of a chunk a row of its own.
@@ -427,6 +416,23 @@ class LlamaModel:
             h, residual = K.decode_layers(fused, len(layers), h, residual, batch.positions, batch.slot_mapping,
                                           self.cos_sin, tables, lens, c.rms_norm_eps, self.scale)
             layers = []
+        # Attention bookkeeping that is the same in every layer, worked out once, for the per-op
+        # layers below (the fused ones need none of it: at batch 1 it was a tenth of a millisecond
+        # of every step).
+        plan = decode_plan = None
+        windows: dict[int, SlidingStep] = {}
+        ropes: dict[int, Any] = {}
+        if layers:
+            if not self.batch_invariant:
+                if nd < T:
+                    plan = K.plan_prefill(h, batch.prefill_block_tables, batch.prefill_cu_query_lens,
+                                          batch.prefill_context_lens, kv_cache.shape[3], Hq // Hkv)
+                if nd:
+                    decode_plan = K.plan_decode(h, batch.decode_block_tables, batch.decode_context_lens,
+                                                kv_cache.shape[3])
+            windows = sliding_plans(self, h, batch, kv_cache, len(layers))
+            # one rotary table per distinct rope (sliding layers may have their own)
+            ropes = {id(t): K.rotary_table(h, batch.positions, t) for t in self.rope_tables} if lean else {}
         for li, lw in enumerate(layers):
             cos_sin, window = self.layer_cos_sin[li], c.window(li)
             x, residual = norm(h, lw.input_norm, c.rms_norm_eps, residual)
