@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.bench_grammar_mask import SCHEMAS
+from benchmarks.bench_kv_scale import cpu_line
 from kvbatch.engine.runtime import grammar_mask
 from kvbatch.engine.runtime.engine_config import EngineConfig
 from kvbatch.engine.runtime.llm import LLM, GenerationRequest
@@ -55,17 +55,6 @@ from kvbatch.io.batch_requests import parse_response_format
 
 FORMATS = [{"type": "json_schema", "json_schema": {"name": "s", "schema": s, "strict": True}} for s in SCHEMAS] + [
     {"type": "json_object"}]
-
-
-def cpu_line() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "lscpu unavailable"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    keep = [f for f in flags if f.startswith(("avx512f", "avx2", "amx"))]
-    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs, flags {' '.join(keep)}"
 
 
 def record(model: str, rows: int, max_tokens: int) -> tuple[ChatTokenizer, list[tuple[int, list[int]]]]:
