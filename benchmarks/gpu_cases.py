@@ -252,9 +252,11 @@ def store_kv_case(K, T, Hkv, D, dtype, block_size=16, src_dtype=None):
     return run_triton, run_reference, check, nbytes, 0
 
 
-def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, **kwargs):
+def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, gpt_oss=False, **kwargs):
     """Routed experts for T tokens, k distinct experts each (a random router), weights
-    summing to 1; ``out_of_range`` of the ids replaced by -1 (experts on another rank)."""
+    summing to 1; ``out_of_range`` of the ids replaced by -1 (experts on another rank);
+    ``gpt_oss``: with expert biases and the clamped SwiGLU (alpha 1.702, limit 7), the biases
+    large enough that the clamp bites."""
     R, *_ = K
     TM = K[6]
     gen = torch.Generator().manual_seed(seed)
@@ -267,12 +269,16 @@ def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, **kwargs):
     if out_of_range:
         ids = torch.where(torch.rand(T, k, generator=gen) < out_of_range, -1, ids)
     ids, weights = ids.to(DEVICE), weights.to(DEVICE)
+    extra = {}
+    if gpt_oss:
+        extra = {"gate_up_bias": (torch.randn(E, 2 * I, generator=gen) * 4).to(device=DEVICE, dtype=dtype),
+                 "down_bias": torch.randn(E, H, generator=gen).to(device=DEVICE, dtype=dtype), "swiglu": (1.702, 7.0)}
 
     def run_triton():
-        return TM.fused_moe(x, w_gate_up, w_down, ids, weights, **kwargs)
+        return TM.fused_moe(x, w_gate_up, w_down, ids, weights, **extra, **kwargs)
 
     def run_reference():
-        return R.fused_moe(x, w_gate_up, w_down, ids, weights)
+        return R.fused_moe(x, w_gate_up, w_down, ids, weights, **extra)
 
     def check():
         poison_allocator(x.numel() * x.element_size() * 4 * max(k, 1), DEVICE)

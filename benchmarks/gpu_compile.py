@@ -103,7 +103,7 @@ MODELS: dict[str, dict[str, Any]] = {
                                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
                         quantization_config=FP8_128),
     # gpt-oss-20b (-120b: the same attention, more experts and layers): attention sinks, so its decode
-    # and prefill compile with HAS_SINKS; its biased, clamped experts run the reference, not Triton MoE
+    # and prefill compile with HAS_SINKS; its biased, clamped experts with the MoE kernels' HAS_BIAS and SWIGLU
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
                         num_key_value_heads=8, head_dim=64, vocab_size=201088, max_position_embeddings=131072,
                         sliding_window=128, attention_bias=True, num_local_experts=32, num_experts_per_tok=4,
@@ -185,12 +185,13 @@ KERNELS: dict[str, KernelSpec] = {
          "out_ptr": "*", "part_acc_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}, ("scale_log2e",),
         lambda c: (c["BLOCK_H"] + c["BLOCK_N"]) * (c["BLOCK_C"] + c["BLOCK_R"]) * _eb(c)),
     "_moe_gate_up_kernel": KernelSpec(
-        "triton_moe", ("stride_xh", "stride_wh", "stride_ii"),
-        {"x_ptr": "*", "w_ptr": "*", "sorted_pairs_ptr": "i32", "block_expert_ptr": "i32", "inter_ptr": "*"}, (),
+        "triton_moe", ("stride_xh", "stride_wh", "stride_bn", "stride_ii"),
+        {"x_ptr": "*", "w_ptr": "*", "bias_ptr": "*", "sorted_pairs_ptr": "i32", "block_expert_ptr": "i32",
+         "inter_ptr": "*"}, ("alpha", "limit"),
         lambda c: (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * _eb(c)),
     "_moe_down_kernel": KernelSpec(
-        "triton_moe", ("stride_ii", "stride_wi", "stride_rk", "stride_yh"),
-        {"inter_ptr": "*", "w_ptr": "*", "sorted_pairs_ptr": "i32", "block_expert_ptr": "i32",
+        "triton_moe", ("stride_ii", "stride_wi", "stride_bh", "stride_rk", "stride_yh"),
+        {"inter_ptr": "*", "w_ptr": "*", "bias_ptr": "*", "sorted_pairs_ptr": "i32", "block_expert_ptr": "i32",
          "weights_ptr": "fp32", "y_ptr": "fp32"}, (),
         lambda c: (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _eb(c)),
     "_moe_sum_kernel": KernelSpec(
@@ -340,9 +341,11 @@ def _mlp(col: _Collector, model: str, dtype: str, inter: int) -> None:
     col.add(model, "_silu_and_mul_kernel", dtype, 4, None, BLOCK=_module("triton_activation").silu_block(inter))
 
 
-def _moe(col: _Collector, model: str, dtype: str, hidden: int, experts: int, top_k: int) -> None:
+def _moe(col: _Collector, model: str, dtype: str, hidden: int, experts: int, top_k: int,
+         bias: bool = False, swiglu: bool = False) -> None:
     """Fused MoE at every tile its launcher picks over step sizes, with the model's top-k and with
-    top-1 (expert parallelism computes the rows a rank received one pair at a time)."""
+    top-1 (expert parallelism computes the rows a rank received one pair at a time); ``bias`` and
+    ``swiglu``: the model's experts have biases and a clamped SwiGLU (gpt-oss)."""
     moe = _module("triton_moe")
     numerics = _numerics(dtype)
     for k in sorted({top_k, 1}):
@@ -355,8 +358,9 @@ def _moe(col: _Collector, model: str, dtype: str, hidden: int, experts: int, top
             tokens *= 2
         for t in tiles:
             blocks = dict(TOP_K=k, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], **numerics)
-            for kernel in ("_moe_gate_up_kernel", "_moe_down_kernel"):
-                col.add(model, kernel, dtype, t["num_warps"], t["num_stages"], **blocks)
+            col.add(model, "_moe_gate_up_kernel", dtype, t["num_warps"], t["num_stages"], HAS_BIAS=bias,
+                    SWIGLU=swiglu, **blocks)
+            col.add(model, "_moe_down_kernel", dtype, t["num_warps"], t["num_stages"], HAS_BIAS=bias, **blocks)
         col.add(model, "_moe_sum_kernel", dtype, None, None, TOP_K=k, BLOCK_H=moe.sum_block_h(hidden))
 
 
@@ -416,9 +420,9 @@ def configurations(models: dict[str, dict[str, Any]] | None = None,
                 _fp8_gemm(col, name, dtype, tuple(block))
             if c.moe is None or c.moe.first_k_dense_replace or c.moe.mlp_only_layers or c.moe.decoder_sparse_step > 1:
                 _mlp(col, name, dtype, c.intermediate_size)
-            # biased experts (gpt-oss) run the reference on every device (dispatch.fused_moe)
-            if c.moe is not None and not c.moe.expert_bias:
-                _moe(col, name, dtype, c.hidden_size, c.moe.num_experts, c.moe.top_k)
+            if c.moe is not None:
+                _moe(col, name, dtype, c.hidden_size, c.moe.num_experts, c.moe.top_k, c.moe.expert_bias,
+                     c.moe.swiglu_limit is not None)
                 if c.moe.shared_expert_intermediate_size:
                     _mlp(col, name, dtype, c.moe.shared_expert_intermediate_size)
             if c.mla is None:

@@ -321,6 +321,8 @@ def check_cases(K) -> list[tuple[str, Callable[[], tuple]]]:
         add(f"fused_moe {dn} decode E64 k6", moe_case, 7, 1024, 352, 64, 6, dtype, seed=11)
         add(f"fused_moe {dn} prefill E8 k2, dropped ids", moe_case, 333, 512, 200, 8, 2, dtype, seed=12,
             out_of_range=0.3)
+        add(f"fused_moe {dn} gpt-oss biases + clamped SwiGLU, E32 k4", moe_case, 9, 2880, 2880, 32, 4, dtype,
+            seed=13, gpt_oss=True)
         add(f"fp8 gemm {dn} decode M=1, partial blocks", fp8_gemm_case, 1, 700, 1000, dtype, seed=20)
         add(f"fp8 gemm {dn} prefill M=333, bias", fp8_gemm_case, 333, 1536, 7168, dtype, seed=21, bias=True)
         add(f"fp8 gemm {dn} 32x40 blocks (scale gather)", fp8_gemm_case, 65, 100, 300, dtype, block=(32, 40), seed=22)

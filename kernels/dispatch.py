@@ -316,11 +316,9 @@ def fused_moe(
     down_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """See :func:`reference.fused_moe`. gpt-oss's experts (biases, clamped SwiGLU) run the reference
-    on every device: the Triton MoE kernel computes ``silu(gate) * up`` without biases."""
-    if gate_up_bias is not None or down_bias is not None or swiglu is not None:
-        return reference.fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
-    return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+    """See :func:`reference.fused_moe`. gpt-oss's experts (biases, clamped SwiGLU) go where the
+    others do: the Triton MoE kernel takes both (constexpr variants), the reference runs on the CPU."""
+    return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

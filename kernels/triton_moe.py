@@ -9,8 +9,12 @@ Three steps, no host synchronisation (the grid is sized from an upper bound):
 2. ``_moe_gate_up_kernel``: program ``(row block, column block of I)`` gathers its rows of
    ``x`` and multiplies them by that expert's gate and up rows at once (two accumulators over
    one pass of ``x``), applying ``silu(gate) * up`` in the epilogue; the result goes to
-   ``inter[p]``, in ``x.dtype``.
-3. ``_moe_down_kernel``: ``inter`` rows times the expert's ``w_down``, scaled by the pair's
+   ``inter[p]``, in ``x.dtype``. gpt-oss (``HAS_BIAS``, ``SWIGLU``, both constexpr so the plain
+   launch compiles as before): ``gate_up_bias[e]`` is added to both accumulators and the
+   epilogue is the clamped SwiGLU ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``,
+   ``g = gate.clamp(max=limit)`` (``alpha``, ``limit`` runtime fp32 scalars).
+3. ``_moe_down_kernel``: ``inter`` rows times the expert's ``w_down`` (plus ``down_bias[e]``
+   with ``HAS_BIAS``), scaled by the pair's
    routing weight in fp32, written to ``y[p]`` (fp32); ``_moe_sum_kernel`` adds each token's
    ``k`` rows (skipping dropped pairs) and rounds once to ``x.dtype``.
 
@@ -65,13 +69,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, inter_ptr,
-    num_pairs, H, I,
+    x_ptr, w_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, inter_ptr,
+    num_pairs, H, I, alpha, limit,
     stride_xt, stride_xh,
     stride_we, stride_wn, stride_wh,
+    stride_be, stride_bn,
     stride_ip, stride_ii,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -109,21 +114,31 @@ def _moe_gate_up_kernel(
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    if HAS_BIAS:  # gate_up_bias[e]: gate columns, then up columns, like the weight's rows
+        b_ptrs = bias_ptr + e * stride_be + offs_n * stride_bn
+        acc_g += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + I * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:  # gpt-oss: gate clamped above only, up both ways, then (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up
     tl.store(inter_ptr + pairs[:, None] * stride_ip + offs_n[None, :] * stride_ii,
              h.to(inter_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(
-    inter_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, y_ptr,
+    inter_ptr, w_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, y_ptr,
     num_pairs, H, I,
     stride_ip, stride_ii,
     stride_we, stride_wh, stride_wi,
+    stride_be, stride_bh,
     stride_rt, stride_rk,
     stride_yp, stride_yh,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -152,6 +167,8 @@ def _moe_down_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ii
         b_ptrs += BLOCK_K * stride_wi
+    if HAS_BIAS:  # down_bias[e], before the routing weight (the twin's F.linear bias)
+        acc += tl.load(bias_ptr + e * stride_be + offs_n * stride_bh, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     t = pairs // TOP_K
     j = pairs % TOP_K
     w = tl.load(weights_ptr + t * stride_rt + j * stride_rk, mask=mask_m, other=0.0).to(tl.float32)
@@ -206,6 +223,9 @@ def fused_moe(
     w_down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -213,8 +233,9 @@ def fused_moe(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Triton twin of :func:`reference.fused_moe` (same arguments and result). The keyword
-    arguments override the tile configuration (both GEMMs use it)."""
+    """Triton twin of :func:`reference.fused_moe` (same arguments and result, gpt-oss's expert
+    biases and clamped SwiGLU included). The keyword arguments override the tile configuration
+    (both GEMMs use it)."""
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(f"fused_moe: expected x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I]; got "
                          f"{tuple(x.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
@@ -224,6 +245,9 @@ def fused_moe(
     if w_gate_up.shape[2] != H or tuple(w_down.shape) != (E, H, I):
         raise ValueError(f"fused_moe: w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} "
                          f"do not fit x [T, {H}]")
+    for name, bias, want in (("gate_up_bias", gate_up_bias, (E, 2 * I)), ("down_bias", down_bias, (E, H))):
+        if bias is not None and tuple(bias.shape) != want:
+            raise ValueError(f"fused_moe: {name} {tuple(bias.shape)}, expected {want}")
     k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0 or H == 0:
@@ -243,20 +267,26 @@ def fused_moe(
     sorted_pairs, block_expert = moe_align(topk_ids, E, BM)
     num_blocks = block_expert.shape[0]
     inter = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    # Without a bias the kernels get ``inter`` as a stand-in pointer (never read: HAS_BIAS=False), with
+    # strides (0, 1) so the plain launch specializes as it did before the bias arguments existed.
+    gu_bias, gu_strides = (inter, (0, 1)) if gate_up_bias is None else (gate_up_bias, gate_up_bias.stride())
+    dn_bias, dn_strides = (inter, (0, 1)) if down_bias is None else (down_bias, down_bias.stride())
+    alpha, limit = (1.0, 0.0) if swiglu is None else (float(swiglu[0]), float(swiglu[1]))
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(I, cfg["block_n"]))](
-        x, w_gate_up, sorted_pairs, block_expert, inter,
-        P, H, I,
-        *x.stride(), *w_gate_up.stride(), *inter.stride(),
+        x, w_gate_up, gu_bias, sorted_pairs, block_expert, inter,
+        P, H, I, alpha, limit,
+        *x.stride(), *w_gate_up.stride(), *gu_strides, *inter.stride(),
         TOP_K=k, BLOCK_M=BM, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, **launch,
+        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, HAS_BIAS=gate_up_bias is not None,
+        SWIGLU=swiglu is not None, **launch,
     )
     y = torch.empty((P, H), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(num_blocks, triton.cdiv(H, cfg["block_n"]))](
-        inter, w_down, sorted_pairs, block_expert, topk_weights, y,
+        inter, w_down, dn_bias, sorted_pairs, block_expert, topk_weights, y,
         P, H, I,
-        *inter.stride(), *w_down.stride(), *topk_weights.stride(), *y.stride(),
+        *inter.stride(), *w_down.stride(), *dn_strides, *topk_weights.stride(), *y.stride(),
         TOP_K=k, BLOCK_M=BM, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, **launch,
+        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, HAS_BIAS=down_bias is not None, **launch,
     )
     block_h = sum_block_h(H)
     _moe_sum_kernel[(T, triton.cdiv(H, block_h))](

@@ -468,19 +468,17 @@ def test_reference_sinks_equal_transformers_eager_attention(fast):
     torch.testing.assert_close(whole.transpose(1, 2), want, atol=1e-6, rtol=1e-6)
 
 
-def test_sinks_go_to_triton_and_biased_experts_to_the_reference(tmp_path, monkeypatch):
+def test_sinks_and_biased_experts_go_to_triton(tmp_path, monkeypatch):
     """Where Triton would run, attention calls with sinks take the Triton kernels, sinks passed on
     (they take them: tests/test_triton_sinks.py), except a prefill call with a windowed reference plan
     (gpt-oss's sliding layers, whose window only the plan holds), which the reference runs. Biased
-    experts and clamped SwiGLU run the reference (the Triton MoE kernel takes neither), and a gpt-oss
-    model's sliding layers take the Triton route (its kernels take the window and the sinks)."""
+    experts and clamped SwiGLU take the Triton MoE kernel, biases and activation passed on (it takes
+    them: tests/test_triton_moe_bias.py), and a gpt-oss model's sliding layers take the Triton route
+    (its kernels take the window and the sinks)."""
     from types import SimpleNamespace
 
     from kvbatch.engine.models.llama import ForwardBatch, sliding_plans
     from kvbatch.kernels import dispatch
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a Triton kernel ran")
 
     calls = []
 
@@ -490,8 +488,13 @@ def test_sinks_go_to_triton_and_biased_experts_to_the_reference(tmp_path, monkey
             return torch.zeros_like(args[0])
         return kernel
 
+    def moe(x, w_gate_up, w_down, ids, weights, gate_up_bias=None, down_bias=None, swiglu=None):
+        calls.append(("moe", (gate_up_bias, down_bias, swiglu)))
+        return torch.zeros_like(x)
+
     fake = SimpleNamespace(paged_decode_attention=attention("decode"), prefill_attention=attention("prefill"),
-                           fused_moe=refuse)
+                           fused_moe=moe)
+    cpu_route = dispatch._impl
     monkeypatch.setattr(dispatch, "_impl", lambda t: fake)
     monkeypatch.setattr(dispatch, "native", lambda t, bf16=False: False)
     g = torch.Generator().manual_seed(6)
@@ -511,8 +514,14 @@ def test_sinks_go_to_triton_and_biased_experts_to_the_reference(tmp_path, monkey
     ids, weights = torch.tensor([[0], [1], [0]]), torch.ones(3, 1)
     biased = {"gate_up_bias": torch.randn(2, 8, generator=g), "down_bias": torch.randn(2, 16, generator=g),
               "swiglu": (1.702, 7.0)}
+    dispatch.fused_moe(x, w_gate_up, w_down, ids, weights, **biased)
+    assert len(calls) == 3 and calls[2][0] == "moe"
+    assert all(a is b for a, b in zip(calls[2][1], biased.values()))
+    monkeypatch.delenv("KVBATCH_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "_impl", cpu_route)  # on the CPU: the reference, as before
     torch.testing.assert_close(dispatch.fused_moe(x, w_gate_up, w_down, ids, weights, **biased),
                                reference.fused_moe(x, w_gate_up, w_down, ids, weights, **biased))
+    monkeypatch.setattr(dispatch, "_impl", lambda t: fake)
     build_tiny_gpt_oss(tmp_path)
     model = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=32)).runner.model
     monkeypatch.setattr(dispatch, "backend", lambda t: "triton")
