@@ -14,9 +14,6 @@ The sm_90 compilation of the biased variants runs in a subprocess without ``TRIT
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -25,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
-from tests.triton_interpreter import (DTYPES, KERNELS, REPO,  # isort: skip
+from tests.triton_interpreter import (DTYPES, KERNELS, REPO, compiled_pairs,  # isort: skip
                                       assert_close, fresh_process_only, interpreter_only, interpreter_settings,
                                       rerun_in_fresh_interpreter, randn, use_triton)  # noqa: F401 (fixture)
 from kvbatch.kernels import dispatch
@@ -208,12 +205,7 @@ for c in picked.values():
 def test_the_biased_moe_variants_compile_for_sm90():
     """The enumeration holds gpt-oss's biased variants (and plain models' plain ones); each compiles
     within an SM's shared memory with registers, and spills none where the plain variant spills none."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVBATCH_KERNELS")}
-    prelude = f"import sys; sys.path[:0] = [{str(REPO / 'benchmarks')!r}]\n"
-    proc = subprocess.run([sys.executable, "-c", prelude + COMPILE], capture_output=True, text=True, timeout=900,
-                          check=False, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    pairs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    pairs = compiled_pairs(COMPILE)
     assert {r["kernel"] for r, _ in pairs} == {"_moe_gate_up_kernel", "_moe_down_kernel"}
     for biased, plain in pairs:
         assert "error" not in biased and "error" not in plain, (biased, plain)

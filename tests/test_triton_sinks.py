@@ -16,16 +16,12 @@ without ``TRITON_INTERPRET``: ``test_the_sink_variants_compile_for_sm90_within_s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
-from tests.triton_interpreter import (ATTN_TOL, KERNELS, REPO,  # isort: skip
+from tests.triton_interpreter import (ATTN_TOL, KERNELS, compiled_pairs,  # isort: skip
                                       assert_close, fresh_process_only, interpreter_only,
                                       rerun_in_fresh_interpreter, randn, use_triton)  # noqa: F401 (fixture)
 from kvbatch.kernels import dispatch
@@ -230,12 +226,7 @@ for c in picked.values():
 def test_the_sink_variants_compile_for_sm90_within_shared_memory():
     """Each compiles within an SM's shared memory, and spills no register where the same kernel
     without sinks spills none (the sink is added after the key loop, or in the merge)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVBATCH_KERNELS")}
-    prelude = f"import sys; sys.path[:0] = [{str(REPO / 'benchmarks')!r}]\n"
-    proc = subprocess.run([sys.executable, "-c", prelude + COMPILE], capture_output=True, text=True, timeout=900,
-                          check=False, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    pairs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    pairs = compiled_pairs(COMPILE)
     assert len(pairs) == 6
     assert {r["kernel"] for r, _ in pairs} == {"_paged_decode_kernel", "_paged_decode_merge_kernel", "_prefill_kernel"}
     for sink, plain in pairs:

@@ -73,6 +73,20 @@ def check_rerun(returncode: int, stdout: str, stderr: str = "") -> None:
     assert "compiled before TRITON_INTERPRET" not in stdout, "the rerun skipped interpreter tests:\n" + tail
 
 
+def compiled_pairs(script: str) -> list[list[dict]]:
+    """Run ``script`` (which compiles kernel variants for sm_90 with Triton's own ptxas and prints
+    one JSON line per compared pair, a line starting with ``[``) in a fresh process, the kernels
+    compiled for a GPU there (no interpreter); fail with its output if it fails. The pairs."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVBATCH_KERNELS")}
+    prelude = f"import sys; sys.path[:0] = [{str(REPO / 'benchmarks')!r}]\n"
+    proc = subprocess.run([sys.executable, "-c", prelude + script], capture_output=True, text=True, timeout=900,
+                          check=False, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+
+
 @pytest.fixture
 def use_triton(monkeypatch):
     """Route the dispatch point to the interpreted Triton kernels."""
