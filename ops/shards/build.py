@@ -433,8 +433,13 @@ def _with_tool_format(table: pa.Table, chat: ChatTokenizer) -> pa.Table:
     if not pc.any(pc.starts_with(column.cast(pa.string()), '{"type":"tools"')).as_py():
         return table
     token = tool_control_token(chat, fmt)
-    values = [with_format(v, fmt, token) if is_tools_spec(v) else v for v in column.to_pylist()]
-    return table.set_column(i, table.schema.field(i), pa.array(values, pa.string()).cast(column.type))
+    # A night holds few distinct tools specs: each is rewritten once, the column taken from them.
+    text = column.cast(pa.string())
+    distinct = pc.unique(text)
+    rewritten = pa.array([with_format(v, fmt, token) if v is not None and is_tools_spec(v) else v
+                          for v in distinct.to_pylist()], pa.string())
+    values = pc.take(rewritten, pc.index_in(text, value_set=distinct))
+    return table.set_column(i, table.schema.field(i), values.cast(column.type))
 
 
 # Each record batch is split into one spilled piece per shard (ops/shards/spill.py): batches are
