@@ -114,7 +114,7 @@ def test_decode_from_the_kv_store_equals_in_process_generate(tmp_path):
     """Batch-invariant engines through the store; then prefix caching outside that mode reuses the
     26-token system prompt (its blocks hold keys the window no longer sees)."""
     build_tiny_gemma3(tmp_path / "m")
-    cfg = dict(block_size=4, num_blocks=128, max_num_seqs=8)
+    cfg = {"block_size": 4, "num_blocks": 128, "max_num_seqs": 8}
     check_store_round_trip_and_prefix_hit(load_checkpoint(str(tmp_path / "m")), (tmp_path / "kv").as_uri(), VOCAB,
                                           {**cfg, "batch_invariant": True}, cfg)
 
@@ -158,7 +158,18 @@ def test_hub_config_of_gemma3_12b_builds_on_the_meta_device(monkeypatch):
     assert len(model.layers) == 48 and model.layers[5].mlp_out_norm is not None
     assert model.layers[5].post_norm.dtype == torch.float32  # 1 + w kept in fp32 in a bf16 model
     assert model.layer_cos_sin[5] is model.cos_sin and model.layer_cos_sin[0] is not model.cos_sin
-    assert model.kv_cache_shape(10, 16) == (48, 2, 10, 16, Hkv, D)
+    # the 8 full layers' cache, and the 40 sliding layers' own (window_blocks.py)
+    assert model.kv_cache_shape(10, 16) == (8, 2, 10, 16, Hkv, D)
+    assert model.window_cache_shape(10, 16) == (40, 2, 10, 16, Hkv, D)
+    # one 4,096-token sequence in bf16, blocks of 16 (docs/models.md): 256 full-layer blocks of 1 MiB,
+    # and its window's ceil(1023 / 16) + 3 = 67 blocks of 5 MiB, against 256 blocks of 6 MiB
+    from kvbatch.engine.runtime.model_runner import ModelRunner
+
+    mib = 1 << 20
+    full, window = (ModelRunner.bytes_per_block(model, 16, torch.bfloat16),
+                    ModelRunner.window_bytes_per_block(model, 16, torch.bfloat16))
+    assert (full, window, -(-1023 // 16) + 3) == (mib, 5 * mib, 67)
+    assert (256 * full + 67 * window, 256 * (full + window)) == (591 * mib, 1536 * mib)
 
 
 def test_gemma3_declares_its_differences():

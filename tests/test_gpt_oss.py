@@ -586,7 +586,9 @@ def test_gpt_oss_20b_config_builds_on_the_meta_device(monkeypatch):
     monkeypatch.setenv("KVBATCH_LINEAR", "cublas")  # the GPU's plain weight layout (nothing measured on meta)
     model = LlamaModel(c, tensors, torch.bfloat16, device="meta")
     assert len(model.layers) == 24 and len(model.moe_layers) == 24 and model.layers[3].sinks.shape == (Hq,)
-    assert model.kv_cache_shape(10, 16) == (24, 2, 10, 16, Hkv, D)
+    # 12 full layers' cache, 12 sliding layers' (128-token windows) in a cache of their own
+    assert model.kv_cache_shape(10, 16) == (12, 2, 10, 16, Hkv, D)
+    assert model.window_cache_shape(10, 16) == (12, 2, 10, 16, Hkv, D) and model.cache_window == 128
     hf_cfg = tf.GptOssConfig(**{k: v for k, v in GPT_OSS_20B.items() if k not in ("rope_scaling", "rope_theta")},
                              rope_parameters=dict(GPT_OSS_20B["rope_scaling"], rope_theta=150000.0))
     rotary = tf.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(hf_cfg)

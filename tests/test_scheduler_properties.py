@@ -3,7 +3,9 @@ and never let a sequence read KV that is not its own tokens', whatever the arriv
 lengths, preemptions and prefix hits.
 
 The model is replaced by a fake KV cache that records, per slot, the (token id, position)
-written there; every step checks every scheduled sequence's context against its own tokens.
+written there; every step checks every scheduled sequence's context against its own tokens. With a
+sliding window the same holds for the window pool (window_blocks.py): every key a sliding layer's
+query attends is in the sequence's window blocks, and a sequence holds no more than its window.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvbatch.engine.runtime.block_manager import BlockManager
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.runtime.scheduler import Scheduler
 from kvbatch.engine.runtime.sequence import Sequence
+from kvbatch.engine.runtime.window_blocks import NULL_BLOCK, WindowPool, window_pool_blocks
 
 PREFIXES = [[7] * 9, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], []]
 
@@ -30,15 +33,16 @@ def workloads(draw):
         tail = draw(st.lists(st.integers(0, 5), min_size=1, max_size=20))
         arrive = draw(st.integers(0, 6))  # step at which it arrives
         reqs.append((arrive, prefix + tail, draw(st.integers(1, 12))))
-    return dict(
-        reqs=reqs,
-        block_size=draw(st.sampled_from([1, 2, 4])),
-        num_blocks=draw(st.integers(14, 40)),
-        budget=draw(st.integers(1, 24)),
-        max_seqs=draw(st.integers(1, 6)),
-        caching=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**16)),
-    )
+    return {
+        "reqs": reqs,
+        "block_size": draw(st.sampled_from([1, 2, 4])),
+        "num_blocks": draw(st.integers(14, 40)),
+        "budget": draw(st.integers(1, 24)),
+        "max_seqs": draw(st.integers(1, 6)),
+        "caching": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+        "window": draw(st.sampled_from([0, 1, 3, 6, 9])),  # 0: no sliding layers
+    }
 
 
 @settings(max_examples=300, deadline=None)
@@ -46,9 +50,14 @@ def workloads(draw):
 def test_no_leak_no_wrong_sharing(w):
     rng = random.Random(w["seed"])
     bs = w["block_size"]
-    bm = BlockManager(w["num_blocks"], bs, "00" * 32, enable_prefix_caching=w["caching"])
+    window = w["window"]
+    # sized as the engine sizes it (llm.py): never more than the full pool plus the null block
+    pool = (WindowPool(min(window_pool_blocks(window, bs, w["max_seqs"], w["budget"]), w["num_blocks"] + 1),
+                       bs, window, w["caching"]) if window else None)
+    bm = BlockManager(w["num_blocks"], bs, "00" * 32, enable_prefix_caching=w["caching"], window=pool)
     sched = Scheduler(bm, w["max_seqs"], w["budget"])
     cache: dict[int, tuple[int, int]] = {}  # slot -> (token id, position) written there
+    window_cache: dict[int, tuple[int, int]] = {}  # the same for the sliding layers' pool
     pending = sorted(enumerate(w["reqs"]), key=lambda x: x[1][0])
     live: list[Sequence] = []
     max_len = 40 + 12
@@ -78,6 +87,16 @@ def test_no_leak_no_wrong_sharing(w):
                 owner = bm.blocks[seq.block_table[p // bs]]
                 assert owner.ref_count == 1, "writing into a shared block"
                 cache[slot] = (seq.token_ids[p], p)
+            if pool is not None:
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+                for p in range(max(0, start - window + 1), start):  # what the first query sees
+                    bid = seq.window_table[p // bs]
+                    assert bid != NULL_BLOCK, f"seq {seq.seq_id}: window key {p} was given back"
+                    assert window_cache.get(bid * bs + p % bs) == (seq.token_ids[p], p), f"wrong window KV at {p}"
+                for p in range(start, end):
+                    bid = seq.window_table[p // bs]
+                    assert bid != NULL_BLOCK and pool.ref_count[bid] == 1, "writing into a shared window block"
+                    window_cache[bid * bs + p % bs] = (seq.token_ids[p], p)
         for s in step:
             samples = s.samples
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -87,12 +106,19 @@ def test_no_leak_no_wrong_sharing(w):
                 if s.seq.num_output_tokens >= s.seq.sampling.max_tokens or s.seq.num_tokens >= max_len:
                     sched.finish(s.seq, "length")
                     done += 1
-        bm.check_invariants([q for q in live if not q.is_finished and q.block_table])
+        running = [q for q in live if not q.is_finished and q.block_table]
+        bm.check_invariants(running)
+        if pool is not None:  # a sequence keeps its window: at most ceil((window - 1) / bs) + 3 blocks after a step
+            for q in running:
+                assert pool.held(q) <= -(-(window - 1) // bs) + 3 + (bm.blocks_needed(q.num_tokens + 1)
+                                                                      - bm.blocks_needed(q.num_computed_tokens)), q.seq_id
     assert not sched.has_work()
     event(f"preempted={sched.num_preemptions > 0}")
     event(f"prefix hits={bm.hits_tokens > 0}")
     assert bm.num_free_blocks == w["num_blocks"], "blocks leaked"
     assert all(b.ref_count == 0 for b in bm.blocks)
+    if pool is not None:
+        assert pool.num_free_blocks == pool.num_blocks - 1, "window blocks leaked"
 
 
 def test_prefix_hit_reuses_blocks_and_rechecks_tokens():

@@ -201,10 +201,11 @@ class DeepseekV3Model(LlamaModel):
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)[:T]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None, window_cache: torch.Tensor | None = None) -> torch.Tensor:
         """Run the packed tokens through the model, writing their latent rows into ``kv_cache``
         (``kv_cache_shape``); return logits [N, V] for ``logits_rows``. ``num_layers``: stop
-        after that many layers (early-exit drafting), as in :meth:`LlamaModel.forward`."""
+        after that many layers (early-exit drafting), as in :meth:`LlamaModel.forward`.
+        ``window_cache``: unused (MLA models have no sliding layers); taken as every model's forward takes it."""
         c, m = self.config, self.mla
         T = input_ids.shape[0]
         nd = batch.num_decode

@@ -8,10 +8,13 @@ Weights are plain tensors, not ``nn.Module``s: the forward pass is a flat loop o
 fused QKV and gate/up projections, which keeps the per-layer Python overhead small enough for
 batch-1 decode on a CPU. Every hot operation goes through :mod:`kvbatch.kernels.dispatch`, but
 a sliding layer's attention (:func:`sliding_plans`: the dispatcher takes no window yet).
+Sliding layers keep their K/V in a cache of their own that holds only each sequence's window
+(``window_cache``, ``ForwardBatch.window``; :mod:`kvbatch.engine.runtime.window_blocks`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -126,6 +129,17 @@ class LayerWeights:
 
 
 @dataclass
+class WindowTables:
+    """A step's slots and block tables in the sliding layers' window cache (window_blocks.py):
+    shaped as the full layers' ones in :class:`ForwardBatch`, null-block entries before each window."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
+    prefill_block_tables: torch.Tensor  # [S, max_blocks] int32
+    block_tables: torch.Tensor | None = None  # batch-invariant mode: [num_decode + S, max_blocks] int32
+
+
+@dataclass
 class ForwardBatch:
     """Everything one step needs besides the token ids, built by the model runner.
 
@@ -152,6 +166,15 @@ class ForwardBatch:
     # Every logits row belongs to a greedy request that wants no logprobs: only the argmax of each
     # row will be read, so an fp32 model may screen its head in int8 (greedy_head.py).
     greedy_only: bool = False
+    # Models with sliding layers: those layers' slots and block tables in the window cache.
+    window: WindowTables | None = None
+
+    def with_tables(self, tables: WindowTables) -> ForwardBatch:
+        """This step as the sliding layers see it: the same rows, the window cache's slots and tables."""
+        return dataclasses.replace(self, slot_mapping=tables.slot_mapping,
+                                   decode_block_tables=tables.decode_block_tables,
+                                   prefill_block_tables=tables.prefill_block_tables,
+                                   block_tables=tables.block_tables)
 
 
 def tokens_as_decode_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,11 +203,12 @@ class SlidingStep:
     plan: reference.PrefillPlan | None  # None: no row for it, or the Triton route
 
 
-def sliding_plans(model: "LlamaModel", h: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+def sliding_plans(model: LlamaModel, h: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
                   num_layers: int) -> dict[int, SlidingStep]:
     """For each sliding window among the first ``num_layers`` layers, how the step attends under
     it; {} when no layer slides, and in batch-invariant mode (``invariant_attention`` takes the
-    window itself). The cache keeps every key; each path reads from the window's first block.
+    window itself). The window cache holds only each window's blocks; each path reads from the window's
+    first block, never the null blocks before it.
 
     Where the Triton kernels run, their decode and prefill kernels take the window. Elsewhere decode
     rows take the native decode kernel's window where the native kernels run (fp32 or bf16 CPU
@@ -226,6 +250,11 @@ class LlamaModel:
     computes the routed experts (default: all of them, locally); ``routing_observers`` are
     called with ``(layer_idx, topk_ids)`` at every MoE layer of every step.
     """
+
+    # The sliding layers and their widest window (set by __init__; a subclass that builds itself,
+    # DeepSeek's MLA, has none)
+    window_layers: tuple[int, ...] = ()
+    cache_window = 0
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  batch_invariant: bool = False, device: torch.device | str = "cpu",
@@ -368,15 +397,32 @@ class LlamaModel:
         # The lean small-op path (KVBATCH_LEAN_OPS=0 turns it off, to measure against it).
         self.lean_ops = lean_ops_enabled()
         self.fused_decode = fused_decode_enabled()
-        self._views: tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]] | None = None
+        # Sliding layers keep their K/V in a cache of their own, which holds only each sequence's
+        # window (runtime/window_blocks.py); each layer's index in its cache (full or window).
+        self.window_layers = tuple(i for i in range(c.num_layers) if c.window(i))
+        self.cache_window = max(c.layer_windows, default=0)
+        counts = [0, 0]
+        self.cache_index: list[int] = []
+        for i in range(c.num_layers):
+            self.cache_index.append(counts[bool(c.window(i))])
+            counts[bool(c.window(i))] += 1
+        self._views: tuple[tuple[torch.Tensor, torch.Tensor | None], list[tuple[torch.Tensor, ...]]] | None = None
         # per schedule (MKL's GEMM or not: LinearFormat.fused_gemm), the cache tensor and its fused layers
         self._fused: dict[bool, tuple[torch.Tensor, K.FusedLayers | None]] = {}
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """``[L, 2 (K, V), num_blocks, block_size, Hkv, D]``; the runner allocates this and the KV
-        store saves ``[:, :, block]`` slices of it (other attention kinds override the shape)."""
+        """``[L, 2 (K, V), num_blocks, block_size, Hkv, D]`` over the full-attention layers (every
+        layer but the sliding ones); the runner allocates this and the KV store saves ``[:, :,
+        block]`` slices of it (other attention kinds override the shape)."""
         c = self.config
-        return (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return (c.num_layers - len(self.window_layers), 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def window_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...] | None:
+        """The sliding layers' cache, laid out as :meth:`kv_cache_shape`; None: no layer slides."""
+        c = self.config
+        if not self.window_layers:
+            return None
+        return (len(self.window_layers), 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(w, Fp8BlockWeight):  # CUDA, an FP8 checkpoint: the block-scaled Triton GEMM
@@ -384,12 +430,17 @@ class LlamaModel:
         return self.linear(x, w, b, self.batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None, window_cache: torch.Tensor | None = None) -> torch.Tensor:
         """Run the packed tokens through the model, writing their K/V into ``kv_cache``
-        ([L, 2, num_blocks, block_size, Hkv, D]); return logits [N, V] for ``logits_rows``.
+        ([L, 2, num_blocks, block_size, Hkv, D]) and, for sliding layers, ``window_cache`` at
+        ``batch.window``'s slots; return logits [N, V] for ``logits_rows``.
         ``num_layers``: stop after that many layers and apply the final norm and head to what
         they give (early-exit self-speculation drafts this way)."""
         c = self.config
+        if self.window_layers and (window_cache is None or batch.window is None):
+            raise ValueError(f"{c.model_type}: sliding layers need the window cache and the batch's window tables")
+        # The sliding layers' step: the same positions, their own cache's slots and block tables
+        wbatch = batch.with_tables(batch.window) if batch.window is not None else batch
         T = input_ids.shape[0]
         nd = batch.num_decode
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -430,15 +481,17 @@ class LlamaModel:
                 if nd:
                     decode_plan = K.plan_decode(h, batch.decode_block_tables, batch.decode_context_lens,
                                                 kv_cache.shape[3])
-            windows = sliding_plans(self, h, batch, kv_cache, len(layers))
+            windows = sliding_plans(self, h, wbatch, kv_cache if window_cache is None else window_cache, len(layers))
             # one rotary table per distinct rope (sliding layers may have their own)
             ropes = {id(t): K.rotary_table(h, batch.positions, t) for t in self.rope_tables} if lean else {}
+        views = self._cache_views(kv_cache, window_cache) if lean else []
         for li, lw in enumerate(layers):
             cos_sin, window = self.layer_cos_sin[li], c.window(li)
+            lb = wbatch if window else batch  # this layer's slots and block tables
             x, residual = norm(h, lw.input_norm, c.rms_norm_eps, residual)
             qkv = self._linear(x, lw.qkv, lw.qkv_bias)
             if lean and lw.q_norm is None:
-                q, k_cache, v_cache = self._lean_qkv(qkv, li, kv_cache, batch, ropes.get(id(cos_sin)), cos_sin)
+                q, k_cache, v_cache = self._lean_qkv(qkv, views[li], lb, ropes.get(id(cos_sin)), cos_sin)
             else:
                 q = qkv[:, :q_size].view(T, Hq, D)
                 k = qkv[:, q_size:q_size + kv_size].view(T, Hkv, D)
@@ -447,13 +500,14 @@ class LlamaModel:
                     q = head_norm(q.reshape(T * Hq, D), lw.q_norm, c.rms_norm_eps)[0].view(T, Hq, D)
                     k = head_norm(k.reshape(T * Hkv, D), lw.k_norm, c.rms_norm_eps)[0].view(T, Hkv, D)
                 q, k = K.apply_rotary(q, k, batch.positions, cos_sin)
-                k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
-                K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+                cache, ci = (window_cache if window else kv_cache), self.cache_index[li]
+                k_cache, v_cache = cache[ci, 0], cache[ci, 1]  # type: ignore[index]
+                K.store_kv(k, v, k_cache, v_cache, lb.slot_mapping)
             if self.batch_invariant:
-                attn = K.invariant_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_index,
+                attn = K.invariant_attention(q, k_cache, v_cache, lb.block_tables, batch.seq_index,
                                              batch.positions, self.scale, window)
             elif window:
-                attn = self._sliding_attention(q, k_cache, v_cache, batch, window, windows[window], lw.sinks)
+                attn = self._sliding_attention(q, k_cache, v_cache, wbatch, window, windows[window], lw.sinks)
             elif nd == T:
                 attn = K.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
                                                 batch.decode_context_lens, self.scale, None,
@@ -521,14 +575,14 @@ class LlamaModel:
                                                      window=window, sinks=sinks)
         return attn
 
-    def _lean_qkv(self, qkv: torch.Tensor, li: int, kv_cache: torch.Tensor, batch: ForwardBatch,
+    def _lean_qkv(self, qkv: torch.Tensor, views: tuple[torch.Tensor, ...], batch: ForwardBatch,
                   rope: object, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotary and the cache write of one layer on the fused qkv output [T, (Hq + 2 Hkv) D], in
         place: in the reference, three kernel calls (q and k rotated together, K and V stored
         together) with the same bits as the per-tensor path; natively one call. Returns q [T, Hq,
         D] and the layer's K and V caches."""
         Hq, Hkv = self.config.num_heads, self.config.num_kv_heads
-        layer, slots, k_cache, v_cache = self._cache_views(kv_cache)[li]
+        layer, slots, k_cache, v_cache = views
         qk = K.rotate_and_store(qkv, Hq, Hkv, batch.positions, cos_sin, rope, layer, batch.slot_mapping, slots)
         return qk[:, :Hq], k_cache, v_cache
 
@@ -564,13 +618,21 @@ class LlamaModel:
             held = self._fused[gemm] = (kv_cache, fused)
         return held[1]
 
-    def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """Per layer ``(kv_cache[l], its slot-major view, kv_cache[l, 0], kv_cache[l, 1])``, made
-        once per cache tensor (the runner keeps one for its life) instead of view, select and
-        transpose ops in every layer of every step."""
+    def _cache_views(self, kv_cache: torch.Tensor,
+                     window_cache: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer ``(cache[i], its slot-major view, cache[i, 0], cache[i, 1])``, ``cache`` the
+        layer's (the window cache for sliding layers), ``i`` its index there; made once per pair of
+        cache tensors (the runner keeps them for its life) instead of view, select and transpose
+        ops in every layer of every step."""
         held = self._views
-        if held is None or held[0] is not kv_cache:
-            views = [(kv_cache[li], K.slot_major(kv_cache[li]), kv_cache[li, 0], kv_cache[li, 1])
-                     for li in range(kv_cache.shape[0])]
-            held = self._views = (kv_cache, views)
+        if held is None or held[0][0] is not kv_cache or held[0][1] is not window_cache:
+            views = []
+            for li in range(self.config.num_layers):
+                cache = window_cache if self.config.window(li) else kv_cache
+                if cache is None:
+                    views.append(())
+                    continue
+                i = self.cache_index[li]
+                views.append((cache[i], K.slot_major(cache[i]), cache[i, 0], cache[i, 1]))
+            held = self._views = ((kv_cache, window_cache), views)
         return held[1]

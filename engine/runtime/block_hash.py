@@ -49,6 +49,13 @@ def chain_keys(root: str, token_ids: Sequence[int], block_size: int, start_key: 
     return keys
 
 
+def window_key(key: str) -> str:
+    """The address of a block's sliding-layer part (models whose sliding layers keep only their
+    window store it apart, and only for the window at a prompt's end): derived from the block's
+    own key, so it is as content-addressed as the block."""
+    return hashlib.sha256(b"window|" + bytes.fromhex(key)).hexdigest()
+
+
 def store_fingerprint(model_fingerprint: str, kv_dtype: str, block_size: int) -> str:
     """What a KV store checks every block against: the exact KV layout of a model (weights,
     KV dtype, block size, layout version), short enough for object names."""

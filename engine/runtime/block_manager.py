@@ -10,6 +10,10 @@ Protocol (paired verbs, called by the scheduler only; no tensors here):
 
 A free block keeps its content and hash until it is reused (LRU), so a prefix survives the
 requests that computed it. Blocks without a hash are reused first.
+
+A model with sliding-window layers beside full ones passes a :class:`WindowPool`: every verb
+then also keeps each sequence's window blocks (window_blocks.py), and a prefix hit is as long
+as both pools allow.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 from kvbatch.engine.runtime.block_hash import chain_keys
 from kvbatch.engine.runtime.sequence import Sequence
+from kvbatch.engine.runtime.window_blocks import WindowPool
 
 
 @dataclass
@@ -30,7 +35,8 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, root_key: str, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, root_key: str, enable_prefix_caching: bool = True,
+                 window: WindowPool | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
@@ -41,6 +47,8 @@ class BlockManager:
         self.key_to_block: dict[str, int] = {}
         self.hits_tokens = 0
         self.queried_tokens = 0
+        self.window = window
+        self._window_hit: tuple[int, list[int]] | None = None  # (seq_id, window blocks) of the last hit
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,16 +81,33 @@ class BlockManager:
             if self.blocks[bid].token_ids != tokens:  # a hash collision must never serve wrong KV
                 break
             hit.append(bid)
+        if self.window is not None:
+            n, ids = self.window.hit(seq, keys, len(hit))
+            hit = hit[:n]
+            self._window_hit = (seq.seq_id, ids)
         return hit
 
+    def _window_cached(self, seq: Sequence, cached: list[int]) -> list[int]:
+        """The window blocks of the hit ``cached`` (found by ``cached_prefix`` just before)."""
+        assert self.window is not None
+        if self._window_hit is not None and self._window_hit[0] == seq.seq_id:
+            return self._window_hit[1]
+        n, ids = self.window.hit(seq, self.prefix_keys(seq), len(cached))
+        assert n == len(cached), "a hit without its window blocks"
+        return ids
+
     # -- admission ----------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int]) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int], loaded: int = 0) -> bool:
+        """``loaded``: of ``num_new_tokens``, the blocks after the hit that come from the KV store."""
         reusable_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         total = len(cached) * self.block_size + num_new_tokens
         fresh = self.blocks_needed(total) - len(cached)
-        return fresh + reusable_free <= self.num_free_blocks
+        if fresh + reusable_free > self.num_free_blocks:
+            return False
+        return self.window is None or self.window.can_allocate(
+            self._window_cached(seq, cached), len(cached), len(cached) + loaded, self.blocks_needed(total))
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int]) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int], loaded: int = 0) -> None:
         assert not seq.block_table, "allocate() is for a sequence holding no blocks"
         for bid in cached:
             block = self.blocks[bid]
@@ -96,17 +121,26 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed_tokens
         self.queried_tokens += seq.num_tokens
         self.hits_tokens += seq.num_computed_tokens
+        if self.window is not None:
+            window_cached = self._window_cached(seq, cached)
+            self._window_hit = None
+            total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+            self.window.allocate(seq, window_cached, len(cached), len(cached) + loaded, total)
         self.append_slots(seq, num_new_tokens)
 
     # -- growth -----------------------------------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.num_free_blocks
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        if total - len(seq.block_table) > self.num_free_blocks:
+            return False
+        return self.window is None or self.window.can_append(seq, total)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        for _ in range(need):
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        for _ in range(total - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
+        if self.window is not None:
+            self.window.append(seq, total)
 
     def _take_free_block(self) -> int:
         bid, _ = self.free_blocks.popitem(last=False)
@@ -122,6 +156,8 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         done = len(seq.block_hashes)
         if full <= done:
+            if self.window is not None:
+                self.window.release(seq)
             return []
         parent = seq.block_hashes[-1] if done else None
         keys = chain_keys(self.root_key, seq.token_ids[: full * self.block_size], self.block_size,
@@ -136,6 +172,8 @@ class BlockManager:
                 block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                 self.key_to_block[key] = bid
             new.append((key, bid))
+        if self.window is not None:
+            self.window.commit(seq)
         return new
 
     def trim(self, seq: Sequence) -> None:
@@ -150,6 +188,8 @@ class BlockManager:
             block.ref_count = 0
             self.free_blocks[bid] = None
             self.free_blocks.move_to_end(bid, last=False)
+        if self.window is not None:
+            self.window.trim(seq, keep)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so a prefix's head outlives its tail in the LRU order.
@@ -163,6 +203,8 @@ class BlockManager:
                     self.free_blocks.move_to_end(bid, last=False)
         seq.block_table = []
         seq.block_hashes = []
+        if self.window is not None:
+            self.window.free(seq)
 
     # -- invariants (tests) -------------------------------------------------------------------------
     def check_invariants(self, live: list[Sequence]) -> None:
@@ -178,3 +220,5 @@ class BlockManager:
                 assert block.key is not None, f"unhashed block {block.block_id} is shared"
         for key, bid in self.key_to_block.items():
             assert self.blocks[bid].key == key
+        if self.window is not None:
+            self.window.check_invariants(live)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvbatch.engine.runtime.block_hash import window_key
 from kvbatch.engine.runtime.kv_staging import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_BUFFERS,
@@ -147,7 +148,7 @@ class KVConnector:
     start from guesses and follow measurements (exponential moving averages) as the run goes.
     """
 
-    def __init__(self, store: BlockStore, block_size: int, block_bytes: int, *, write: bool = True,
+    def __init__(self, store: BlockStore, block_size: int, block_bytes: int, *, write: bool = True, window: int = 0,
                  load_bytes_per_s: float = 200e6, prefill_tokens_per_s: float = 500.0,
                  tier_costs: dict[str, TierCost] | None = None, usd_per_device_s: float = 0.0,
                  staging: bool = True, copy_engine: CopyEngine | None = None,
@@ -163,6 +164,10 @@ class KVConnector:
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.write = write
+        # A model whose sliding layers keep only their window (window_blocks.py): the store holds
+        # those layers' part of a block apart (block_hash.window_key), for a prompt's last window
+        # only, and a stored prefix is loaded only up to a point whose window the store holds.
+        self.window = window
         self.load_bytes_per_s = load_bytes_per_s
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.tier_costs = tier_costs if tier_costs is not None else default_tier_costs()
@@ -228,6 +233,10 @@ class KVConnector:
         if n == 0:
             return []
         k, est_load, est_recompute = self._best_prefix(tiers[:n] if tiers is not None else ["store"] * n)
+        if k and self.window:
+            k = self._with_window(num_local_blocks, keys, k)
+            if k == 0:
+                self.stats.misses_by_reason["window"] += 1
         self.stats.est_load_s += est_load
         self.stats.est_recompute_s += est_recompute
         for i, tier in enumerate(tiers[:n] if tiers is not None else ["store"] * n):
@@ -237,6 +246,21 @@ class KVConnector:
             return []
         self.stats.decisions["load"] += 1
         return todo[:k]
+
+    def window_start(self, hit_blocks: int) -> int:
+        """The first block whose sliding-layer part a hit of ``hit_blocks`` blocks needs."""
+        return max(0, hit_blocks * self.block_size - self.window + 1) // self.block_size
+
+    def _with_window(self, local: int, keys: list[str], k: int) -> int:
+        """The longest ``k' <= k`` stored blocks after the local hit whose window the store (or
+        the local hit, before ``local``) holds; one lookup for every candidate."""
+        lo = max(local, self.window_start(local + 1))
+        held = [not reason for reason in self.store.lookup([window_key(keys[i]) for i in range(lo, local + k)])]
+        for kk in range(k, 0, -1):
+            start = max(local, self.window_start(local + kk))
+            if all(held[start - lo:local + kk - lo]):
+                return kk
+        return 0
 
     def tier_bytes_per_s(self, tier: str) -> float:
         cost = self.tier_costs.get(tier)
@@ -341,7 +365,8 @@ class KVConnector:
         self.stats.write_s += time.perf_counter() - started
         self.stats.blocks_written += written
         self.stats.blocks_skipped_existing += len(payload) - written
-        self.stats.bytes_written += written * self.block_bytes
+        if payload:  # one save's blocks are of one kind: whole blocks, or (sliding models) window parts
+            self.stats.bytes_written += written * payload[0][1].numel() * payload[0][1].element_size()
 
     def _write_saved(self, wait: bool) -> None:
         if self._staging is None:
@@ -371,6 +396,8 @@ class KVConnector:
         for s in step:
             seq, start = s.seq, s.seq.num_computed_tokens
             written += seq.block_table[start // bs:(start + s.num_new_tokens - 1) // bs + 1]
+            # window blocks are another cache's ids: guarding them too only waits more, never less
+            written += seq.window_table[start // bs:(start + s.num_new_tokens - 1) // bs + 1]
         self._staging.guard(written)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:

@@ -18,7 +18,7 @@ from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.factory import build_model
 from kvbatch.engine.models.llama import LlamaModel
 from kvbatch.engine.models.weights import Checkpoint, ModelLoadError, load_checkpoint
-from kvbatch.engine.runtime.block_hash import chain_keys, kv_layout_dtype, root_key
+from kvbatch.engine.runtime.block_hash import chain_keys, kv_layout_dtype, root_key, window_key
 from kvbatch.engine.runtime.block_manager import BlockManager
 from kvbatch.engine.runtime.engine_config import DTYPE_NAMES, EngineConfig, default_dtype_name, resolve_device
 from kvbatch.engine.runtime.grammar_mask import apply_token_bitmask, fill_draft_bitmask
@@ -34,6 +34,7 @@ from kvbatch.engine.runtime.sampler import (
 from kvbatch.engine.runtime.sampling_params import SamplingParams
 from kvbatch.engine.runtime.scheduler import Scheduler
 from kvbatch.engine.runtime.sequence import Sequence
+from kvbatch.engine.runtime.window_blocks import NULL_BLOCK, WindowPool, window_pool_blocks
 from kvbatch.engine.speculative.controller import SpecConfig, SpecController
 from kvbatch.engine.speculative.drafters import DraftRequest, build_drafter
 from kvbatch.engine.speculative.verifier import VerifyRow, penalize_positions, verify_batch
@@ -153,22 +154,34 @@ class LLM:
         # No more blocks than max_num_seqs full-length sequences can use: a tiny model must not
         # allocate (and zero) a whole kv_cache_bytes budget it can never fill.
         useful = ec.max_num_seqs * -(-self.max_model_len // ec.block_size)
+        # Sliding layers hold only windows (window_blocks.py): their pool is sized for max_num_seqs
+        # windows and comes off the budget first; the full layers' blocks get the rest.
+        window = getattr(self.model, "cache_window", 0)
+        window_block_bytes = ModelRunner.window_bytes_per_block(self.model, ec.block_size, self.dtype)
+        window_blocks = (min(window_pool_blocks(window, ec.block_size, ec.max_num_seqs, ec.max_num_batched_tokens),
+                             useful + 1) if window_block_bytes else 0)
+        window_bytes = window_blocks * window_block_bytes
         if ec.num_blocks:
             num_blocks = ec.num_blocks
         elif self.device.type == "cuda":
             from kvbatch.engine.runtime.cuda_graphs import blocks_after_warmup
 
-            num_blocks = min(useful, blocks_after_warmup(self.model, ec, per_block, self.dtype, self.max_model_len))
+            fit = blocks_after_warmup(self.model, ec, max(per_block, 1), self.dtype, self.max_model_len)
+            num_blocks = max(1, min(useful, fit - -(-window_bytes // max(per_block, 1))))
         else:
-            num_blocks = max(1, min(ec.kv_cache_bytes // per_block, useful))
-        self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype)
+            num_blocks = max(1, min((ec.kv_cache_bytes - window_bytes) // max(per_block, 1), useful))
+        window_blocks = min(window_blocks, num_blocks + 1)
+        self.runner = ModelRunner(self.model, num_blocks, ec.block_size, self.dtype, window_blocks or None)
         self.readback = HostReadback(self.device)  # a step's one device-to-host read, counted
         # The weight format is part of the layout: int8 or GGUF weights give other K/V than full ones.
         self.kv_root_key = root_key(self.checkpoint.fingerprint, kv_layout_dtype(self.dtype, ec.weights),
                                     ec.block_size)
-        self.block_manager = BlockManager(num_blocks, ec.block_size, self.kv_root_key, ec.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, ec.block_size, self.kv_root_key, ec.enable_prefix_caching,
+            WindowPool(window_blocks, ec.block_size, window, ec.enable_prefix_caching) if window_blocks else None)
         self.block_bytes = per_block
-        self.connector = (KVConnector(kv_store, ec.block_size, per_block, write=kv_store_write)
+        self.connector = (KVConnector(kv_store, ec.block_size, per_block, write=kv_store_write,
+                                      window=window if window_blocks else 0)
                           if kv_store is not None else None)
         self.scheduler = Scheduler(self.block_manager, ec.max_num_seqs, ec.max_num_batched_tokens, self.connector)
         self._seed_rng = torch.Generator().manual_seed(seed)
@@ -188,12 +201,13 @@ class LLM:
             self.spec = SpecController(speculative)
             draft = self._draft_engine(speculative.draft_model, seed) if speculative.method == "draft" else None
             self.drafter = build_drafter(speculative, self, draft)
-        if self.device.type == "cuda" and not ec.enforce_eager and self.spec is None:
+        # (Not yet for sliding layers' window cache: the captured steps take one cache's tables.)
+        if self.device.type == "cuda" and not ec.enforce_eager and self.spec is None and self.runner.kv_window is None:
             from kvbatch.engine.runtime.cuda_graphs import CudaGraphRunner
 
             self.runner.graphs = CudaGraphRunner.capture(self.runner, ec.max_num_seqs, self.max_model_len)
 
-    def _draft_engine(self, model: str, seed: int) -> "LLM":
+    def _draft_engine(self, model: str, seed: int) -> LLM:
         """The draft model of draft-model speculation: an engine of its own with this one's
         cache geometry, batch limits and numerics mode."""
         ec = self.engine_config
@@ -264,7 +278,9 @@ class LLM:
         if not step:
             return []
         if self.connector is not None:
-            self._load_external(step)
+            step = self._load_external(step)
+            if not step:
+                return []
             self.connector.before_step(step)  # no block still being saved is overwritten
         drafted_at = time.perf_counter()
         slots_offered = sum(s.num_spec for s in step)
@@ -293,7 +309,11 @@ class LLM:
                 loaded = {k for k, _ in seq.pending_loads}
                 self._save_blocks([(k, b) for i, (k, b) in enumerate(new_blocks, start=first)
                                    if i < full_prompt_blocks and k not in loaded])
+                computed_before = seq.num_computed_tokens - (s.num_new_tokens - s.num_spec)
+                if self.runner.kv_window is not None and computed_before < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                    self._save_window(seq)
                 seq.pending_loads = []
+                seq.pending_window_loads = []
         self.stats["computed_prompt_tokens"] += prompt_tokens
         if self.connector is not None:
             self.connector.observe_prefill(prompt_tokens, now - started)
@@ -459,6 +479,20 @@ class LLM:
         assert self.connector is not None
         self.connector.save(blocks, self.runner.kv_cache)
 
+    def _save_window(self, seq: Sequence) -> None:
+        """A prompt just ended: write its sliding layers' last window to the KV store, the part of
+        them a later hit on this prompt (a decode stage's) needs. Earlier blocks' sliding parts
+        left the window pool as the prompt went; a prompt's full layers are saved whole."""
+        assert self.connector is not None and self.block_manager.window is not None
+        window = self.block_manager.window
+        loaded = {k for k, _ in seq.pending_window_loads}
+        blocks = []
+        for i in range(window.first_kept(seq.num_prompt_tokens), seq.num_prompt_tokens // window.block_size):
+            key, bid = window_key(seq.block_hashes[i]), seq.window_table[i]
+            if bid != NULL_BLOCK and key not in loaded:
+                blocks.append((key, bid))
+        self.connector.save(blocks, self.runner.kv_window)
+
     def _draft(self, step: list) -> None:
         """Fill the reserved draft slots; a step entry shrinks to the drafts it actually got."""
         assert self.drafter is not None
@@ -539,21 +573,38 @@ class LLM:
             self.spec.release(seq)
             self.drafter.release(seq)
 
-    def _load_external(self, step: list) -> None:
+    def _load_external(self, step: list) -> list:
         """Fetch the stored blocks the scheduler planned to load; a block that does not arrive
-        intact is recomputed, with everything after it (the counters simply move back)."""
+        intact is recomputed, with everything after it (the counters simply move back). With
+        sliding layers a stored prefix loads whole or not at all (its window belongs to its end):
+        a sequence whose load fails is put back in the queue to recompute, and leaves this step.
+        Returns the step that runs."""
         assert self.connector is not None
         bs = self.engine_config.block_size
+        kept = []
         for s in step:
             seq = s.seq
             if not seq.pending_loads:
+                kept.append(s)
                 continue
             keys = [k for k, _ in seq.pending_loads]
             ok = self.connector.load(keys, [b for _, b in seq.pending_loads], self.runner.kv_cache)
+            if self.runner.kv_window is not None:
+                window_keys = [k for k, _ in seq.pending_window_loads]
+                if ok == len(keys) and self.connector.load(window_keys, [b for _, b in seq.pending_window_loads],
+                                                           self.runner.kv_window) == len(window_keys):
+                    seq.num_loaded_tokens += ok * bs
+                    kept.append(s)
+                else:
+                    seq.pending_loads, seq.pending_window_loads = [], []
+                    self.scheduler.recompute(seq)
+                continue
             seq.num_loaded_tokens += ok * bs
             if ok < len(keys):
                 seq.num_computed_tokens -= (len(keys) - ok) * bs
                 seq.pending_loads = seq.pending_loads[:ok]
+            kept.append(s)
+        return kept
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.sampling

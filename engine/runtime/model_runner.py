@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbatch.engine.models.llama import ForwardBatch, LlamaModel
+from kvbatch.engine.models.llama import ForwardBatch, LlamaModel, WindowTables
 from kvbatch.engine.runtime.scheduler import ScheduledSeq
 from kvbatch.kernels import dispatch as K
 from kvbatch.kernels.reference import DECODE_GROUP
@@ -75,10 +75,12 @@ class WorkItem:
     start: int  # position of the first token
     block_table: list[int]  # must already cover positions start .. start + len(tokens) - 1
     num_logits: int = 0  # logits wanted for this many of the last tokens
+    window_table: list[int] | None = None  # models with sliding layers: the window cache's blocks, likewise
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 num_window_blocks: int | None = None):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(getattr(model, "device", "cpu"))
@@ -94,8 +96,17 @@ class ModelRunner:
         # default 1 GiB up front was 1-5 s of every engine build on a 2-vCPU machine).
         shape = model.kv_cache_shape(num_blocks, block_size)
         arena = getattr(model, "arena", None)
-        self.kv_cache = (arena.empty(shape, kv_dtype) if arena is not None and self.device.type == "cpu"
-                         else torch.zeros(shape, dtype=kv_dtype, device=self.device))
+
+        def allocate(shape: tuple[int, ...]) -> torch.Tensor:
+            return (arena.empty(shape, kv_dtype) if arena is not None and self.device.type == "cpu"
+                    else torch.zeros(shape, dtype=kv_dtype, device=self.device))
+
+        self.kv_cache = allocate(shape)
+        # The sliding layers' cache (window_blocks.py: block 0 is the null block, never written),
+        # num_window_blocks blocks; None for a model without sliding layers.
+        window_shape = getattr(model, "window_cache_shape", lambda n, b: None)(num_window_blocks or num_blocks,
+                                                                             block_size)
+        self.kv_window = allocate(window_shape) if window_shape is not None else None
         self.graphs = None  # a CudaGraphRunner once captured (LLM does it on CUDA, unless eager)
         self.released = False
 
@@ -121,13 +132,16 @@ class ModelRunner:
         workspace at its widest and attention over the longest contexts). Block tables cycle
         through the cache's blocks, however few: only the memory of the step is of interest."""
         blocks = self.kv_cache.shape[2]
+        window_blocks = self.kv_window.shape[2] if self.kv_window is not None else 0
 
-        def table(n: int) -> list[int]:
-            return [i % blocks for i in range(-(-n // self.block_size))]
+        def item(tokens: list[int], start: int, num_logits: int) -> WorkItem:
+            n = -(-(start + len(tokens)) // self.block_size)
+            window = [1 + i % (window_blocks - 1) for i in range(n)] if window_blocks > 1 else None
+            return WorkItem(tokens, start, [i % blocks for i in range(n)], num_logits, window)
 
-        self.run([WorkItem([0] * tokens, 0, table(tokens), num_logits=max(1, min(tokens, num_logits)))])
+        self.run([item([0] * tokens, 0, max(1, min(tokens, num_logits)))])
         if decode_rows > 0 and context_len > 0:
-            self.run([WorkItem([0], context_len - 1, table(context_len), num_logits=1) for _ in range(decode_rows)])
+            self.run([item([0], context_len - 1, 1) for _ in range(decode_rows)])
 
     def release(self) -> None:
         """Free the cache's and the workspace's memory now, whoever still holds views of them (the
@@ -135,7 +149,7 @@ class ModelRunner:
         warm-up's scratch runner must leave nothing behind when the KV cache is then sized from
         the memory left. Memory shared with other tensors (a CPU huge-page arena) is left alone.
         The runner cannot run afterwards."""
-        for t in (self.kv_cache, *(self._ws or ())):
+        for t in (self.kv_cache, *((self.kv_window,) if self.kv_window is not None else ()), *(self._ws or ())):
             storage = t.untyped_storage()
             if storage.resizable() and storage.nbytes() == t.numel() * t.element_size():
                 storage.resize_(0)
@@ -146,6 +160,12 @@ class ModelRunner:
     def bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=kv_dtype).element_size()
         return math.prod(model.kv_cache_shape(1, block_size)) * elem
+
+    @staticmethod
+    def window_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: torch.dtype) -> int:
+        """Bytes of one block of the sliding layers' cache; 0 for a model without sliding layers."""
+        shape = getattr(model, "window_cache_shape", lambda n, b: None)(1, block_size)
+        return 0 if shape is None else math.prod(shape) * torch.empty((), dtype=kv_dtype).element_size()
 
     def prepare(self, step: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch, list[ScheduledSeq]]:
         """Pack the step's tokens decode-first; returns ids, the batch description and the
@@ -159,7 +179,8 @@ class ModelRunner:
             tokens = seq.token_ids[start:start + s.num_new_tokens - s.num_spec]
             if s.num_spec:
                 tokens = tokens + seq.spec_token_ids[:s.num_spec]
-            items.append(WorkItem(tokens, start, seq.block_table, s.num_spec + 1 if s.samples else 0))
+            items.append(WorkItem(tokens, start, seq.block_table, s.num_spec + 1 if s.samples else 0,
+                                  seq.window_table if self.kv_window is not None else None))
         ids, batch, order = self.build(items)
         # Only argmaxes of the raw logits will be read from this step (LLM samples greedy rows by
         # argmax, and the verifier keeps a greedy request's drafts while they are the argmax); a
@@ -176,9 +197,11 @@ class ModelRunner:
         decode = [i for i, it in enumerate(items) if len(it.tokens) == 1]
         prefill = [i for i, it in enumerate(items) if len(it.tokens) > 1]
         order = decode + prefill
+        windowed = self.kv_window is not None
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        window_slots: list[int] = []
         logits_rows: list[int] = []
         cu = [0]
         for i in order:
@@ -188,14 +211,19 @@ class ModelRunner:
             positions.extend(range(it.start, end))
             table = it.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(it.start, end))
+            if windowed:
+                wt = it.window_table
+                assert wt is not None, "a model with sliding layers needs each item's window table"
+                window_slots.extend(wt[p // bs] * bs + p % bs for p in range(it.start, end))
             logits_rows.extend(range(len(ids) - it.num_logits, len(ids)))
             if len(it.tokens) > 1:
                 cu.append(cu[-1] + len(it.tokens))
 
-        def table(rows: list[int]) -> tuple[list[int], int]:
-            """Rows' block tables, zero-padded to the widest, flattened; and that width."""
-            width = max((len(items[i].block_table) for i in rows), default=0)
-            flat = [b for i in rows for b in items[i].block_table + [0] * (width - len(items[i].block_table))]
+        def table(rows: list[int], window: bool = False) -> tuple[list[int], int]:
+            """Rows' block tables (or window tables), zero-padded to the widest, flattened; and that width."""
+            tables = [items[i].window_table if window else items[i].block_table for i in rows]
+            width = max((len(t) for t in tables), default=0)  # type: ignore[arg-type]
+            flat = [b for t in tables for b in t + [0] * (width - len(t))]  # type: ignore[operator]
             return flat, width
 
         decode_table, decode_width = table(decode)
@@ -206,6 +234,13 @@ class ModelRunner:
         if invariant:
             all_table, all_width = table(order)
             arrays += [all_table, [r for r, i in enumerate(order) for _ in items[i].tokens]]
+        if windowed:  # the sliding layers' slots and tables, after everything else
+            w_decode, w_decode_width = table(decode, True)
+            w_prefill, w_prefill_width = table(prefill, True)
+            arrays += [window_slots, w_decode, w_prefill]
+            if invariant:
+                w_all, w_all_width = table(order, True)
+                arrays.append(w_all)
         up = self.uploader.upload(arrays)
         i32 = torch.int32
         batch = ForwardBatch(
@@ -227,6 +262,12 @@ class ModelRunner:
         if invariant:
             batch.block_tables = up[9].to(i32).view(len(order), all_width)
             batch.seq_index = up[10]
+        if windowed:
+            w = 11 if invariant else 9
+            batch.window = WindowTables(
+                slot_mapping=up[w], decode_block_tables=up[w + 1].to(i32).view(len(decode), w_decode_width),
+                prefill_block_tables=up[w + 2].to(i32).view(len(prefill), w_prefill_width),
+                block_tables=up[w + 3].to(i32).view(len(order), w_all_width) if invariant else None)
         return up[0], batch, order
 
     @torch.inference_mode()
@@ -234,7 +275,7 @@ class ModelRunner:
         """One forward pass over raw work items (drafters use it); logits rows come back in the
         returned item order. ``num_layers``: exit early after that many layers."""
         ids, batch, order = self.build(items)
-        return self.model.forward(ids, batch, self.kv_cache, num_layers), order
+        return self.model.forward(ids, batch, self.kv_cache, num_layers, window_cache=self.kv_window), order
 
     @torch.inference_mode()
     def execute(self, step: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
@@ -245,5 +286,5 @@ class ModelRunner:
             if replayed is not None:
                 return replayed
         ids, batch, sampled = self.prepare(step)
-        logits = self.model.forward(ids, batch, self.kv_cache)
+        logits = self.model.forward(ids, batch, self.kv_cache, window_cache=self.kv_window)
         return logits, sampled

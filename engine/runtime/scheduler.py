@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvbatch.engine.runtime.block_hash import window_key
 from kvbatch.engine.runtime.block_manager import BlockManager
 from kvbatch.engine.runtime.kv_connector import KVConnector
 from kvbatch.engine.runtime.sequence import Sequence, SequenceStatus
@@ -114,10 +115,11 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 continue
             # Blocks after the local hit that the external store holds: they are loaded, not computed.
-            external = self.connector.match(seq, len(cached), keys) if self.connector else []
+            external = (self.connector.match(seq, len(cached), keys)
+                        if self.connector and not seq.store_failed else [])
             hit = (len(cached) + len(external)) * bs
             n = self._chunk(hit, seq.num_tokens - hit, budget)
-            if not bm.can_allocate(seq, len(external) * bs + n, cached):
+            if not bm.can_allocate(seq, len(external) * bs + n, cached, len(external)):
                 if not self.running and not out:
                     raise RuntimeError(
                         f"request {seq.request_id!r} needs more KV blocks than the cache holds "
@@ -125,10 +127,14 @@ class Scheduler:
                     )
                 break
             self.waiting.popleft()
-            bm.allocate(seq, len(external) * bs + n, cached)
+            bm.allocate(seq, len(external) * bs + n, cached, len(external))
             if external:
                 first = len(cached)
                 seq.pending_loads = list(zip(external, seq.block_table[first:first + len(external)]))
+                if bm.window is not None:  # and the window before the hit, where the local hit has not got it
+                    start = max(first, bm.window.first_needed(hit))
+                    seq.pending_window_loads = [(window_key(keys[i]), seq.window_table[i])
+                                                for i in range(start, first + len(external))]
                 seq.num_computed_tokens += len(external) * bs
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -150,6 +156,12 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def recompute(self, seq: Sequence) -> None:
+        """Put a running sequence back in the queue to be computed without the KV store (its
+        stored prefix failed to load), as a preemption does."""
+        seq.store_failed = True
+        self._preempt(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -36,12 +36,18 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)  # chain hashes of the full blocks so far
+    # Sliding-window layers (window_blocks.py): the window pool's block per logical block (the
+    # null block before the window), and how many leading entries were given back.
+    window_table: list[int] = field(default_factory=list)
+    window_released: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_loaded_tokens: int = 0  # prompt tokens loaded from the external KV store
     prefill_only: bool = False  # compute (and store) the prompt's KV, sample nothing
     pending_loads: list[tuple[str, int]] = field(default_factory=list)  # (key, block id) to fetch before the step
+    pending_window_loads: list[tuple[str, int]] = field(default_factory=list)  # (key, window block id), likewise
+    store_failed: bool = False  # a load of its stored window failed: it recomputes, never loads again
     logprobs: list[dict] = field(default_factory=list)
     # Speculative decoding: how many draft slots to reserve in the next decode step (set by the
     # speculative controller), the drafts of the step in flight, and running totals.

@@ -281,12 +281,14 @@ class _ModelDrafter:
                 if len(tokens[r]) < req.max_len:
                     it = items[j]
                     pos = it.start + len(it.tokens)
-                    next_items.append(WorkItem([tok], pos, self._table(req.seq, pos), 1))
+                    table, window_table = self._tables(req.seq)
+                    next_items.append(WorkItem([tok], pos, table, 1, window_table))
                     still.append(r)
             active, items = still, next_items
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
-    def _table(self, seq: Sequence, position: int) -> list[int]:
+    def _tables(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
+        """The block table and the window table (None: no sliding layers) a draft of ``seq`` writes to."""
         raise NotImplementedError
 
 
@@ -312,12 +314,13 @@ class EarlyExitDrafter(_ModelDrafter):
         if not requests:
             return []
         # The scheduler reserved the draft slots in each target block table already.
-        first = [WorkItem([r.seq.token_ids[-1]], r.seq.num_tokens - 1, r.seq.block_table, 1) for r in requests]
+        first = [WorkItem([r.seq.token_ids[-1]], r.seq.num_tokens - 1, r.seq.block_table, 1, r.seq.window_table or None)
+                 for r in requests]
         vocab = self.runner.model.config.vocab_size
         return self._draft_loop(requests, first, self.runner, self.exit_layer, vocab)
 
-    def _table(self, seq: Sequence, position: int) -> list[int]:
-        return seq.block_table
+    def _tables(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
+        return seq.block_table, seq.window_table or None
 
     def after_verify(self, seq: Sequence, num_tokens_before: int, accepted: int) -> None:
         pass  # the verification pass overwrote every slot the drafter wrote
@@ -360,7 +363,7 @@ class DraftModelDrafter(_ModelDrafter):
                     continue
                 bm.append_slots(sh, need)
             start = sh.num_computed_tokens
-            first.append(WorkItem(sh.token_ids[start:], start, sh.block_table, 1))
+            first.append(WorkItem(sh.token_ids[start:], start, sh.block_table, 1, sh.window_table or None))
             ready.append(r)
         drafts = self._draft_loop(ready, first, self.draft.runner, None, self.target_vocab) if ready else []
         by_seq = {r.seq.seq_id: d for r, d in zip(ready, drafts)}
@@ -370,8 +373,9 @@ class DraftModelDrafter(_ModelDrafter):
             sh.num_computed_tokens = sh.num_tokens + max(0, len(by_seq[r.seq.seq_id].tokens) - 1)
         return [by_seq.get(r.seq.seq_id, Draft([])) for r in requests]
 
-    def _table(self, seq: Sequence, position: int) -> list[int]:
-        return self.shadows[seq.seq_id].block_table
+    def _tables(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
+        sh = self.shadows[seq.seq_id]
+        return sh.block_table, sh.window_table or None
 
     def after_verify(self, seq: Sequence, num_tokens_before: int, accepted: int) -> None:
         """Cut the shadow back to what the target kept: positions below ``num_tokens_before +
