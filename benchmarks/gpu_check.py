@@ -17,7 +17,7 @@ Stages, each in its own subprocess with its own time limit:
    ``gpu_kernels.NOMINAL_PEAKS``) and % of the measured copy; then every Triton kernel against its
    PyTorch twin (``gpu_kernels.check_cases``, bf16 first).
 3. ``engine``: the engine on the device against the same engine on the CPU (tiny dense and MoE
-   models, fp32, IEEE matmuls): greedy tokens identical, graph replay equal to eager bit for bit,
+   models, and a Gemma 3 whose sliding layers hold only their window; fp32, IEEE matmuls): greedy tokens identical, graph replay equal to eager bit for bit,
    device-to-host syncs per step (``torch.cuda.set_sync_debug_mode``).
 4. ``throughput``: random weights of Llama-3.1-8B and SmolLM2-135M shapes, built directly in bf16
    on the device (no fp32 copy), batch 1/64/256, 128 prompt and 256 output tokens: the engine with

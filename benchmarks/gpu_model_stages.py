@@ -25,6 +25,12 @@ SHAPES = {
                    "num_key_value_heads": 2, "vocab_size": 97},
     "tiny-mixtral": {"hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
                      "num_key_value_heads": 2, "vocab_size": 97, "num_local_experts": 4, "num_experts_per_tok": 2},
+    # Gemma 3 text: two sliding layers (window 4: most of each context outside it, held in the window
+    # cache only) around a full one
+    "tiny-gemma3": {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 97, "sliding_window": 4,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                    "query_pre_attn_scalar": 24},
     "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                      "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
                      "tie_word_embeddings": True, "rope_theta": 100000.0},
@@ -35,6 +41,13 @@ SHAPES = {
 
 
 def hf_config(shape: str, max_positions: int) -> dict[str, Any]:
+    if "layer_types" in SHAPES[shape]:
+        return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "rms_norm_eps": 1e-6,
+                "max_position_embeddings": max_positions, "tie_word_embeddings": True, "bos_token_id": 1,
+                "eos_token_id": 2, "pad_token_id": 0, "hidden_activation": "gelu_pytorch_tanh",
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+                **SHAPES[shape]}
     moe = "num_local_experts" in SHAPES[shape]
     return {"architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
             "model_type": "mixtral" if moe else "llama", "rms_norm_eps": 1e-5, "max_position_embeddings": max_positions,
@@ -65,8 +78,9 @@ def hf_model(shape: str, max_positions: int, device: Any, dtype: Any, std: float
     import transformers as tf
 
     raw = hf_config(shape, max_positions)
-    cls, cfg_cls = ((tf.MixtralForCausalLM, tf.MixtralConfig) if raw["model_type"] == "mixtral"
-                    else (tf.LlamaForCausalLM, tf.LlamaConfig))
+    cls, cfg_cls = {"mixtral": (tf.MixtralForCausalLM, tf.MixtralConfig),
+                    "gemma3_text": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig)}.get(
+                        raw["model_type"], (tf.LlamaForCausalLM, tf.LlamaConfig))
     cfg = cfg_cls(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     cfg.initializer_range = std
     torch.manual_seed(0)
@@ -142,10 +156,11 @@ def stage_engine(st: Stage) -> None:
     import torch
 
     torch.set_float32_matmul_precision("highest")
-    for shape in ("tiny-llama", "tiny-mixtral"):
+    shapes = ("tiny-llama", "tiny-mixtral", "tiny-gemma3")
+    for shape in shapes:
         st.case(f"engine {shape}", lambda shape=shape: engine_against_cpu(st, shape), table="engine")
     rows = st.rows("engine")
-    equal = len(rows) == 2 and all(r["ok"] for r in rows)
+    equal = len(rows) == len(shapes) and all(r["ok"] for r in rows)
     st.summary(ok=equal, all_equal=equal)
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbatch.engine.runtime import cuda_graphs
-from kvbatch.engine.runtime.cuda_graphs import CudaGraphRunner, context_widths, needed_width, pick_bucket
+from kvbatch.engine.runtime.cuda_graphs import PAD_SLOT, CudaGraphRunner, context_widths, needed_width, pick_bucket
 from kvbatch.engine.runtime.model_runner import StepUploader
 
 
@@ -100,3 +100,27 @@ def test_a_short_step_replays_the_narrow_graph_over_its_own_blocks():
     # Longer than the longest bucket: no graph, the caller runs it eagerly.
     assert graphs.try_execute(runner, _step([4096], bs, reserved=0)) is None
     assert graphs.try_execute(runner, _step([4095], bs, reserved=3)) is not None and graphs.last_bucket == (1, 256)
+
+
+def test_a_sliding_models_graph_step_reads_its_window_tables():
+    """With a window cache (sliding layers, window_blocks.py) each replayed row also gets its window
+    table (null blocks before its window) and its slot there; padding rows write nothing."""
+    bs = 16
+    runner = SimpleNamespace(device=torch.device("cpu"), block_size=bs, uploader=StepUploader(torch.device("cpu")),
+                             kv_window=torch.zeros(1))
+    graphs = CudaGraphRunner(runner, [1, 2, 4], [8, 16])
+    for b in graphs.buckets:
+        for w in graphs.widths:
+            graphs.graphs[(b, w)] = (_Graph(), torch.zeros((b, 5)))
+    step = _step([40, 7], bs, reserved=2)
+    step[0].seq.window_table = [0, 7, 9, 11, 12]  # the null block before the window
+    step[1].seq.window_table = [5, 6, 8]
+    graphs.try_execute(runner, step)
+    assert graphs.last_bucket == (2, 8)
+    window = graphs._batch(2, 8).window
+    assert window.decode_block_tables.tolist() == [[0, 7, 9] + [0] * 5, [5] + [0] * 7]
+    assert window.slot_mapping.tolist() == [9 * bs + 40 % bs, 5 * bs + 7]
+    assert graphs._batch(2, 8).decode_block_tables.tolist()[0][:3] == [100, 101, 102]
+    graphs.try_execute(runner, step[1:])
+    assert graphs.window_slots[:1].tolist() == [5 * bs + 7]
+    assert graphs._batch(4, 8).window.slot_mapping[2:].tolist() == [PAD_SLOT] * 2

@@ -80,7 +80,8 @@ def test_gpu_check_smoke_runs_every_stage_and_streams_each_case(tmp_path):
                                                      "mla_decode", "spec_verify", "silu_and_mul", "mla_prefill",
                                                      "fp8_gemm", "sinks_decode", "sinks_prefill"}
     engine = stages["engine"]["result"]
-    assert engine["all_equal"] is True and [r["model"] for r in engine["engine"]] == ["tiny-llama", "tiny-mixtral"]
+    assert engine["all_equal"] is True and [r["model"] for r in engine["engine"]] == ["tiny-llama", "tiny-mixtral",
+                                                                                  "tiny-gemma3"]
     throughput = stages["throughput"]["result"]
     assert {r["engine"] for r in throughput["throughput"]} == {"kvbatch eager", "transformers generate"}
     build, = [r for r in throughput["builds"] if r["case"].startswith("build tiny-llama")]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvbatch.engine.models.llama import ForwardBatch
+from kvbatch.engine.models.llama import ForwardBatch, WindowTables
 from kvbatch.engine.runtime.engine_config import EngineConfig, kv_blocks_from_memory
 from kvbatch.kernels import dispatch as K
 
@@ -97,7 +97,7 @@ def warmup_pass(model: Any, tokens: int, block_size: int, num_logits: int, dtype
 
     runner = ModelRunner(model, math.ceil(tokens / block_size), block_size, dtype)
     runner.warm_up(tokens, num_logits, decode_rows, context_len)
-    nbytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    nbytes = sum(t.numel() * t.element_size() for t in (runner.kv_cache, runner.kv_window) if t is not None)
     runner.release()
     return nbytes
 
@@ -175,19 +175,31 @@ class CudaGraphRunner:
         self.tables = torch.zeros(B * self.width, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.rows = torch.arange(B, dtype=torch.int64, device=dev)
+        # A model with sliding layers: their slots and tables in the window cache, likewise
+        # (window_blocks.py; padding rows read the null block and write nothing)
+        self.windowed = getattr(runner, "kv_window", None) is not None
+        self.window_slots = torch.full((B,), PAD_SLOT, dtype=torch.int64, device=dev) if self.windowed else None
+        self.window_tables = torch.zeros(B * self.width, dtype=torch.int32, device=dev) if self.windowed else None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
         self.last_bucket = (0, 0)
 
     def _batch(self, b: int, w: int) -> ForwardBatch:
         dev = self.ids.device
+        no_prefill = torch.zeros((0, 0), dtype=torch.int32, device=dev)
+        window = None
+        if self.windowed:
+            assert self.window_slots is not None and self.window_tables is not None
+            window = WindowTables(slot_mapping=self.window_slots[:b],
+                                  decode_block_tables=self.window_tables[:b * w].view(b, w),
+                                  prefill_block_tables=no_prefill)
         return ForwardBatch(positions=self.positions[:b], slot_mapping=self.slots[:b], num_decode=b,
                             decode_block_tables=self.tables[:b * w].view(b, w),
                             decode_context_lens=self.context_lens[:b],
-                            prefill_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=dev),
+                            prefill_block_tables=no_prefill,
                             prefill_cu_query_lens=torch.zeros(1, dtype=torch.int32, device=dev),
                             prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
-                            logits_rows=self.rows[:b])
+                            logits_rows=self.rows[:b], window=window)
 
     @classmethod
     @torch.inference_mode()
@@ -199,7 +211,7 @@ class CudaGraphRunner:
             warnings.warn(f"CUDA graphs off: {why}; decode runs eagerly", stacklevel=2)
             return None
         self = cls(runner, batch_buckets(max_num_seqs), context_widths(max_model_len, runner.block_size))
-        model, cache = runner.model, runner.kv_cache
+        model, cache, window_cache = runner.model, runner.kv_cache, runner.kv_window
         pool = torch.cuda.graph_pool_handle()
         try:
             # The largest first: the smaller ones reuse its pool.
@@ -209,11 +221,11 @@ class CudaGraphRunner:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
                     for _ in range(2):
-                        model.forward(self.ids[:b], batch, cache)
+                        model.forward(self.ids[:b], batch, cache, window_cache=window_cache)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = model.forward(self.ids[:b], batch, cache)
+                    out = model.forward(self.ids[:b], batch, cache, window_cache=window_cache)
                 self.graphs[(b, w)] = (graph, out)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager, said once
             warnings.warn(f"CUDA graphs off: capture failed ({type(exc).__name__}: {exc}); decode runs eagerly",
@@ -236,8 +248,18 @@ class CudaGraphRunner:
         # Only the blocks the context reads: blocks reserved past it would not fit a narrower table.
         tables = [s.seq.block_table[:math.ceil((p + 1) / bs)] for s, p in zip(step, starts)]
         inputs = pad_decode_inputs([s.seq.token_ids[p] for s, p in zip(step, starts)], starts, tables, b, w, bs)
-        ids, positions, slots, flat_tables, ctx = runner.uploader.upload(
-            [inputs.ids, inputs.positions, inputs.slots, inputs.tables, inputs.context_lens])
+        arrays = [inputs.ids, inputs.positions, inputs.slots, inputs.tables, inputs.context_lens]
+        if self.windowed:  # the same rows over the window tables (null blocks before each window)
+            window = pad_decode_inputs(inputs.ids[:len(step)], starts,
+                                       [s.seq.window_table[:math.ceil((p + 1) / bs)] for s, p in zip(step, starts)],
+                                       b, w, bs)
+            arrays += [window.slots, window.tables]
+        up = runner.uploader.upload(arrays)
+        ids, positions, slots, flat_tables, ctx = up[:5]
+        if self.windowed:
+            assert self.window_slots is not None and self.window_tables is not None
+            self.window_slots[:b].copy_(up[5])
+            self.window_tables[:b * w].copy_(up[6])
         self.ids[:b].copy_(ids)
         self.positions[:b].copy_(positions)
         self.slots[:b].copy_(slots)
@@ -258,5 +280,5 @@ class CudaGraphRunner:
         graph, out = self.graphs[(b, w)]
         graph.replay()
         replayed = out.clone()
-        eager = runner.model.forward(self.ids[:b], self._batch(b, w), runner.kv_cache)
+        eager = runner.model.forward(self.ids[:b], self._batch(b, w), runner.kv_cache, window_cache=runner.kv_window)
         return replayed, eager

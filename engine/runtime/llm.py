@@ -201,8 +201,7 @@ class LLM:
             self.spec = SpecController(speculative)
             draft = self._draft_engine(speculative.draft_model, seed) if speculative.method == "draft" else None
             self.drafter = build_drafter(speculative, self, draft)
-        # (Not yet for sliding layers' window cache: the captured steps take one cache's tables.)
-        if self.device.type == "cuda" and not ec.enforce_eager and self.spec is None and self.runner.kv_window is None:
+        if self.device.type == "cuda" and not ec.enforce_eager and self.spec is None:
             from kvbatch.engine.runtime.cuda_graphs import CudaGraphRunner
 
             self.runner.graphs = CudaGraphRunner.capture(self.runner, ec.max_num_seqs, self.max_model_len)

@@ -104,8 +104,8 @@ class ModelRunner:
         self.kv_cache = allocate(shape)
         # The sliding layers' cache (window_blocks.py: block 0 is the null block, never written),
         # num_window_blocks blocks; None for a model without sliding layers.
-        window_shape = getattr(model, "window_cache_shape", lambda n, b: None)(num_window_blocks or num_blocks,
-                                                                             block_size)
+        window_shape = getattr(model, "window_cache_shape", lambda n, b: None)(
+            max(2, num_window_blocks or num_blocks), block_size)  # the null block and one more, at least
         self.kv_window = allocate(window_shape) if window_shape is not None else None
         self.graphs = None  # a CudaGraphRunner once captured (LLM does it on CUDA, unless eager)
         self.released = False
