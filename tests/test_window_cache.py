@@ -141,6 +141,7 @@ def test_a_stored_prefix_without_its_window_is_recomputed(tmp_path):
     assert res.output_token_ids == _reference(ref, stored, 8)
     hit = (len(stored) - 1) // BS  # 14 blocks' full layers and the window before token 56: one block
     assert dec.connector.stats.blocks_loaded == hit + 1 and res.num_loaded_tokens == hit * BS
+    assert sum(dec.connector.stats.tokens_loaded_by_tier.values()) == hit * BS  # the window part adds no tokens
 
 
 class _LosesWindows:

@@ -301,10 +301,11 @@ class KVConnector:
             self._staging = KVStaging(engine, self._staging_buffers, nbytes)
         return self._staging
 
-    def load(self, keys: list[str], block_ids: list[int], kv_cache: torch.Tensor) -> int:
+    def load(self, keys: list[str], block_ids: list[int], kv_cache: torch.Tensor, tokens: bool = True) -> int:
         """Copy the stored blocks into ``kv_cache``; returns how many leading ones arrived. With
         staging the copies are queued (on CUDA: a side stream) and the compute stream is ordered
-        after them: the count is known on the host, nothing waits for the device."""
+        after them: the count is known on the host, nothing waits for the device. ``tokens``:
+        count their tokens as loaded (not for a block's window part: its full part counted them)."""
         self.poll()
         started = time.perf_counter()
         got = self.store.get_many(keys)
@@ -322,7 +323,8 @@ class KVConnector:
             arrived.append(tensor)
             nbytes = tensor.numel() * tensor.element_size()
             nbytes_total += nbytes
-            self.stats.tokens_loaded_by_tier[where] += self.block_size
+            if tokens:
+                self.stats.tokens_loaded_by_tier[where] += self.block_size
             self.stats.bytes_loaded_by_tier[where] += nbytes
             tiers.add(where)
             n += 1

@@ -591,7 +591,7 @@ class LLM:
             if self.runner.kv_window is not None:
                 window_keys = [k for k, _ in seq.pending_window_loads]
                 if ok == len(keys) and self.connector.load(window_keys, [b for _, b in seq.pending_window_loads],
-                                                           self.runner.kv_window) == len(window_keys):
+                                                           self.runner.kv_window, tokens=False) == len(window_keys):
                     seq.num_loaded_tokens += ok * bs
                     kept.append(s)
                 else:

@@ -87,8 +87,9 @@ class ModelRunner:
         self._ws: tuple[torch.Tensor, torch.Tensor] | None = None
         self.uploader = StepUploader(self.device)
         # [layers, K/V, blocks, ...] as the model lays it out (Llama: [L, 2, blocks, block_size,
-        # kv_heads, head_dim]; MLA: [L, 1, blocks, block_size, 1, latent + rope]): one block of
-        # every layer is the unit the KV store saves and loads. Allocated once, on the model's
+        # kv_heads, head_dim], L its full-attention layers; MLA: [L, 1, blocks, block_size, 1,
+        # latent + rope]): one block of its layers is the unit the KV store saves and loads (a
+        # sliding layer's window cache, kv_window, is saved apart). Allocated once, on the model's
         # device; on the CPU in the model's huge-page arena where it keeps one (attention streams
         # the cache as the projections stream the weights: kernels/cpu/huge_pages.py), untouched:
         # a fresh mapping reads zero and takes memory as blocks are first written, so an engine
