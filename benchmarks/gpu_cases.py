@@ -252,17 +252,33 @@ def store_kv_case(K, T, Hkv, D, dtype, block_size=16, src_dtype=None):
     return run_triton, run_reference, check, nbytes, 0
 
 
-def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, gpt_oss=False, **kwargs):
+def _fp8_experts(E, N, Kd, block, gen):
+    """FP8 expert weights [E, N, Kd] over the e4m3 range and block scales making rows ~N(0, 1/Kd)."""
+    w = (torch.randn(E, N, Kd, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).to(DEVICE)
+    s = ((torch.rand(E, -(-N // block[0]), -(-Kd // block[1]), generator=gen) + 0.5) / 100 * Kd**-0.5).to(DEVICE)
+    return w, s
+
+
+def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, gpt_oss=False, fp8=False, block=(128, 128),
+             **kwargs):
     """Routed experts for T tokens, k distinct experts each (a random router), weights
     summing to 1; ``out_of_range`` of the ids replaced by -1 (experts on another rank);
     ``gpt_oss``: with expert biases and the clamped SwiGLU (alpha 1.702, limit 7), the biases
-    large enough that the clamp bites."""
-    R, *_ = K
+    large enough that the clamp bites; ``fp8``: the experts float8_e4m3fn with a scale per
+    ``block`` (an FP8 checkpoint's, kept FP8), checked against their dequantized twin and timed
+    against the reference on the weights dequantized once (what runs when they are not kept)."""
+    R, D = K[0], K[1]
     TM = K[6]
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen).to(device=DEVICE, dtype=dtype)
-    w_gate_up = (torch.randn(E, 2 * I, H, device=DEVICE) * H**-0.5).to(dtype)
-    w_down = (torch.randn(E, H, I, device=DEVICE) * I**-0.5).to(dtype)
+    if fp8:
+        (w_gate_up, s_gu), (w_down, s_dn) = _fp8_experts(E, 2 * I, H, block, gen), _fp8_experts(E, H, I, block, gen)
+        kwargs = dict(kwargs, fp8_scales=(s_gu, s_dn), fp8_block=block)
+        deq = [D.dequantize_fp8_experts(w, s, block).to(dtype) for w, s in ((w_gate_up, s_gu), (w_down, s_dn))]
+    else:
+        w_gate_up = (torch.randn(E, 2 * I, H, device=DEVICE) * H**-0.5).to(dtype)
+        w_down = (torch.randn(E, H, I, device=DEVICE) * I**-0.5).to(dtype)
+        deq = [w_gate_up, w_down]
     scores = torch.rand(T, E, generator=gen)
     weights, ids = torch.topk(scores.softmax(-1), k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
@@ -278,7 +294,7 @@ def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, gpt_oss=False, *
         return TM.fused_moe(x, w_gate_up, w_down, ids, weights, **extra, **kwargs)
 
     def run_reference():
-        return R.fused_moe(x, w_gate_up, w_down, ids, weights, **extra)
+        return R.fused_moe(x, *deq, ids, weights, **extra)
 
     def check():
         poison_allocator(x.numel() * x.element_size() * 4 * max(k, 1), DEVICE)

@@ -185,14 +185,14 @@ KERNELS: dict[str, KernelSpec] = {
          "out_ptr": "*", "part_acc_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}, ("scale_log2e",),
         lambda c: (c["BLOCK_H"] + c["BLOCK_N"]) * (c["BLOCK_C"] + c["BLOCK_R"]) * _eb(c)),
     "_moe_gate_up_kernel": KernelSpec(
-        "triton_moe", ("stride_xh", "stride_wh", "stride_bn", "stride_ii"),
-        {"x_ptr": "*", "w_ptr": "*", "bias_ptr": "*", "sorted_pairs_ptr": "i32", "block_expert_ptr": "i32",
-         "inter_ptr": "*"}, ("alpha", "limit"),
+        "triton_moe", ("stride_xh", "stride_wh", "stride_sk", "stride_bn", "stride_ii"),
+        {"x_ptr": "*", "w_ptr": "*", "s_ptr": "fp32", "bias_ptr": "*", "sorted_pairs_ptr": "i32",
+         "block_expert_ptr": "i32", "inter_ptr": "*"}, ("alpha", "limit"),
         lambda c: (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * _eb(c)),
     "_moe_down_kernel": KernelSpec(
-        "triton_moe", ("stride_ii", "stride_wi", "stride_bh", "stride_rk", "stride_yh"),
-        {"inter_ptr": "*", "w_ptr": "*", "bias_ptr": "*", "sorted_pairs_ptr": "i32", "block_expert_ptr": "i32",
-         "weights_ptr": "fp32", "y_ptr": "fp32"}, (),
+        "triton_moe", ("stride_ii", "stride_wi", "stride_sk", "stride_bh", "stride_rk", "stride_yh"),
+        {"inter_ptr": "*", "w_ptr": "*", "s_ptr": "fp32", "bias_ptr": "*", "sorted_pairs_ptr": "i32",
+         "block_expert_ptr": "i32", "weights_ptr": "fp32", "y_ptr": "fp32"}, (),
         lambda c: (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _eb(c)),
     "_moe_sum_kernel": KernelSpec(
         "triton_moe", ("stride_yh", "stride_ik", "stride_oh"), {"y_ptr": "fp32", "ids_ptr": "i64", "out_ptr": "*"},
@@ -342,10 +342,12 @@ def _mlp(col: _Collector, model: str, dtype: str, inter: int) -> None:
 
 
 def _moe(col: _Collector, model: str, dtype: str, hidden: int, experts: int, top_k: int,
-         bias: bool = False, swiglu: bool = False) -> None:
+         bias: bool = False, swiglu: bool = False, block: tuple[int, int] | None = None) -> None:
     """Fused MoE at every tile its launcher picks over step sizes, with the model's top-k and with
     top-1 (expert parallelism computes the rows a rank received one pair at a time); ``bias`` and
-    ``swiglu``: the model's experts have biases and a clamped SwiGLU (gpt-oss)."""
+    ``swiglu``: the model's experts have biases and a clamped SwiGLU (gpt-oss); ``block``: an FP8
+    checkpoint's block size, its experts launched as FP8 (``FP8_W``) and, where they are served
+    dequantized (a gate/up join off a block boundary), plain."""
     moe = _module("triton_moe")
     numerics = _numerics(dtype)
     for k in sorted({top_k, 1}):
@@ -358,9 +360,16 @@ def _moe(col: _Collector, model: str, dtype: str, hidden: int, experts: int, top
             tokens *= 2
         for t in tiles:
             blocks = dict(TOP_K=k, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], **numerics)
-            col.add(model, "_moe_gate_up_kernel", dtype, t["num_warps"], t["num_stages"], HAS_BIAS=bias,
-                    SWIGLU=swiglu, **blocks)
-            col.add(model, "_moe_down_kernel", dtype, t["num_warps"], t["num_stages"], HAS_BIAS=bias, **blocks)
+            # the launcher's plain stand-ins (FP8_W off, blocks of 1), then the FP8 variant
+            quants = [{"FP8_W": False, "GROUP_N": 1, "GROUP_K": 1, "SCALE_PER_COLUMN": False}]
+            if block is not None:
+                quants.append({"FP8_W": True, "GROUP_N": block[0], "GROUP_K": block[1],
+                               "SCALE_PER_COLUMN": block[1] % t["block_k"] == 0})
+            for quant in quants:
+                col.add(model, "_moe_gate_up_kernel", dtype, t["num_warps"], t["num_stages"], HAS_BIAS=bias,
+                        SWIGLU=swiglu, **blocks, **quant)
+                col.add(model, "_moe_down_kernel", dtype, t["num_warps"], t["num_stages"], HAS_BIAS=bias, **blocks,
+                        **quant)
         col.add(model, "_moe_sum_kernel", dtype, None, None, TOP_K=k, BLOCK_H=moe.sum_block_h(hidden))
 
 
@@ -422,7 +431,7 @@ def configurations(models: dict[str, dict[str, Any]] | None = None,
                 _mlp(col, name, dtype, c.intermediate_size)
             if c.moe is not None:
                 _moe(col, name, dtype, c.hidden_size, c.moe.num_experts, c.moe.top_k, c.moe.expert_bias,
-                     c.moe.swiglu_limit is not None)
+                     c.moe.swiglu_limit is not None, tuple(block) if block else None)
                 if c.moe.shared_expert_intermediate_size:
                     _mlp(col, name, dtype, c.moe.shared_expert_intermediate_size)
             if c.mla is None:
@@ -502,7 +511,8 @@ def signature(cfg: Config) -> tuple[dict[str, str], dict[str, Any], dict[tuple[i
             sig[name] = "constexpr"
             constexprs[name] = cfg.constexprs[name] if fn.params[i].is_constexpr else 1
         elif name in spec.pointers:
-            kind = spec.pointers[name]
+            # the MoE kernels' FP8 variant: expert weights as the checkpoint publishes them
+            kind = "fp8e4nv" if name == "w_ptr" and cfg.constexprs.get("FP8_W") else spec.pointers[name]
             sig[name] = "*" + (cfg.dtype if kind == "*" else kind)
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in spec.floats:

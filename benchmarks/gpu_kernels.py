@@ -323,6 +323,10 @@ def check_cases(K) -> list[tuple[str, Callable[[], tuple]]]:
             out_of_range=0.3)
         add(f"fused_moe {dn} gpt-oss biases + clamped SwiGLU, E32 k4", moe_case, 9, 2880, 2880, 32, 4, dtype,
             seed=13, gpt_oss=True)
+        add(f"fused_moe {dn} FP8 experts 128x128 blocks, E32 k4", moe_case, 9, 1024, 384, 32, 4, dtype, seed=28,
+            fp8=True)
+        add(f"fused_moe {dn} FP8 experts 32x40 blocks (scale gather), prefill", moe_case, 200, 320, 200, 8, 2,
+            dtype, seed=29, fp8=True, block=(32, 40))
         add(f"fp8 gemm {dn} decode M=1, partial blocks", fp8_gemm_case, 1, 700, 1000, dtype, seed=20)
         add(f"fp8 gemm {dn} prefill M=333, bias", fp8_gemm_case, 333, 1536, 7168, dtype, seed=21, bias=True)
         add(f"fp8 gemm {dn} 32x40 blocks (scale gather)", fp8_gemm_case, 65, 100, 300, dtype, block=(32, 40), seed=22)

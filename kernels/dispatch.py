@@ -315,10 +315,53 @@ def fused_moe(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """See :func:`reference.fused_moe`. gpt-oss's experts (biases, clamped SwiGLU) go where the
-    others do: the Triton MoE kernel takes both (constexpr variants), the reference runs on the CPU."""
-    return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
+    others do: the Triton MoE kernel takes both (constexpr variants), the reference runs on the CPU.
+    ``fp8_scales``: the expert weights are float8_e4m3fn with these block scales (``fp8_block``; see
+    :func:`fused_moe_fp8_reference`): the Triton kernel's FP8 variant where Triton runs (CUDA), else
+    that reference."""
+    if fp8_scales is None:
+        return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
+    if backend(x) == "triton":
+        return _triton_kernels().fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
+                                           swiglu, fp8_scales=fp8_scales, fp8_block=fp8_block)
+    return fused_moe_fp8_reference(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu,
+                                   fp8_scales, fp8_block)
+
+
+def dequantize_fp8_experts(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """:func:`dequantize_fp8_block` of each expert's matrix: FP8 ``[E, N, K]`` with scales
+    ``[E, ceil(N / bn), ceil(K / bk)]`` -> fp32 ``[E, N, K]`` (an empty stack stays empty)."""
+    if weight.dim() != 3 or scale_inv.dim() != 3 or weight.shape[0] != scale_inv.shape[0]:
+        raise ValueError(f"expert weights {tuple(weight.shape)} with scales {tuple(scale_inv.shape)}: expected "
+                         "[E, N, K] and [E, ceil(N / bn), ceil(K / bk)]")
+    if weight.shape[0] == 0:  # an expert-parallel rank holding no expert of a layer
+        return torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    return torch.stack([dequantize_fp8_block(weight[e], scale_inv[e], block) for e in range(weight.shape[0])])
+
+
+def fused_moe_fp8_reference(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    swiglu: tuple[float, float] | None,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor],
+    fp8_block: tuple[int, int],
+) -> torch.Tensor:
+    """:func:`reference.fused_moe` of FP8 experts: each expert's weights dequantized in fp32
+    (:func:`dequantize_fp8_experts`) and rounded to ``x.dtype`` — the tensors the CPU loader holds
+    for a model of that dtype, so the same result bit for bit. The readable twin of the Triton
+    kernel's FP8 variant (:func:`kvbatch.kernels.triton_moe.fused_moe` with ``fp8_scales``)."""
+    w_gu = dequantize_fp8_experts(w_gate_up, fp8_scales[0], fp8_block).to(x.dtype)
+    w_dn = dequantize_fp8_experts(w_down, fp8_scales[1], fp8_block).to(x.dtype)
+    return reference.fused_moe(x, w_gu, w_dn, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -29,6 +29,23 @@ from kvbatch.kernels.triton_attention import INTERPRETED, _numerics
 
 
 @triton.jit
+def _fp8_tile(w_ptrs, s_ptr, s_rows, k0, offs_k, mask_k, mask_n, stride_sk,
+              GROUP_K: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr):
+    """The fp8 tile at ``w_ptrs`` ([BLOCK_K, BLOCK_N] of ``W^T``, K offset ``k0``) in fp32, each value
+    times its block's scale: ``s_ptr + s_rows`` is each column's row of scales. Shared with the MoE
+    kernels' FP8 experts (``triton_moe.py``), so both dequantize value for value as the loader does."""
+    w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    if SCALE_PER_COLUMN:  # the whole K tile in one column of blocks
+        s = tl.load(s_ptr + s_rows + (k0 // GROUP_K) * stride_sk, mask=mask_n, other=0.0)
+        w = w * s[None, :]
+    else:
+        s = tl.load(s_ptr + s_rows[None, :] + ((k0 + offs_k[:, None]) // GROUP_K) * stride_sk,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        w = w * s
+    return w
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     M, N, K,
@@ -56,14 +73,7 @@ def _fp8_block_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        if SCALE_PER_COLUMN:  # the whole K tile in one column of blocks
-            s = tl.load(s_ptr + s_rows + (k0 // GROUP_K) * stride_sk, mask=mask_n, other=0.0)
-            w = w * s[None, :]
-        else:
-            s = tl.load(s_ptr + s_rows[None, :] + ((k0 + offs_k[:, None]) // GROUP_K) * stride_sk,
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            w = w * s
+        w = _fp8_tile(w_ptrs, s_ptr, s_rows, k0, offs_k, mask_k, mask_n, stride_sk, GROUP_K, SCALE_PER_COLUMN)
         w = w.to(x_ptr.dtype.element_ty)  # the dequantized weight, rounded as the CPU loader rounds it
         if COMPUTE_F32:
             a = a.to(tl.float32)

@@ -18,6 +18,12 @@ Three steps, no host synchronisation (the grid is sized from an upper bound):
    routing weight in fp32, written to ``y[p]`` (fp32); ``_moe_sum_kernel`` adds each token's
    ``k`` rows (skipping dropped pairs) and rounds once to ``x.dtype``.
 
+FP8 experts (``FP8_W``, constexpr like the gpt-oss parts, so the other launches compile as before):
+the weights stay float8_e4m3fn with an fp32 ``scale_inv`` per ``[bn, bk]`` block of each expert's
+matrix (``GROUP_N`` x ``GROUP_K``); both GEMMs load each fp8 tile and dequantize it in registers with
+``triton_fp8_gemm._fp8_tile`` (the FP8 GEMM's own code: scale, then round to ``x.dtype``, as the CPU
+loader dequantizes), so the tiles, numerics and dot are those of ``x.dtype`` weights.
+
 Numerics: fp32 accumulation; bf16/fp16 weights feed ``tl.dot`` in their own dtype on a GPU,
 fp32 weights use ``input_precision="ieee"``. Under the interpreter everything is fp32 (its bf16
 arithmetic is wrong). The reference rounds ``gate_up`` and the down output to ``x.dtype``
@@ -32,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kvbatch.kernels.triton_attention import INTERPRETED, _numerics
+from kvbatch.kernels.triton_fp8_gemm import _fp8_tile
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,14 +76,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, inter_ptr,
+    x_ptr, w_ptr, s_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, inter_ptr,
     num_pairs, H, I, alpha, limit,
     stride_xt, stride_xh,
     stride_we, stride_wn, stride_wh,
+    stride_se, stride_sn, stride_sk,
     stride_be, stride_bn,
     stride_ip, stride_ii,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    FP8_W: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -100,9 +109,16 @@ def _moe_gate_up_kernel(
     for k0 in range(0, H, BLOCK_K):
         mask_k = offs_k < H - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b_mask = mask_k[:, None] & mask_n[None, :]
-        bg = tl.load(g_ptrs, mask=b_mask, other=0.0)
-        bu = tl.load(u_ptrs, mask=b_mask, other=0.0)
+        if FP8_W:  # the fp8 tiles dequantized, rounded to x's dtype as the CPU loader rounds them
+            s_e = s_ptr + e * stride_se
+            bg = _fp8_tile(g_ptrs, s_e, (offs_n // GROUP_N) * stride_sn, k0, offs_k, mask_k, mask_n, stride_sk,
+                           GROUP_K, SCALE_PER_COLUMN).to(x_ptr.dtype.element_ty)
+            bu = _fp8_tile(u_ptrs, s_e, ((offs_n + I) // GROUP_N) * stride_sn, k0, offs_k, mask_k, mask_n,
+                           stride_sk, GROUP_K, SCALE_PER_COLUMN).to(x_ptr.dtype.element_ty)
+        else:
+            b_mask = mask_k[:, None] & mask_n[None, :]
+            bg = tl.load(g_ptrs, mask=b_mask, other=0.0)
+            bu = tl.load(u_ptrs, mask=b_mask, other=0.0)
         if COMPUTE_F32:
             a = a.to(tl.float32)
             bg = bg.to(tl.float32)
@@ -130,15 +146,17 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    inter_ptr, w_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, y_ptr,
+    inter_ptr, w_ptr, s_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, y_ptr,
     num_pairs, H, I,
     stride_ip, stride_ii,
     stride_we, stride_wh, stride_wi,
+    stride_se, stride_sn, stride_sk,
     stride_be, stride_bh,
     stride_rt, stride_rk,
     stride_yp, stride_yh,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP8_W: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -158,7 +176,11 @@ def _moe_down_kernel(
     for k0 in range(0, I, BLOCK_K):
         mask_k = offs_k < I - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if FP8_W:
+            b = _fp8_tile(b_ptrs, s_ptr + e * stride_se, (offs_n // GROUP_N) * stride_sn, k0, offs_k, mask_k, mask_n,
+                          stride_sk, GROUP_K, SCALE_PER_COLUMN).to(inter_ptr.dtype.element_ty)
+        else:
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if COMPUTE_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -217,6 +239,31 @@ def sum_block_h(hidden: int) -> int:
     return min(1024, max(16, triton.next_power_of_2(hidden)))
 
 
+def _fp8_launch(w_gate_up: torch.Tensor, w_down: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+    """(gate/up scales, down scales, block) for an FP8 launch, the scales contiguous (a unit K stride,
+    as gpu_compile compiles it); None for plain weights. ValueError where weights, scales and block
+    disagree: a wrong scale shape would read other blocks' scales, not fail."""
+    fp8 = [str(w.dtype) == "torch.float8_e4m3fn" for w in (w_gate_up, w_down)]
+    if scales is None:
+        if any(fp8):
+            raise ValueError("fused_moe: float8 expert weights need fp8_scales and fp8_block")
+        return None
+    if not all(fp8) or block is None:
+        raise ValueError(f"fused_moe: fp8_scales need float8_e4m3fn weights (got {w_gate_up.dtype}, {w_down.dtype}) "
+                         f"and fp8_block (got {block})")
+    bn, bk = block
+    out = []
+    for name, w, s in (("gate_up", w_gate_up, scales[0]), ("down", w_down, scales[1])):
+        E, N, K = w.shape
+        want = (E, triton.cdiv(N, bn), triton.cdiv(K, bk))
+        if tuple(s.shape) != want or s.dtype != torch.float32:
+            raise ValueError(f"fused_moe: {name} scales {tuple(s.shape)} {s.dtype} for {tuple(w.shape)} weights in "
+                             f"{bn}x{bk} blocks (expected fp32 {want})")
+        out.append(s.contiguous())
+    return out[0], out[1], (bn, bk)
+
+
 def fused_moe(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -227,6 +274,8 @@ def fused_moe(
     down_bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
     *,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8_block: tuple[int, int] | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -234,8 +283,11 @@ def fused_moe(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`reference.fused_moe` (same arguments and result, gpt-oss's expert
-    biases and clamped SwiGLU included). The keyword arguments override the tile configuration
-    (both GEMMs use it)."""
+    biases and clamped SwiGLU included). ``fp8_scales``: the expert weights are float8_e4m3fn as an
+    FP8 checkpoint publishes them, with these fp32 ``scale_inv`` ``[E, ceil(2I / bn), ceil(H / bk)]``
+    and ``[E, ceil(H / bn), ceil(I / bk)]`` (each expert's matrix in ``fp8_block`` = ``(bn, bk)``
+    blocks); the twin is then :func:`kvbatch.kernels.dispatch.fused_moe_fp8_reference`. The other
+    keyword arguments override the tile configuration (both GEMMs use it)."""
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(f"fused_moe: expected x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I]; got "
                          f"{tuple(x.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
@@ -248,19 +300,21 @@ def fused_moe(
     for name, bias, want in (("gate_up_bias", gate_up_bias, (E, 2 * I)), ("down_bias", down_bias, (E, H))):
         if bias is not None and tuple(bias.shape) != want:
             raise ValueError(f"fused_moe: {name} {tuple(bias.shape)}, expected {want}")
+    fp8 = _fp8_launch(w_gate_up, w_down, fp8_scales, fp8_block)
     k = topk_ids.shape[1] if topk_ids.dim() == 2 else 0
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0 or H == 0:
         return out
     if k == 0 or E == 0 or I == 0:
         return out.zero_()
-    cfg = moe_tiles(T * k, E, w_gate_up.element_size())
+    # FP8 experts: tiled and multiplied as the activation dtype (the tiles are dequantized to it)
+    cfg = moe_tiles(T * k, E, x.element_size() if fp8 else w_gate_up.element_size())
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
                         ("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
             cfg[name] = value
     BM = cfg["block_m"]
-    compute_f32, precision = _numerics(w_gate_up.dtype)
+    compute_f32, precision = _numerics(x.dtype if fp8 else w_gate_up.dtype)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     P = T * k
@@ -272,21 +326,28 @@ def fused_moe(
     gu_bias, gu_strides = (inter, (0, 1)) if gate_up_bias is None else (gate_up_bias, gate_up_bias.stride())
     dn_bias, dn_strides = (inter, (0, 1)) if down_bias is None else (down_bias, down_bias.stride())
     alpha, limit = (1.0, 0.0) if swiglu is None else (float(swiglu[0]), float(swiglu[1]))
+    # Plain weights: ``inter`` stands in for the scales (never read: FP8_W=False), strides (0, 0, 1) and
+    # blocks of 1, fixed, so the plain launch specializes one way whatever the FP8 arguments would be.
+    gu_scale, gu_s_strides = (inter, (0, 0, 1)) if fp8 is None else (fp8[0], fp8[0].stride())
+    dn_scale, dn_s_strides = (inter, (0, 0, 1)) if fp8 is None else (fp8[1], fp8[1].stride())
+    bn, bk = (1, 1) if fp8 is None else fp8[2]
+    quant = {"FP8_W": fp8 is not None, "GROUP_N": bn, "GROUP_K": bk,
+             "SCALE_PER_COLUMN": fp8 is not None and bk % cfg["block_k"] == 0}
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(I, cfg["block_n"]))](
-        x, w_gate_up, gu_bias, sorted_pairs, block_expert, inter,
+        x, w_gate_up, gu_scale, gu_bias, sorted_pairs, block_expert, inter,
         P, H, I, alpha, limit,
-        *x.stride(), *w_gate_up.stride(), *gu_strides, *inter.stride(),
+        *x.stride(), *w_gate_up.stride(), *gu_s_strides, *gu_strides, *inter.stride(),
         TOP_K=k, BLOCK_M=BM, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         COMPUTE_F32=compute_f32, DOT_PRECISION=precision, HAS_BIAS=gate_up_bias is not None,
-        SWIGLU=swiglu is not None, **launch,
+        SWIGLU=swiglu is not None, **quant, **launch,
     )
     y = torch.empty((P, H), dtype=torch.float32, device=x.device)
     _moe_down_kernel[(num_blocks, triton.cdiv(H, cfg["block_n"]))](
-        inter, w_down, dn_bias, sorted_pairs, block_expert, topk_weights, y,
+        inter, w_down, dn_scale, dn_bias, sorted_pairs, block_expert, topk_weights, y,
         P, H, I,
-        *inter.stride(), *w_down.stride(), *dn_strides, *topk_weights.stride(), *y.stride(),
+        *inter.stride(), *w_down.stride(), *dn_s_strides, *dn_strides, *topk_weights.stride(), *y.stride(),
         TOP_K=k, BLOCK_M=BM, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, HAS_BIAS=down_bias is not None, **launch,
+        COMPUTE_F32=compute_f32, DOT_PRECISION=precision, HAS_BIAS=down_bias is not None, **quant, **launch,
     )
     block_h = sum_block_h(H)
     _moe_sum_kernel[(T, triton.cdiv(H, block_h))](

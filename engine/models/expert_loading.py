@@ -266,7 +266,10 @@ def _load_converted_share(fs: fsspec.AbstractFileSystem, path: str, source: str,
 
 def keep_experts(ckpt: Checkpoint, keep: dict[int, list[int]]) -> Checkpoint:
     """``ckpt`` (loaded whole) with only ``keep``'s experts left in its fused expert tensors (and
-    their biases, gpt-oss's)."""
+    their biases, gpt-oss's), and in the FP8 experts it keeps for CUDA (``Checkpoint.fp8_weights``:
+    the same rows of the weights and of their block scales)."""
+    from kvbatch.engine.models.fp8 import Fp8BlockWeight
+
     kept: dict[int, list[int]] = {}
     for name in list(ckpt.tensors):
         if match := _FUSED_RE.match(name.removesuffix("_bias")):
@@ -274,5 +277,8 @@ def keep_experts(ckpt: Checkpoint, keep: dict[int, list[int]]) -> Checkpoint:
             held = [j for j in keep.get(layer, []) if j < ckpt.tensors[name].shape[0]]
             ckpt.tensors[name] = ckpt.tensors[name][held].clone()
             kept[layer] = held
+            if (fp8 := ckpt.fp8_weights.get(name)) is not None:
+                ckpt.fp8_weights[name] = Fp8BlockWeight(fp8.weight[held].clone(), fp8.scale_inv[held].clone(),
+                                                        fp8.block)
     ckpt.expert_ids = kept
     return ckpt

@@ -16,6 +16,7 @@ from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.deepseek import DeepseekV3Model
 from kvbatch.engine.models.fp8 import Fp8BlockWeight
 from kvbatch.engine.models.llama import LlamaModel, huge_pages_wanted
+from kvbatch.engine.models.moe import use_fp8_experts
 from kvbatch.kernels.cpu.gguf_blocks import GGUFBlocks, layer_qtype
 from kvbatch.kernels.cpu.gguf_kernels import BlockIndex, use_gguf_blocks
 from kvbatch.kernels.cpu.kernel_choice import choose_kernels, dense_shapes
@@ -49,7 +50,9 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
     if choice.note:
         warnings.warn(choice.note, RuntimeWarning, stacklevel=2)
     index = BlockIndex(tensors, blocks) if blocks and choice.fmt.kind == GGUF else None
-    with use_linear_format(choice.fmt), use_gguf_blocks(index):
+    # CUDA: an FP8 checkpoint's experts stay FP8 (moe.load_moe_layer); the CPU keeps today's dequantized ones
+    fp8_experts = fp8_weights if torch.device(device).type == "cuda" else None
+    with use_linear_format(choice.fmt), use_gguf_blocks(index), use_fp8_experts(fp8_experts):
         if config.model_type == "deepseek_v3":
             model: LlamaModel = DeepseekV3Model(config, tensors, dtype, batch_invariant, device, expert_ids)
         else:

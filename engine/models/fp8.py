@@ -8,7 +8,10 @@ For CUDA the loader (``load_checkpoint(..., keep_fp8=True)``) also keeps each FP
 published, an :class:`Fp8BlockWeight` (float8 values, fp32 scales, the block size) in
 ``Checkpoint.fp8_weights``: uploaded as it is (a byte per value) and multiplied by the block-scaled
 Triton GEMM (``kernels/triton_fp8_gemm.py``, through :func:`kvbatch.kernels.dispatch.fp8_block_linear`),
-which dequantizes in registers exactly as the loader dequantizes on the CPU.
+which dequantizes in registers exactly as the loader dequantizes on the CPU. A MoE layer's experts
+are kept too, stacked (``weights._fuse_fp8_experts``: ``experts.gate_up_proj`` / ``down_proj``, as
+the dequantized ones are fused) and multiplied by the Triton fused MoE kernel's FP8 variant
+(``moe.load_moe_layer`` under ``moe.use_fp8_experts``, ``dispatch.fused_moe`` with ``fp8_scales``).
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ class Fp8BlockWeight:
     """One projection as an FP8 checkpoint publishes it: ``weight`` float8_e4m3fn ``[N, K]``,
     ``scale_inv`` fp32 ``[ceil(N / bn), ceil(K / bk)]``, ``block`` ``(bn, bk)``.
 
+    A MoE layer's experts are a stack of such matrices (:meth:`stack`): ``weight`` ``[E, N, K]``,
+    ``scale_inv`` ``[E, ceil(N / bn), ceil(K / bk)]``, one expert's blocks per row of the stack; the
+    row operations and :meth:`linear` are for the 2-D weights only.
+
     Row operations keep the block structure or refuse: :meth:`split` and :meth:`cat` (a family's fused
     projections split at load, the decoder's own fusing of q/k/v and gate/up) need every cut on a
     multiple of ``bn``; :meth:`reorder_rows` (partial rotary's per-head order) needs every row to stay
@@ -100,10 +107,11 @@ class Fp8BlockWeight:
 
     def __post_init__(self) -> None:
         bn, bk = self.block
-        n, k = self.weight.shape
-        if tuple(self.scale_inv.shape) != (-(-n // bn), -(-k // bk)):
-            raise ValueError(f"scales of shape {tuple(self.scale_inv.shape)} for a [{n}, {k}] weight in "
-                             f"{bn}x{bk} blocks (expected {(-(-n // bn), -(-k // bk))})")
+        *experts, n, k = self.weight.shape
+        want = (*experts, -(-n // bn), -(-k // bk))
+        if self.weight.dim() not in (2, 3) or tuple(self.scale_inv.shape) != want:
+            raise ValueError(f"scales of shape {tuple(self.scale_inv.shape)} for a {list(self.weight.shape)} weight in "
+                             f"{bn}x{bk} blocks (expected {want})")
 
     @property
     def shape(self) -> torch.Size:
@@ -120,7 +128,12 @@ class Fp8BlockWeight:
         return Fp8BlockWeight(self.weight.clone(), self.scale_inv.clone(), self.block)
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 ``[N, K]``: what the CPU loader holds (before its cast to the engine dtype)."""
+        """fp32 ``[N, K]`` (``[E, N, K]`` for experts): what the CPU loader holds (before its cast to
+        the engine dtype)."""
+        if self.weight.dim() == 3:
+            from kvbatch.kernels import dispatch
+
+            return dispatch.dequantize_fp8_experts(self.weight, self.scale_inv, self.block)
         return dequantize_fp8_block(self.weight, self.scale_inv, self.block)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,6 +168,18 @@ class Fp8BlockWeight:
                              f"{[p.block for p in parts]}: every part but the last must fill whole "
                              f"{block[0]}-row blocks")
         return Fp8BlockWeight(torch.cat([p.weight for p in parts]), torch.cat([p.scale_inv for p in parts]), block)
+
+    @staticmethod
+    def stack(experts: Sequence[Fp8BlockWeight]) -> Fp8BlockWeight:
+        """Experts' 2-D weights (one shape, one block size) as one ``[E, N, K]`` stack; ValueError otherwise."""
+        import torch
+
+        if (not experts or any(w.weight.dim() != 2 or w.shape != experts[0].shape or w.block != experts[0].block
+                               for w in experts)):
+            raise ValueError(f"cannot stack FP8 experts of shapes {[tuple(w.shape) for w in experts]} in blocks "
+                             f"{[w.block for w in experts]}")
+        return Fp8BlockWeight(torch.stack([w.weight for w in experts]), torch.stack([w.scale_inv for w in experts]),
+                              experts[0].block)
 
     def reorder_rows(self, order: torch.Tensor) -> Fp8BlockWeight:
         """Rows in ``order`` (``new[i] = old[order[i]]``); ValueError when a row would leave its block

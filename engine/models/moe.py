@@ -21,7 +21,9 @@ transformers 5 keeps them in memory (``mlp.experts.gate_up_proj`` / ``mlp.expert
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.fp8 import Fp8BlockWeight
 from kvbatch.kernels import dispatch as K
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "moe_forward",
     "route",
     "run_experts",
+    "use_fp8_experts",
 ]
 
 RoutingObserver = Callable[[int, torch.Tensor], None]  # (layer_idx, topk_ids [T, k])
@@ -67,6 +71,11 @@ class MoELayerWeights:
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     swiglu: tuple[float, float] | None = None
+    # An FP8 checkpoint's experts kept as published (CUDA, load_moe_layer's fp8_weights): w_gate_up and
+    # w_down are then float8_e4m3fn, these their fp32 scale_inv [E, ceil(2I / bn), ceil(H / bk)] and
+    # [E, ceil(H / bn), ceil(I / bk)], fp8_block (bn, bk); None: the weights are in the model dtype
+    fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -79,8 +88,10 @@ class MoELayerWeights:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.index_select(0, rows)
 
+        scales = None if self.fp8_scales is None else (pick(self.fp8_scales[0]), pick(self.fp8_scales[1]))
         return replace(self, w_gate_up=self.w_gate_up.index_select(0, rows), w_down=self.w_down.index_select(0, rows),
-                       gate_up_bias=pick(self.gate_up_bias), down_bias=pick(self.down_bias), expert_ids=None)
+                       gate_up_bias=pick(self.gate_up_bias), down_bias=pick(self.down_bias), expert_ids=None,
+                       fp8_scales=scales)
 
     def rows_of(self, experts: list[int]) -> list[int]:
         """Rows of the expert tensors holding ``experts`` (logical ids); raises ``ValueError``
@@ -137,9 +148,11 @@ class LocalExperts:
 def run_experts(x: torch.Tensor, layer: MoELayerWeights, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
     """The routed experts of ``layer`` held here (:func:`kvbatch.kernels.dispatch.fused_moe`), with
-    the layer's expert biases and activation (gpt-oss) where it has them."""
+    the layer's expert biases and activation (gpt-oss) where it has them, and its FP8 experts'
+    block scales where it keeps them FP8."""
     return K.fused_moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights,
-                       gate_up_bias=layer.gate_up_bias, down_bias=layer.down_bias, swiglu=layer.swiglu)
+                       gate_up_bias=layer.gate_up_bias, down_bias=layer.down_bias, swiglu=layer.swiglu,
+                       fp8_scales=layer.fp8_scales, fp8_block=layer.fp8_block)
 
 
 def route(x: torch.Tensor, layer: MoELayerWeights, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,9 +233,26 @@ def moe_forward(
     return out
 
 
+# The FP8 experts a model under construction may keep (``Checkpoint.fp8_weights``): installed by
+# ``factory.build_model`` around a CUDA model's construction, because the decoders call
+# load_moe_layer without them (a context, like the linear format and the GGUF blocks).
+_FP8_EXPERTS: ContextVar[Mapping[str, Fp8BlockWeight] | None] = ContextVar("fp8_experts", default=None)
+
+
+@contextlib.contextmanager
+def use_fp8_experts(fp8_weights: Mapping[str, Fp8BlockWeight] | None) -> Iterator[None]:
+    """Within the block, :func:`load_moe_layer` keeps the experts ``fp8_weights`` holds as FP8."""
+    token = _FP8_EXPERTS.set(fp8_weights)
+    try:
+        yield
+    finally:
+        _FP8_EXPERTS.reset(token)
+
+
 def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoEConfig,
                    dtype: torch.dtype, device: torch.device | str = "cpu",
-                   expert_ids: list[int] | None = None) -> MoELayerWeights:
+                   expert_ids: list[int] | None = None,
+                   fp8_weights: Mapping[str, Fp8BlockWeight] | None = None) -> MoELayerWeights:
     """A layer's MoE weights from HF-named ``tensors`` under ``prefix`` (e.g. ``"model.layers.3.mlp."``).
 
     Reads the names transformers 5 uses in memory (``gate.weight``,
@@ -232,6 +262,10 @@ def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoECon
     hub's per-expert layout. Experts are cast to ``dtype``; the router and its bias stay fp32.
     Everything is moved to ``device``. ``expert_ids``: the checkpoint was loaded with only these
     logical experts of this layer (in this order, rows of the expert tensors); None: all of them.
+    ``fp8_weights`` (default: what :func:`use_fp8_experts` installed): where it holds this layer's
+    ``experts.gate_up_proj`` and ``experts.down_proj`` (an FP8 checkpoint loaded with ``keep_fp8``),
+    the experts stay float8 with their block scales (``MoELayerWeights.fp8_scales``) and the
+    dequantized tensors are not taken.
     """
 
     def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
@@ -241,8 +275,17 @@ def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoECon
 
     E, I = cfg.num_experts, cfg.moe_intermediate_size
     held = E if expert_ids is None else len(expert_ids)
-    layer = MoELayerWeights(router=take("gate.weight", torch.float32), w_gate_up=take("experts.gate_up_proj"),
-                            w_down=take("experts.down_proj"), expert_ids=expert_ids)
+    fp8 = _FP8_EXPERTS.get() if fp8_weights is None else fp8_weights
+    kept = [(fp8 or {}).get(prefix + n) for n in ("experts.gate_up_proj", "experts.down_proj")]
+    if all(w is not None for w in kept):
+        gate_up, down = (w.to(device) for w in kept)
+        layer = MoELayerWeights(router=take("gate.weight", torch.float32), w_gate_up=gate_up.weight.contiguous(),
+                                w_down=down.weight.contiguous(), expert_ids=expert_ids,
+                                fp8_scales=(gate_up.scale_inv.contiguous(), down.scale_inv.contiguous()),
+                                fp8_block=gate_up.block)
+    else:
+        layer = MoELayerWeights(router=take("gate.weight", torch.float32), w_gate_up=take("experts.gate_up_proj"),
+                                w_down=take("experts.down_proj"), expert_ids=expert_ids)
     H = layer.router.shape[1]
     for name, got, want in (("gate.weight", layer.router.shape, (E, H)),
                             ("experts.gate_up_proj", layer.w_gate_up.shape, (held, 2 * I, H)),

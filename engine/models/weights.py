@@ -290,7 +290,7 @@ def _load_hf_folder(
         tensors.update(dequantize_mxfp4_weights(quantized, dtype, source))
     elif quantized:
         tensors.update(dequantize_fp8_weights(quantized, block, dtype, source))
-        fp8 = keep_fp8_weights(quantized, block, config, source) if keep_fp8 else {}
+        fp8 = _fuse_fp8_experts(keep_fp8_weights(quantized, block, config, source)) if keep_fp8 else {}
     elif any(is_float8(t) for t in tensors.values()):
         raise ModelLoadError(f"{source}: float8 weights but no fp8 quantization_config with weight_block_size")
     if config["tie_word_embeddings"]:
@@ -438,6 +438,31 @@ def _fuse_experts(tensors: dict[str, torch.Tensor], source: str) -> dict[str, to
             gate_up[j, inter:] = parts["up"][j]
         out[f"{layer}.mlp.experts.gate_up_proj"] = gate_up
         out[f"{layer}.mlp.experts.down_proj"] = torch.stack([parts["down"][j] for j in range(count)])
+    return out
+
+
+def _fuse_fp8_experts(kept: dict[str, Fp8BlockWeight]) -> dict[str, Fp8BlockWeight]:
+    """``kept`` (``keep_fp8_weights``) with the hub's per-expert FP8 matrices stacked as
+    :func:`_fuse_experts` stacks their dequantized twins, under the same names: per expert, gate rows
+    then up rows (``Fp8BlockWeight.cat``: on a block boundary), then the experts (``stack``). A layer
+    whose gate/up cannot join on a block boundary (``I`` no multiple of ``bn``) keeps none: its
+    dequantized experts serve. Incomplete layers are left to ``_fuse_experts``, which refuses them."""
+    out: dict[str, Fp8BlockWeight] = {}
+    experts: dict[str, dict[str, dict[int, Fp8BlockWeight]]] = {}
+    for name, w in kept.items():
+        if match := _PER_EXPERT_RE.match(name):
+            layer, index, part = match.group(1), int(match.group(2)), _EXPERT_PART[match.group(3)]
+            experts.setdefault(layer, {}).setdefault(part, {})[index] = w
+        else:
+            out[name] = w
+    for layer, parts in experts.items():
+        try:
+            count = len(parts["down"])
+            out[f"{layer}.mlp.experts.gate_up_proj"] = Fp8BlockWeight.stack(
+                [Fp8BlockWeight.cat([parts["gate"][j], parts["up"][j]]) for j in range(count)])
+            out[f"{layer}.mlp.experts.down_proj"] = Fp8BlockWeight.stack([parts["down"][j] for j in range(count)])
+        except (KeyError, ValueError):
+            out.pop(f"{layer}.mlp.experts.gate_up_proj", None)
     return out
 
 
