@@ -274,15 +274,21 @@ def _stream_context(stream: Any) -> Iterator[None]:
     yield
 
 
-@pytest.fixture
-def on_cuda(monkeypatch) -> Iterator[CudaPlacement]:
-    """A machine with one (emulated) GPU: ``torch.cuda`` reports it, streams and events are host
-    no-ops, and every op runs under :class:`CudaPlacement`."""
+def emulate_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda`` reports one GPU, its streams and events host no-ops (run the ops under
+    :class:`CudaPlacement`)."""
     for name, value in {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
                         "set_device": lambda d: None, "synchronize": lambda d=None: None, "Event": _Event,
                         "Stream": _Stream, "current_stream": lambda d=None: _Stream(), "stream": _stream_context,
                         "empty_cache": lambda: None}.items():
         monkeypatch.setattr(torch.cuda, name, value)
+
+
+@pytest.fixture
+def on_cuda(monkeypatch) -> Iterator[CudaPlacement]:
+    """A machine with one (emulated) GPU: ``torch.cuda`` reports it, streams and events are host
+    no-ops, and every op runs under :class:`CudaPlacement`."""
+    emulate_cuda(monkeypatch)
     mode = CudaPlacement()
     with mode:
         yield mode

@@ -309,11 +309,7 @@ def test_an_fp8_model_on_the_device_keeps_fp8_and_generates_what_the_cpu_does(tm
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
     reqs = [GenerationRequest(rid, greedy, prompt_token_ids=p) for rid, p in _prompts().items()]
     want = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64)).generate(reqs)
-    for name, value in {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-                        "set_device": lambda d: None, "synchronize": lambda d=None: None, "Event": P._Event,
-                        "Stream": P._Stream, "current_stream": lambda d=None: P._Stream(),
-                        "stream": P._stream_context, "empty_cache": lambda: None}.items():
-        monkeypatch.setattr(torch.cuda, name, value)
+    P.emulate_cuda(monkeypatch)
     with P.CudaPlacement():
         llm = LLM(str(tmp_path), engine_config=EngineConfig(block_size=4, num_blocks=64, device="cuda:0"), dtype="fp32")
         lw = llm.model.layers[0]

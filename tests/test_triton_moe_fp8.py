@@ -321,11 +321,7 @@ def test_an_fp8_moe_model_on_the_device_keeps_its_experts_fp8(tmp_path, monkeypa
                                 fp8_scales=tuple(P.host(s) for s in scales), fp8_block=block)
         return P.cuda(out)
 
-    for name, value in {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-                        "set_device": lambda d: None, "synchronize": lambda d=None: None, "Event": P._Event,
-                        "Stream": P._Stream, "current_stream": lambda d=None: P._Stream(),
-                        "stream": P._stream_context, "empty_cache": lambda: None}.items():
-        monkeypatch.setattr(torch.cuda, name, value)
+    P.emulate_cuda(monkeypatch)
     with P.CudaPlacement():
         on_device = EngineConfig(**config, device="cuda:0")
         dequantized = LLM(load_checkpoint(str(tmp_path)), engine_config=on_device, dtype="fp32").generate(reqs)

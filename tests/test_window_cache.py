@@ -119,24 +119,33 @@ def _chain(llm: LLM, prompt: list[int]) -> list[str]:
     return chain_keys(llm.kv_root_key, prompt, BS)
 
 
+CONFIG = {"block_size": BS, "num_blocks": 128, "max_num_seqs": 4}
+
+
+def _stored(tmp_path, prompt: list[int]) -> tuple[object, object, str, LLM]:
+    """A tiny Gemma 3 (transformers' model, its checkpoint), a KV store's URL, and the engine that
+    prefilled ``prompt`` into that store."""
+    ref = build_tiny_gemma3(tmp_path / "m")
+    ckpt = load_checkpoint(str(tmp_path / "m"))
+    url = (tmp_path / "kv").as_uri()
+    pre = LLM(ckpt, engine_config=EngineConfig(**CONFIG), kv_store=fp32_store(ckpt, url, BS))
+    pre.generate([GenerationRequest("p", greedy(), prompt_token_ids=prompt, prefill_only=True)])
+    pre.connector.flush()
+    return ref, ckpt, url, pre
+
+
 def test_a_stored_prefix_without_its_window_is_recomputed(tmp_path):
     """A new prompt that shares a stored prompt's first 40 tokens: the store holds those blocks' full
     layers but not the window before token 40 (only the stored prompt's last window), so nothing is
     loaded ("window" miss) and the answer is transformers'; the stored prompt itself loads."""
-    ref = build_tiny_gemma3(tmp_path / "m")
-    ckpt = load_checkpoint(str(tmp_path / "m"))
-    url = (tmp_path / "kv").as_uri()
     stored = _long_prompts()["L1"]
-    cfg = {"block_size": BS, "num_blocks": 128, "max_num_seqs": 4}
-    pre = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=fp32_store(ckpt, url, BS))
-    pre.generate([GenerationRequest("p", greedy(), prompt_token_ids=stored, prefill_only=True)])
-    pre.connector.flush()
+    ref, ckpt, url, _ = _stored(tmp_path, stored)
     other = stored[:40] + [9, 8, 7]
-    dec = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=fp32_store(ckpt, url, BS))
+    dec = LLM(ckpt, engine_config=EngineConfig(**CONFIG), kv_store=fp32_store(ckpt, url, BS))
     [res] = dec.generate([GenerationRequest("o", greedy(8), prompt_token_ids=other)])
     assert res.output_token_ids == _reference(ref, other, 8)
     assert dec.connector.stats.blocks_loaded == 0 and dec.connector.stats.misses_by_reason["window"] == 1
-    dec = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=fp32_store(ckpt, url, BS))
+    dec = LLM(ckpt, engine_config=EngineConfig(**CONFIG), kv_store=fp32_store(ckpt, url, BS))
     [res] = dec.generate([GenerationRequest("s", greedy(8), prompt_token_ids=stored)])
     assert res.output_token_ids == _reference(ref, stored, 8)
     hit = (len(stored) - 1) // BS  # 14 blocks' full layers and the window before token 56: one block
@@ -162,16 +171,10 @@ class _LosesWindows:
 def test_a_window_that_fails_to_load_is_recomputed(tmp_path):
     """The store lists the window but its read fails: the sequence goes back to the queue, is
     recomputed without the store, and answers as transformers do."""
-    ref = build_tiny_gemma3(tmp_path / "m")
-    ckpt = load_checkpoint(str(tmp_path / "m"))
-    url = (tmp_path / "kv").as_uri()
     prompt = _long_prompts()["L3"]
-    cfg = {"block_size": BS, "num_blocks": 128, "max_num_seqs": 4}
-    pre = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=fp32_store(ckpt, url, BS))
-    pre.generate([GenerationRequest("p", greedy(), prompt_token_ids=prompt, prefill_only=True)])
-    pre.connector.flush()
+    ref, ckpt, url, pre = _stored(tmp_path, prompt)
     broken = _LosesWindows(fp32_store(ckpt, url, BS), {window_key(k) for k in _chain(pre, prompt)})
-    dec = LLM(ckpt, engine_config=EngineConfig(**cfg), kv_store=broken)
+    dec = LLM(ckpt, engine_config=EngineConfig(**CONFIG), kv_store=broken)
     [res] = dec.generate([GenerationRequest("s", greedy(8), prompt_token_ids=prompt)])
     assert res.output_token_ids == _reference(ref, prompt, 8)
     assert dec.connector.stats.misses_by_reason["checksum"] == 1
