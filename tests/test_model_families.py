@@ -242,7 +242,7 @@ def _quantize_state(state: dict[str, torch.Tensor], block: list[int]) -> tuple[d
     dequantized by the reference) for a state dict."""
     stored, dequantized = {}, {}
     for name, t in state.items():
-        if name.endswith("proj.weight"):
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")):  # DeepSeek's kv_a_proj_with_mqa too
             q, s = _quantize_blocks(t.float(), block)
             stored[name], stored[name + "_scale_inv"] = q, s
             dequantized[name] = _reference_dequant(q, s, block)

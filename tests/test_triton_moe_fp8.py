@@ -285,7 +285,8 @@ def test_a_layer_keeps_fp8_experts_only_when_asked(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_an_fp8_moe_model_on_the_device_keeps_its_experts_fp8(tmp_path, monkeypatch, arch):
     """On the emulated GPU a tiny FP8 Qwen3-MoE's (and DeepSeek-V3's) experts stay float8 on the device
-    with their fp32 scales, while a CPU model of the same folder holds them dequantized. Through the
+    with their fp32 scales, while a CPU model of the same folder holds them dequantized (DeepSeek's MLA
+    projections stay FP8 too, their rope rows reordered within blocks, where no block is cut). Through the
     reference twin (the emulated GPU runs no Triton) the tokens equal the CPU's and the logprobs equal,
     bit for bit, those of the same device model built with dequantized experts (Qwen3-MoE: the CPU's
     too; DeepSeek's MLA differs from the CPU's in the last bit on that device either way). With the
@@ -331,6 +332,12 @@ def test_an_fp8_moe_model_on_the_device_keeps_its_experts_fp8(tmp_path, monkeypa
             assert isinstance(layer.w_gate_up, P.OnCuda) and layer.w_gate_up.dtype == torch.float8_e4m3fn
             assert layer.w_down.dtype == torch.float8_e4m3fn and layer.fp8_block == (32, 40)
             assert all(isinstance(s, P.OnCuda) and s.dtype == torch.float32 for s in layer.fp8_scales)
+        if arch == "deepseek_v3":  # MLA's GEMMs stay FP8 too, but a_proj: q_a (24 rows) + kv_a would cut a 32-row block
+            from kvbatch.engine.models.fp8 import Fp8BlockWeight
+
+            first = llm.model.layers[0]
+            assert all(isinstance(w, Fp8BlockWeight) for w in (first.q_b, first.o_proj, first.gate_up, first.down))
+            assert not isinstance(first.a_proj, Fp8BlockWeight)
         got = llm.generate(reqs)
         assert tokens(got) == tokens(cpu) and logprobs(got) == logprobs(dequantized)
         if arch == "qwen3_moe":
@@ -346,6 +353,37 @@ def test_an_fp8_moe_model_on_the_device_keeps_its_experts_fp8(tmp_path, monkeypa
             assert [t for t, _ in g] == [t for t, _ in w]
             torch.testing.assert_close(torch.tensor([p for _, p in g]), torch.tensor([p for _, p in w]), atol=1e-4,
                                        rtol=0)
+
+
+
+def test_deepseek_mla_projections_stay_fp8_with_their_rope_rows_reordered(tmp_path, monkeypatch):
+    """In 8 x 8 blocks every MLA GEMM of a tiny FP8 DeepSeek-V3 stays FP8 on the emulated GPU: a_proj
+    (q_a joined with kv_a, whose rope key rows are de-interleaved by a reorder inside their block),
+    q_b (each head's rope rows likewise), o_proj and the dense MLP; the absorbed kv_b is dequantized.
+    Tokens and logprobs equal, bit for bit, those of the same device model with every weight
+    dequantized: a wrong reorder would move them."""
+    import tests.test_device_placement as P
+    from kvbatch.engine.models.fp8 import Fp8BlockWeight
+    from kvbatch.engine.runtime.engine_config import EngineConfig
+    from kvbatch.engine.runtime.llm import LLM, GenerationRequest
+    from kvbatch.engine.runtime.sampling_params import SamplingParams
+    from tests.test_model_families import _prompts
+
+    monkeypatch.setenv("KVBATCH_KERNELS", "reference")
+    build_fp8_moe(tmp_path, block=[8, 8], arch="deepseek_v3")
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    reqs = [GenerationRequest(rid, greedy, prompt_token_ids=p) for rid, p in _prompts().items()]
+    P.emulate_cuda(monkeypatch)
+    with P.CudaPlacement():
+        on_device = EngineConfig(block_size=4, num_blocks=64, device="cuda:0")
+        want = LLM(load_checkpoint(str(tmp_path)), engine_config=on_device, dtype="fp32").generate(reqs)
+        llm = LLM(str(tmp_path), engine_config=on_device, dtype="fp32")  # loads with keep_fp8 there
+        for i, lw in enumerate(llm.model.layers):
+            gemms = [lw.a_proj, lw.q_b, lw.o_proj] + ([] if lw.is_moe else [lw.gate_up, lw.down])
+            assert all(isinstance(w, Fp8BlockWeight) and w.block == (8, 8) for w in gemms), i
+            assert lw.w_uk.dtype == torch.float32
+        got = llm.generate(reqs)
+    assert [(r.output_token_ids, r.logprobs) for r in got] == [(r.output_token_ids, r.logprobs) for r in want]
 
 
 # ---------------------------------------------------------------------------------------------

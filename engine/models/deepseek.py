@@ -17,6 +17,7 @@ path serves unchanged; YaRN scales cos/sin by its attention factor and the softm
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
+from kvbatch.engine.models.fp8 import Fp8BlockWeight, kept_projection
 from kvbatch.engine.models.llama import (
     ForwardBatch,
     LlamaModel,
@@ -55,16 +57,18 @@ LATENT_NORM_EPS = 1e-6
 class MLALayerWeights:
     input_norm: torch.Tensor
     # x -> [q_a | c_kv | k_pe] (q_lora_rank set) or [q | c_kv | k_pe] (no q LoRA): one GEMM.
-    a_proj: torch.Tensor  # [out, H] prepared by LlamaModel.linear
+    # The GEMM weights (a_proj, q_b, o_proj, gate_up, down): prepared by LlamaModel.linear, or on CUDA
+    # an FP8 checkpoint's Fp8BlockWeight as published
+    a_proj: Any  # [out, H]
     q_a_norm: torch.Tensor | None  # [q_lora_rank]
-    q_b: torch.Tensor | None  # [Hq * (dn + dr), q_lora_rank] prepared by LlamaModel.linear
+    q_b: Any  # [Hq * (dn + dr), q_lora_rank], None without q LoRA
     kv_a_norm: torch.Tensor  # [C]
     w_uk: torch.Tensor  # [Hq, dn, C]: q_latent[h] = q_nope[h] @ w_uk[h]
     w_uv: torch.Tensor  # [Hq, C, dv]: out[h] = latent[h] @ w_uv[h]
-    o_proj: torch.Tensor
+    o_proj: Any
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | None  # dense MLP; None in a MoE layer
-    down: torch.Tensor | None
+    gate_up: Any  # dense MLP; None in a MoE layer
+    down: Any
     is_moe: bool = False
 
 
@@ -101,7 +105,8 @@ class DeepseekV3Model(LlamaModel):
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  batch_invariant: bool = False, device: torch.device | str = "cpu",
-                 expert_ids: dict[int, list[int]] | None = None) -> None:
+                 expert_ids: dict[int, list[int]] | None = None,
+                 fp8_weights: Mapping[str, Fp8BlockWeight] | None = None) -> None:
         if config.mla is None:
             raise UnsupportedModelError(f"{config.model_type}: not an MLA model")
         if batch_invariant:  # the MLA part is invariant; routed experts are not (as in LlamaModel)
@@ -129,19 +134,35 @@ class DeepseekV3Model(LlamaModel):
 
         perm = _rope_permutation(dr) if m.rope_interleave else None
 
-        def q_rows(w: torch.Tensor) -> torch.Tensor:
-            """[Hq * (dn + dr), in] with each head's rope rows de-interleaved."""
+        def rope_rows(name: str) -> torch.Tensor | None:
+            """The row order that de-interleaves a weight's rope rows (each head's of q, the shared
+            rope key's of kv_a); None: its rows as stored."""
             if perm is None:
-                return w
-            w = w.view(Hq, dn + dr, -1).clone()
-            w[:, dn:] = w[:, dn:].index_select(1, perm)
-            return w.view(Hq * (dn + dr), -1)
+                return None
+            if name.endswith("kv_a_proj_with_mqa.weight"):
+                return torch.cat([torch.arange(C), C + perm])
+            if name.endswith(("q_b_proj.weight", "q_proj.weight")):
+                head = torch.cat([torch.arange(dn), dn + perm])
+                return (torch.arange(Hq)[:, None] * (dn + dr) + head[None, :]).reshape(-1)
+            return None
 
-        def kv_a_rows(w: torch.Tensor) -> torch.Tensor:
-            """[C + dr, H] with the rope key's rows de-interleaved."""
-            if perm is None:
-                return w
-            return torch.cat([w[:C], w[C:].index_select(0, perm)])
+        # CUDA: the projections an FP8 checkpoint published stay FP8 (as in LlamaModel), rope rows
+        # reordered within their blocks; the absorbed kv_b (per-head products, not a GEMM) and
+        # anything a join or a reorder would cut stay dequantized.
+        fp8 = dict(fp8_weights or {}) if device.type == "cuda" else {}
+
+        def fp8_rows(name: str, w: Fp8BlockWeight) -> Fp8BlockWeight:
+            order = rope_rows(name)
+            return w if order is None else w.reorder_rows(order)
+
+        def dense_rows(name: str) -> torch.Tensor:
+            order, w = rope_rows(name), take(name)
+            return w if order is None else w.index_select(0, order)
+
+        def proj(*names: str) -> Any:
+            """The GEMM weight of ``names`` joined (rows of each in turn), rope rows de-interleaved."""
+            kept = kept_projection(fp8, names, device, fp8_rows)
+            return kept if kept is not None else layout(torch.cat([dense_rows(n) for n in names]))
 
         self.embed = dev(take("model.embed_tokens.weight"))
         self.layers: list[MLALayerWeights] = []  # type: ignore[assignment]
@@ -149,23 +170,23 @@ class DeepseekV3Model(LlamaModel):
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = f"{p}self_attn."
-            kv_a = kv_a_rows(take(a + "kv_a_proj_with_mqa.weight"))
+            kv_name = a + "kv_a_proj_with_mqa.weight"
             if m.q_lora_rank is not None:
-                a_proj = torch.cat([take(a + "q_a_proj.weight"), kv_a])
-                q_a_norm, q_b = dev(take(a + "q_a_layernorm.weight")), layout(q_rows(take(a + "q_b_proj.weight")))
+                a_proj = proj(a + "q_a_proj.weight", kv_name)
+                q_a_norm, q_b = dev(take(a + "q_a_layernorm.weight")), proj(a + "q_b_proj.weight")
             else:
-                a_proj = torch.cat([q_rows(take(a + "q_proj.weight")), kv_a])
+                a_proj = proj(a + "q_proj.weight", kv_name)
                 q_a_norm, q_b = None, None
             kv_b = take(a + "kv_b_proj.weight").view(Hq, dn + dv, C)
             lw = MLALayerWeights(
                 input_norm=dev(take(p + "input_layernorm.weight")),
-                a_proj=layout(a_proj),
+                a_proj=a_proj,
                 q_a_norm=q_a_norm,
                 q_b=q_b,
                 kv_a_norm=dev(take(a + "kv_a_layernorm.weight")),
                 w_uk=dev(kv_b[:, :dn]),
                 w_uv=dev(kv_b[:, dn:].transpose(1, 2)),
-                o_proj=layout(take(a + "o_proj.weight")),
+                o_proj=proj(a + "o_proj.weight"),
                 post_norm=dev(take(p + "post_attention_layernorm.weight")),
                 gate_up=None,
                 down=None,
@@ -175,8 +196,8 @@ class DeepseekV3Model(LlamaModel):
                 self.moe_layers[i] = load_moe_layer(tensors, p + "mlp.", c.moe, dtype, device,
                                                     None if expert_ids is None else expert_ids.get(i, []))
             else:
-                lw.gate_up = layout(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-                lw.down = layout(take(p + "mlp.down_proj.weight"))
+                lw.gate_up = proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                lw.down = proj(p + "mlp.down_proj.weight")
             self.layers.append(lw)
         self.expert_compute: ExpertCompute = LocalExperts(self.moe_layers)
         self.routing_observers: list[RoutingObserver] = []

@@ -54,7 +54,8 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
     fp8_experts = fp8_weights if torch.device(device).type == "cuda" else None
     with use_linear_format(choice.fmt), use_gguf_blocks(index), use_fp8_experts(fp8_experts):
         if config.model_type == "deepseek_v3":
-            model: LlamaModel = DeepseekV3Model(config, tensors, dtype, batch_invariant, device, expert_ids)
+            model: LlamaModel = DeepseekV3Model(config, tensors, dtype, batch_invariant, device, expert_ids,
+                                                fp8_weights)
         else:
             model = LlamaModel(config, tensors, dtype, batch_invariant, device, expert_ids, fp8_weights)
     model.kernel_choice = choice  # type: ignore[attr-defined]

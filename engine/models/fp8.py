@@ -16,7 +16,7 @@ the dequantized ones are fused) and multiplied by the Triton fused MoE kernel's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -190,6 +190,20 @@ class Fp8BlockWeight:
         if not torch.equal(order // bn, torch.arange(len(order)) // bn):
             raise ValueError(f"the row order moves FP8 rows across {bn}-row blocks")
         return Fp8BlockWeight(self.weight[order].contiguous(), self.scale_inv, self.block)
+
+
+def kept_projection(fp8: Mapping[str, Fp8BlockWeight], names: Sequence[str], device: Any,
+                    reorder: Callable[[str, Fp8BlockWeight], Fp8BlockWeight] | None = None) -> Fp8BlockWeight | None:
+    """The projection ``names`` joined (rows of each, in order) as published in FP8, on ``device``:
+    what a CUDA model multiplies with the block-scaled GEMM. ``reorder``: the rows a model reorders
+    (partial rotary, de-interleaved rope), per name. None where a name is not kept or a join or a
+    reorder would cut a block: the dequantized tensor then serves."""
+    if not names or not all(n in fp8 for n in names):
+        return None
+    try:
+        return Fp8BlockWeight.cat([fp8[n] if reorder is None else reorder(n, fp8[n]) for n in names]).to(device)
+    except ValueError:
+        return None
 
 
 def fp8_block_weights(stored: dict[str, torch.Tensor], block: tuple[int, int],

@@ -24,7 +24,7 @@ import torch
 
 from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
-from kvbatch.engine.models.fp8 import Fp8BlockWeight
+from kvbatch.engine.models.fp8 import Fp8BlockWeight, kept_projection
 from kvbatch.engine.models.moe import (
     ExpertCompute,
     LocalExperts,
@@ -284,12 +284,7 @@ class LlamaModel:
         fp8 = dict(fp8_weights or {}) if device.type == "cuda" else {}
 
         def take_fp8(names: tuple[str, ...], reorder: Any = None) -> Fp8BlockWeight | None:
-            if not names or not all(n in fp8 for n in names):
-                return None
-            try:
-                return Fp8BlockWeight.cat([fp8[n] if reorder is None else reorder(n, fp8[n]) for n in names]).to(device)
-            except ValueError:
-                return None
+            return kept_projection(fp8, names, device, reorder)
 
         def take_t(*names: str) -> Any:
             kept = take_fp8(names)
