@@ -8,6 +8,7 @@ built on a CPU (the Triton interpreter) in the tests and in ``gpu_check --smoke`
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -259,14 +260,25 @@ def _fp8_experts(E, N, Kd, block, gen):
     return w, s
 
 
+def _mxfp4_experts(E, N, Kd, gen):
+    """MXFP4 expert blocks [E, N, Kd / 32, 16] (random codes) and E8M0 scales making rows ~N(0, 1/Kd)
+    (an FP4 code's mean square is ~8.4: 2 ** -4 per group times Kd ** -0.5, jittered by one)."""
+    blocks = torch.randint(0, 256, (E, N, Kd // 32, 16), generator=gen, dtype=torch.uint8).to(DEVICE)
+    centre = 127 - 2 - round(math.log2(Kd) / 2)
+    scales = torch.randint(centre - 1, centre + 2, (E, N, Kd // 32), generator=gen, dtype=torch.uint8).to(DEVICE)
+    return blocks, scales
+
+
 def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, gpt_oss=False, fp8=False, block=(128, 128),
-             **kwargs):
+             mxfp4=False, **kwargs):
     """Routed experts for T tokens, k distinct experts each (a random router), weights
     summing to 1; ``out_of_range`` of the ids replaced by -1 (experts on another rank);
     ``gpt_oss``: with expert biases and the clamped SwiGLU (alpha 1.702, limit 7), the biases
     large enough that the clamp bites; ``fp8``: the experts float8_e4m3fn with a scale per
     ``block`` (an FP8 checkpoint's, kept FP8), checked against their dequantized twin and timed
-    against the reference on the weights dequantized once (what runs when they are not kept)."""
+    against the reference on the weights dequantized once (what runs when they are not kept);
+    ``mxfp4``: the experts MXFP4 blocks with E8M0 scales per 32 along K (gpt-oss's, kept MXFP4),
+    checked and timed the same way against their dequantization (``mxfp4.dequantize_mxfp4``)."""
     R, D = K[0], K[1]
     TM = K[6]
     gen = torch.Generator().manual_seed(seed)
@@ -275,6 +287,12 @@ def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, gpt_oss=False, f
         (w_gate_up, s_gu), (w_down, s_dn) = _fp8_experts(E, 2 * I, H, block, gen), _fp8_experts(E, H, I, block, gen)
         kwargs = dict(kwargs, fp8_scales=(s_gu, s_dn), fp8_block=block)
         deq = [D.dequantize_fp8_experts(w, s, block).to(dtype) for w, s in ((w_gate_up, s_gu), (w_down, s_dn))]
+    elif mxfp4:
+        from kvbatch.engine.models.mxfp4 import dequantize_mxfp4
+
+        (w_gate_up, s_gu), (w_down, s_dn) = _mxfp4_experts(E, 2 * I, H, gen), _mxfp4_experts(E, H, I, gen)
+        kwargs = dict(kwargs, mxfp4_scales=(s_gu, s_dn))
+        deq = [dequantize_mxfp4(w, s).to(dtype) for w, s in ((w_gate_up, s_gu), (w_down, s_dn))]
     else:
         w_gate_up = (torch.randn(E, 2 * I, H, device=DEVICE) * H**-0.5).to(dtype)
         w_down = (torch.randn(E, H, I, device=DEVICE) * I**-0.5).to(dtype)
@@ -303,7 +321,8 @@ def moe_case(K, T, H, I, E, k, dtype, seed=0, out_of_range=0.0, gpt_oss=False, f
     valid = ids[(ids >= 0) & (ids < E)]
     experts_used = int(torch.unique(valid).numel()) if valid.numel() else 0
     pairs = int(valid.numel())
-    nbytes = experts_used * 3 * I * H * w_gate_up.element_size() + 2 * x.numel() * x.element_size()
+    weight_bytes = 0.5 + 1 / 32 if mxfp4 else w_gate_up.element_size()  # MXFP4: a nibble and a scale per 32
+    nbytes = int(experts_used * 3 * I * H * weight_bytes) + 2 * x.numel() * x.element_size()
     return run_triton, run_reference, check, nbytes, 2 * pairs * 3 * I * H
 
 

@@ -103,11 +103,12 @@ MODELS: dict[str, dict[str, Any]] = {
                                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
                         quantization_config=FP8_128),
     # gpt-oss-20b (-120b: the same attention, more experts and layers): attention sinks, so its decode
-    # and prefill compile with HAS_SINKS; its biased, clamped experts with the MoE kernels' HAS_BIAS and SWIGLU
+    # and prefill compile with HAS_SINKS; its biased, clamped experts with the MoE kernels' HAS_BIAS and SWIGLU,
+    # published as MXFP4 (kept so on CUDA: MXFP4_W) and, dequantized (a bf16 re-publication), plain
     "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
                         num_key_value_heads=8, head_dim=64, vocab_size=201088, max_position_embeddings=131072,
                         sliding_window=128, attention_bias=True, num_local_experts=32, num_experts_per_tok=4,
-                        swiglu_limit=7.0, rope_theta=150000.0,
+                        swiglu_limit=7.0, rope_theta=150000.0, quantization_config={"quant_method": "mxfp4"},
                         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "truncate": False, "original_max_position_embeddings": 4096}),
     "Moonlight-16B-A3B": dict(model_type="deepseek_v3", hidden_size=2048, intermediate_size=11264,
@@ -342,12 +343,14 @@ def _mlp(col: _Collector, model: str, dtype: str, inter: int) -> None:
 
 
 def _moe(col: _Collector, model: str, dtype: str, hidden: int, experts: int, top_k: int,
-         bias: bool = False, swiglu: bool = False, block: tuple[int, int] | None = None) -> None:
+         bias: bool = False, swiglu: bool = False, block: tuple[int, int] | None = None,
+         mxfp4: bool = False) -> None:
     """Fused MoE at every tile its launcher picks over step sizes, with the model's top-k and with
     top-1 (expert parallelism computes the rows a rank received one pair at a time); ``bias`` and
     ``swiglu``: the model's experts have biases and a clamped SwiGLU (gpt-oss); ``block``: an FP8
     checkpoint's block size, its experts launched as FP8 (``FP8_W``) and, where they are served
-    dequantized (a gate/up join off a block boundary), plain."""
+    dequantized (a gate/up join off a block boundary), plain; ``mxfp4``: an MXFP4 checkpoint's experts
+    (gpt-oss), launched as MXFP4 (``MXFP4_W``) and plain."""
     moe = _module("triton_moe")
     numerics = _numerics(dtype)
     for k in sorted({top_k, 1}):
@@ -361,10 +364,13 @@ def _moe(col: _Collector, model: str, dtype: str, hidden: int, experts: int, top
         for t in tiles:
             blocks = dict(TOP_K=k, BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], **numerics)
             # the launcher's plain stand-ins (FP8_W off, blocks of 1), then the FP8 variant
-            quants = [{"FP8_W": False, "GROUP_N": 1, "GROUP_K": 1, "SCALE_PER_COLUMN": False}]
+            plain = {"FP8_W": False, "GROUP_N": 1, "GROUP_K": 1, "SCALE_PER_COLUMN": False, "MXFP4_W": False}
+            quants = [plain]
             if block is not None:
-                quants.append({"FP8_W": True, "GROUP_N": block[0], "GROUP_K": block[1],
+                quants.append({**plain, "FP8_W": True, "GROUP_N": block[0], "GROUP_K": block[1],
                                "SCALE_PER_COLUMN": block[1] % t["block_k"] == 0})
+            if mxfp4:
+                quants.append({**plain, "MXFP4_W": True})
             for quant in quants:
                 col.add(model, "_moe_gate_up_kernel", dtype, t["num_warps"], t["num_stages"], HAS_BIAS=bias,
                         SWIGLU=swiglu, **blocks, **quant)
@@ -422,6 +428,7 @@ def configurations(models: dict[str, dict[str, Any]] | None = None,
     for name, raw in (MODELS if models is None else models).items():
         c = ModelConfig.from_hf({"num_hidden_layers": 1, "rms_norm_eps": 1e-6, **raw})
         block = (raw.get("quantization_config") or {}).get("weight_block_size")
+        mxfp4 = (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"
         for dtype in dtypes:
             for residual in (False, True):
                 _rms_norm(col, name, dtype, c.hidden_size, residual)
@@ -431,7 +438,7 @@ def configurations(models: dict[str, dict[str, Any]] | None = None,
                 _mlp(col, name, dtype, c.intermediate_size)
             if c.moe is not None:
                 _moe(col, name, dtype, c.hidden_size, c.moe.num_experts, c.moe.top_k, c.moe.expert_bias,
-                     c.moe.swiglu_limit is not None, tuple(block) if block else None)
+                     c.moe.swiglu_limit is not None, tuple(block) if block else None, mxfp4)
                 if c.moe.shared_expert_intermediate_size:
                     _mlp(col, name, dtype, c.moe.shared_expert_intermediate_size)
             if c.mla is None:
@@ -511,8 +518,12 @@ def signature(cfg: Config) -> tuple[dict[str, str], dict[str, Any], dict[tuple[i
             sig[name] = "constexpr"
             constexprs[name] = cfg.constexprs[name] if fn.params[i].is_constexpr else 1
         elif name in spec.pointers:
-            # the MoE kernels' FP8 variant: expert weights as the checkpoint publishes them
-            kind = "fp8e4nv" if name == "w_ptr" and cfg.constexprs.get("FP8_W") else spec.pointers[name]
+            # the MoE kernels' FP8 and MXFP4 variants: expert weights (MXFP4: and scales) as published
+            kind = spec.pointers[name]
+            if name == "w_ptr" and cfg.constexprs.get("FP8_W"):
+                kind = "fp8e4nv"
+            elif name in ("w_ptr", "s_ptr") and cfg.constexprs.get("MXFP4_W"):
+                kind = "u8"
             sig[name] = "*" + (cfg.dtype if kind == "*" else kind)
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in spec.floats:

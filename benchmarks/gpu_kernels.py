@@ -327,6 +327,8 @@ def check_cases(K) -> list[tuple[str, Callable[[], tuple]]]:
             fp8=True)
         add(f"fused_moe {dn} FP8 experts 32x40 blocks (scale gather), prefill", moe_case, 200, 320, 200, 8, 2,
             dtype, seed=29, fp8=True, block=(32, 40))
+        add(f"fused_moe {dn} MXFP4 experts (gpt-oss-20b shapes) + biases + clamped SwiGLU, E32 k4", moe_case, 9,
+            2880, 2880, 32, 4, dtype, seed=30, gpt_oss=True, mxfp4=True)
         add(f"fp8 gemm {dn} decode M=1, partial blocks", fp8_gemm_case, 1, 700, 1000, dtype, seed=20)
         add(f"fp8 gemm {dn} prefill M=333, bias", fp8_gemm_case, 333, 1536, 7168, dtype, seed=21, bias=True)
         add(f"fp8 gemm {dn} 32x40 blocks (scale gather)", fp8_gemm_case, 65, 100, 300, dtype, block=(32, 40), seed=22)

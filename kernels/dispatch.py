@@ -317,12 +317,20 @@ def fused_moe(
     swiglu: tuple[float, float] | None = None,
     fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8_block: tuple[int, int] | None = None,
+    mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See :func:`reference.fused_moe`. gpt-oss's experts (biases, clamped SwiGLU) go where the
     others do: the Triton MoE kernel takes both (constexpr variants), the reference runs on the CPU.
     ``fp8_scales``: the expert weights are float8_e4m3fn with these block scales (``fp8_block``; see
     :func:`fused_moe_fp8_reference`): the Triton kernel's FP8 variant where Triton runs (CUDA), else
-    that reference."""
+    that reference. ``mxfp4_scales``: the expert weights are MXFP4 blocks with these E8M0 scales (see
+    :func:`fused_moe_mxfp4_reference`): the kernel's MXFP4 variant there, else that reference."""
+    if mxfp4_scales is not None:
+        if backend(x) == "triton":
+            return _triton_kernels().fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias,
+                                               down_bias, swiglu, mxfp4_scales=mxfp4_scales)
+        return fused_moe_mxfp4_reference(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias,
+                                         swiglu, mxfp4_scales)
     if fp8_scales is None:
         return _impl(x).fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
     if backend(x) == "triton":
@@ -361,6 +369,22 @@ def fused_moe_fp8_reference(
     kernel's FP8 variant (:func:`kvbatch.kernels.triton_moe.fused_moe` with ``fp8_scales``)."""
     w_gu = dequantize_fp8_experts(w_gate_up, fp8_scales[0], fp8_block).to(x.dtype)
     w_dn = dequantize_fp8_experts(w_down, fp8_scales[1], fp8_block).to(x.dtype)
+    return reference.fused_moe(x, w_gu, w_dn, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
+
+
+def fused_moe_mxfp4_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                              topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                              down_bias: torch.Tensor | None, swiglu: tuple[float, float] | None,
+                              mxfp4_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """:func:`reference.fused_moe` of MXFP4 experts (uint8 blocks ``[E, 2I, H / 32, 16]`` and
+    ``[E, H, I / 32, 16]``, E8M0 scales ``[E, 2I, H / 32]`` and ``[E, H, I / 32]``): dequantized in
+    fp32 by the loader's own :func:`~kvbatch.engine.models.mxfp4.dequantize_mxfp4` and rounded to
+    ``x.dtype`` — the tensors a CPU model of that dtype holds, so the same result bit for bit. The
+    readable twin of the Triton kernel's MXFP4 variant."""
+    from kvbatch.engine.models.mxfp4 import dequantize_mxfp4
+
+    w_gu = dequantize_mxfp4(w_gate_up, mxfp4_scales[0]).to(x.dtype)
+    w_dn = dequantize_mxfp4(w_down, mxfp4_scales[1]).to(x.dtype)
     return reference.fused_moe(x, w_gu, w_dn, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)
 
 

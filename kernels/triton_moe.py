@@ -24,6 +24,14 @@ matrix (``GROUP_N`` x ``GROUP_K``); both GEMMs load each fp8 tile and dequantize
 ``triton_fp8_gemm._fp8_tile`` (the FP8 GEMM's own code: scale, then round to ``x.dtype``, as the CPU
 loader dequantizes), so the tiles, numerics and dot are those of ``x.dtype`` weights.
 
+MXFP4 experts (``MXFP4_W``, constexpr too; gpt-oss's, with ``HAS_BIAS`` and ``SWIGLU``): the weights
+are uint8 blocks ``[E, N, K / 32, 16]``, two FP4 E2M1 codes a byte (low nibble first) along K, and a
+uint8 E8M0 scale per 32 elements along K (``[E, N, K / 32]``); :func:`_mxfp4_tile` loads each tile's
+bytes, splits and interleaves the nibbles, maps the codes to their values and multiplies by
+``2 ** (scale - 127)`` in fp32 (exact: a power of two), then rounds the tile to ``x.dtype`` (the
+values the CPU loader's ``mxfp4.dequantize_mxfp4`` and cast give, up to products below fp32's normal
+range, which a GPU may flush to zero), and the tiles are multiplied as above.
+
 Numerics: fp32 accumulation; bf16/fp16 weights feed ``tl.dot`` in their own dtype on a GPU,
 fp32 weights use ``input_precision="ieee"``. Under the interpreter everything is fp32 (its bf16
 arithmetic is wrong). The reference rounds ``gate_up`` and the down output to ``x.dtype``
@@ -75,6 +83,32 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit
+def _mxfp4_tile(w_e, s_e, rows, mask_n, k0, K, stride_wn, stride_wk, stride_sn, stride_sk,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``rows`` of an MXFP4 matrix ``[N, K]`` (bytes at ``w_e``, K offset ``k0``) as the fp32
+    ``[BLOCK_K, BLOCK_N]`` tile of its transpose: each code's E2M1 value times its group's
+    ``2 ** (scale - 127)`` (scales at ``s_e``), as :func:`kvbatch.engine.models.mxfp4.dequantize_mxfp4`."""
+    tl.static_assert(BLOCK_K % 32 == 0, "MXFP4 tiles hold whole groups of 32 along K")
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_e + rows[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                     mask=mask_n[:, None] & (offs_b[None, :] < K // 2), other=0)
+    # [BLOCK_N, BLOCK_K]: element 2j of the tile row is byte j's low nibble, 2j + 1 its high one
+    codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.int32)
+    mag = codes & 7
+    # E2M1: exponent field 0 is 0 or 0.5; else 2 ** (e - 1) * (1 + m / 2), i.e. the fp32 whose exponent
+    # field is e + 126 and whose top mantissa bit is m: (mag << 22) + (126 << 23)
+    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+    v = tl.where(codes >= 8, -v, v)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    e8 = tl.load(s_e + rows[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+                 mask=mask_n[:, None] & (offs_g[None, :] < K // 32), other=127).to(tl.int32)
+    # 2 ** (e8 - 127) as fp32 bits: the exponent field, or for e8 = 0 the subnormal 2 ** -127
+    scale = tl.where(e8 == 0, 0x400000, e8 << 23).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+    return tl.trans(v * scale)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, inter_ptr,
     num_pairs, H, I, alpha, limit,
@@ -86,6 +120,7 @@ def _moe_gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
     FP8_W: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr,
+    MXFP4_W: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -115,6 +150,12 @@ def _moe_gate_up_kernel(
                            GROUP_K, SCALE_PER_COLUMN).to(x_ptr.dtype.element_ty)
             bu = _fp8_tile(u_ptrs, s_e, ((offs_n + I) // GROUP_N) * stride_sn, k0, offs_k, mask_k, mask_n,
                            stride_sk, GROUP_K, SCALE_PER_COLUMN).to(x_ptr.dtype.element_ty)
+        elif MXFP4_W:  # likewise the MXFP4 tiles (gpt-oss): gate rows n, up rows I + n of the expert's blocks
+            w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
+            bg = _mxfp4_tile(w_e, s_e, offs_n, mask_n, k0, H, stride_wn, stride_wh, stride_sn, stride_sk, BLOCK_N,
+                             BLOCK_K).to(x_ptr.dtype.element_ty)
+            bu = _mxfp4_tile(w_e, s_e, offs_n + I, mask_n, k0, H, stride_wn, stride_wh, stride_sn, stride_sk,
+                             BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
         else:
             b_mask = mask_k[:, None] & mask_n[None, :]
             bg = tl.load(g_ptrs, mask=b_mask, other=0.0)
@@ -157,6 +198,7 @@ def _moe_down_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP8_W: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr,
+    MXFP4_W: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -179,6 +221,9 @@ def _moe_down_kernel(
         if FP8_W:
             b = _fp8_tile(b_ptrs, s_ptr + e * stride_se, (offs_n // GROUP_N) * stride_sn, k0, offs_k, mask_k, mask_n,
                           stride_sk, GROUP_K, SCALE_PER_COLUMN).to(inter_ptr.dtype.element_ty)
+        elif MXFP4_W:
+            b = _mxfp4_tile(w_ptr + e * stride_we, s_ptr + e * stride_se, offs_n, mask_n, k0, I, stride_wh,
+                            stride_wi, stride_sn, stride_sk, BLOCK_N, BLOCK_K).to(inter_ptr.dtype.element_ty)
         else:
             b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if COMPUTE_F32:
@@ -264,6 +309,30 @@ def _fp8_launch(w_gate_up: torch.Tensor, w_down: torch.Tensor, scales: tuple[tor
     return out[0], out[1], (bn, bk)
 
 
+def _mxfp4_launch(w_gate_up: torch.Tensor, w_down: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None,
+                  fp8_scales: object) -> tuple[torch.Tensor, ...] | None:
+    """(gate/up bytes, down bytes, gate/up scales, down scales) for an MXFP4 launch: the uint8 blocks
+    ``[E, N, K / 32, 16]`` viewed ``[E, N, K / 2]`` (contiguous along K, as the kernel reads them) and
+    the scales ``[E, N, K / 32]``, contiguous; None for other weights. ValueError where blocks and
+    scales disagree (a wrong shape would read other groups' scales, not fail)."""
+    if scales is None:
+        if torch.uint8 in (w_gate_up.dtype, w_down.dtype):
+            raise ValueError("fused_moe: uint8 (MXFP4) expert weights need mxfp4_scales")
+        return None
+    if fp8_scales is not None:
+        raise ValueError("fused_moe: fp8_scales and mxfp4_scales together")
+    out = []
+    for name, w, s in (("gate_up", w_gate_up, scales[0]), ("down", w_down, scales[1])):
+        if (w.dtype != torch.uint8 or s.dtype != torch.uint8 or w.dim() != 4 or w.shape[3] != 16
+                or tuple(s.shape) != tuple(w.shape[:3])):
+            raise ValueError(f"fused_moe: {name} MXFP4 blocks {tuple(w.shape)} {w.dtype} with scales "
+                             f"{tuple(s.shape)} {s.dtype}: expected uint8 [E, N, K / 32, 16] and [E, N, K / 32]")
+        if w.stride(3) != 1 or w.stride(2) != 16:  # each row's bytes one run along K (experts may be strided)
+            w = w.contiguous()
+        out.append(w.as_strided((*w.shape[:2], w.shape[2] * 16), (w.stride(0), w.stride(1), 1), w.storage_offset()))
+    return out[0], out[1], scales[0].contiguous(), scales[1].contiguous()
+
+
 def fused_moe(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -276,6 +345,7 @@ def fused_moe(
     *,
     fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8_block: tuple[int, int] | None = None,
+    mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -286,15 +356,23 @@ def fused_moe(
     biases and clamped SwiGLU included). ``fp8_scales``: the expert weights are float8_e4m3fn as an
     FP8 checkpoint publishes them, with these fp32 ``scale_inv`` ``[E, ceil(2I / bn), ceil(H / bk)]``
     and ``[E, ceil(H / bn), ceil(I / bk)]`` (each expert's matrix in ``fp8_block`` = ``(bn, bk)``
-    blocks); the twin is then :func:`kvbatch.kernels.dispatch.fused_moe_fp8_reference`. The other
-    keyword arguments override the tile configuration (both GEMMs use it)."""
+    blocks); the twin is then :func:`kvbatch.kernels.dispatch.fused_moe_fp8_reference`.
+    ``mxfp4_scales``: the expert weights are MXFP4 uint8 blocks ``[E, 2I, H / 32, 16]`` and
+    ``[E, H, I / 32, 16]`` with these uint8 E8M0 scales ``[E, 2I, H / 32]`` and ``[E, H, I / 32]``
+    (groups of 32 along K); the twin is :func:`kvbatch.kernels.dispatch.fused_moe_mxfp4_reference`.
+    The other keyword arguments override the tile configuration (both GEMMs use it; MXFP4 needs
+    ``block_k`` a multiple of 32)."""
+    mx = _mxfp4_launch(w_gate_up, w_down, mxfp4_scales, fp8_scales)
+    unpack = 1  # weight elements per stored element along K
+    if mx is not None:
+        w_gate_up, w_down, unpack = mx[0], mx[1], 2
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(f"fused_moe: expected x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I]; got "
                          f"{tuple(x.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
     I = two_i // 2
-    if w_gate_up.shape[2] != H or tuple(w_down.shape) != (E, H, I):
+    if w_gate_up.shape[2] * unpack != H or tuple(w_down.shape[:2]) != (E, H) or w_down.shape[2] * unpack != I:
         raise ValueError(f"fused_moe: w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} "
                          f"do not fit x [T, {H}]")
     for name, bias, want in (("gate_up_bias", gate_up_bias, (E, 2 * I)), ("down_bias", down_bias, (E, H))):
@@ -307,14 +385,17 @@ def fused_moe(
         return out
     if k == 0 or E == 0 or I == 0:
         return out.zero_()
-    # FP8 experts: tiled and multiplied as the activation dtype (the tiles are dequantized to it)
-    cfg = moe_tiles(T * k, E, x.element_size() if fp8 else w_gate_up.element_size())
+    # FP8/MXFP4 experts: tiled and multiplied as the activation dtype (the tiles are dequantized to it)
+    quantized = fp8 is not None or mx is not None
+    cfg = moe_tiles(T * k, E, x.element_size() if quantized else w_gate_up.element_size())
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
                         ("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
             cfg[name] = value
+    if mx is not None and cfg["block_k"] % 32:
+        raise ValueError(f"fused_moe: MXFP4 experts need block_k a multiple of 32 (got {cfg['block_k']})")
     BM = cfg["block_m"]
-    compute_f32, precision = _numerics(x.dtype if fp8 else w_gate_up.dtype)
+    compute_f32, precision = _numerics(x.dtype if quantized else w_gate_up.dtype)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     P = T * k
@@ -328,11 +409,14 @@ def fused_moe(
     alpha, limit = (1.0, 0.0) if swiglu is None else (float(swiglu[0]), float(swiglu[1]))
     # Plain weights: ``inter`` stands in for the scales (never read: FP8_W=False), strides (0, 0, 1) and
     # blocks of 1, fixed, so the plain launch specializes one way whatever the FP8 arguments would be.
-    gu_scale, gu_s_strides = (inter, (0, 0, 1)) if fp8 is None else (fp8[0], fp8[0].stride())
-    dn_scale, dn_s_strides = (inter, (0, 0, 1)) if fp8 is None else (fp8[1], fp8[1].stride())
+    # MXFP4 experts: their E8M0 scales in the same place, the FP8 constexprs at their plain values.
+    gu_s = fp8[0] if fp8 is not None else mx[2] if mx is not None else None
+    dn_s = fp8[1] if fp8 is not None else mx[3] if mx is not None else None
+    gu_scale, gu_s_strides = (inter, (0, 0, 1)) if gu_s is None else (gu_s, gu_s.stride())
+    dn_scale, dn_s_strides = (inter, (0, 0, 1)) if dn_s is None else (dn_s, dn_s.stride())
     bn, bk = (1, 1) if fp8 is None else fp8[2]
     quant = {"FP8_W": fp8 is not None, "GROUP_N": bn, "GROUP_K": bk,
-             "SCALE_PER_COLUMN": fp8 is not None and bk % cfg["block_k"] == 0}
+             "SCALE_PER_COLUMN": fp8 is not None and bk % cfg["block_k"] == 0, "MXFP4_W": mx is not None}
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(I, cfg["block_n"]))](
         x, w_gate_up, gu_scale, gu_bias, sorted_pairs, block_expert, inter,
         P, H, I, alpha, limit,

@@ -75,7 +75,8 @@ def test_a_configuration_over_227_kib_is_reported_as_an_error():
         "import json, gpu_compile as g\n"
         "g._worker_init(__import__('tempfile').mkdtemp())\n"
         "cfg = g.Config('_moe_down_kernel', dict(TOP_K=2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=1024, COMPUTE_F32=False,"
-        " DOT_PRECISION='tf32', HAS_BIAS=False, FP8_W=False, GROUP_N=1, GROUP_K=1, SCALE_PER_COLUMN=False),"
+        " DOT_PRECISION='tf32', HAS_BIAS=False, FP8_W=False, GROUP_N=1, GROUP_K=1, SCALE_PER_COLUMN=False,"
+        " MXFP4_W=False),"
         " 'bf16', 4, 1, ['huge'])\n"
         "print(json.dumps(g.compile_config(cfg, 90)))\n", timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -151,6 +152,14 @@ for dt in (torch.bfloat16, torch.float32):
     for T in (1, 64, 4096):
         triton_moe.fused_moe(e(T, H, dtype=dt), w_gate_up, w_down, torch.zeros(T, k, dtype=torch.long), e(T, k),
                              e(E, 2 * I, dtype=dt), e(E, H, dtype=dt), (1.702, 7.0))
+    # the same experts as published, kept MXFP4 (MXFP4_W): uint8 blocks, E8M0 scales per 32 along K
+    u8 = torch.uint8
+    w_gate_up = e(1, 1, H // 32, 16, dtype=u8).expand(E, 2 * I, H // 32, 16)
+    w_down = e(1, 1, I // 32, 16, dtype=u8).expand(E, H, I // 32, 16)
+    scales = (e(E, 2 * I, H // 32, dtype=u8), e(E, H, I // 32, dtype=u8))
+    for T in (1, 64, 4096):
+        triton_moe.fused_moe(e(T, H, dtype=dt), w_gate_up, w_down, torch.zeros(T, k, dtype=torch.long), e(T, k),
+                             e(E, 2 * I, dtype=dt), e(E, H, dtype=dt), (1.702, 7.0), mxfp4_scales=scales)
     # DeepSeek-V3's experts kept FP8 (FP8_W): float8 weights, 128 x 128 block scales
     H, I, E, k = 7168, 2048, 256, 8
     f8 = torch.float8_e4m3fn
@@ -188,7 +197,7 @@ print(json.dumps({"launches": len(launches), "kernels": sorted({l[0] for l in la
 
 def test_the_enumerated_configurations_hold_every_launch_the_launchers_choose():
     """For each supported head dim (64, 96, 128, 256; GQA groups 3, 1, 4, 7, 2), gpt-oss's attention with
-    sinks (64, group 8) and biased experts, DeepSeek-V3's experts kept FP8, MLA (128 heads, 512 + 64), bf16 and
+    sinks (64, group 8) and biased experts (also kept MXFP4), DeepSeek-V3's experts kept FP8, MLA (128 heads, 512 + 64), bf16 and
     fp32, one and many partitions,
     decode/prefill/MoE tiers/norms/verify: the constexprs and launch options each launcher picks are
     among gpu_compile's configurations."""

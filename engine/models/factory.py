@@ -16,7 +16,8 @@ from kvbatch.engine.models.config import ModelConfig
 from kvbatch.engine.models.deepseek import DeepseekV3Model
 from kvbatch.engine.models.fp8 import Fp8BlockWeight
 from kvbatch.engine.models.llama import LlamaModel, huge_pages_wanted
-from kvbatch.engine.models.moe import use_fp8_experts
+from kvbatch.engine.models.moe import use_fp8_experts, use_mxfp4_experts
+from kvbatch.engine.models.mxfp4 import Mxfp4Experts
 from kvbatch.kernels.cpu.gguf_blocks import GGUFBlocks, layer_qtype
 from kvbatch.kernels.cpu.gguf_kernels import BlockIndex, use_gguf_blocks
 from kvbatch.kernels.cpu.kernel_choice import choose_kernels, dense_shapes
@@ -27,7 +28,8 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
                 batch_invariant: bool = False, device: torch.device | str = "cpu",
                 expert_ids: dict[int, list[int]] | None = None, linear: str = "auto",
                 weights: str = "full", gguf_blocks: Mapping[str, GGUFBlocks] | None = None,
-                fp8_weights: Mapping[str, Fp8BlockWeight] | None = None) -> LlamaModel:
+                fp8_weights: Mapping[str, Fp8BlockWeight] | None = None,
+                mxfp4_experts: Mapping[str, Mxfp4Experts] | None = None) -> LlamaModel:
     """The model for ``config.model_type``: DeepSeek-V3 (multi-head latent attention) or the
     common decoder (Llama, Mistral, Qwen2 and the Mixtral / Qwen MoE variants, and every family
     registered in :mod:`~kvbatch.engine.models.family`, which differ from it only in what their
@@ -39,7 +41,9 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
     quantizes them to weight-only int8; ``weights="gguf"`` multiplies by the GGUF file's own blocks
     (``gguf_blocks``: :attr:`~kvbatch.engine.models.weights.Checkpoint.gguf_blocks`) in the buckets
     where that measured faster, and warns when it falls back to fp32. The choice is kept as
-    ``model.kernel_choice``."""
+    ``model.kernel_choice``. On CUDA an FP8 checkpoint's experts (``fp8_weights``) and an MXFP4
+    checkpoint's (``mxfp4_experts``: :attr:`~kvbatch.engine.models.weights.Checkpoint.mxfp4_experts`)
+    stay quantized; elsewhere both are ignored."""
     blocks = dict(gguf_blocks or {}) if weights == "gguf" else {}
     # the kernels are timed on the pages the model streams: the Llama family's projections in huge
     # pages where they are wanted (DeepSeek's MLA weights stay in torch's)
@@ -51,8 +55,10 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: to
         warnings.warn(choice.note, RuntimeWarning, stacklevel=2)
     index = BlockIndex(tensors, blocks) if blocks and choice.fmt.kind == GGUF else None
     # CUDA: an FP8 checkpoint's experts stay FP8 (moe.load_moe_layer); the CPU keeps today's dequantized ones
-    fp8_experts = fp8_weights if torch.device(device).type == "cuda" else None
-    with use_linear_format(choice.fmt), use_gguf_blocks(index), use_fp8_experts(fp8_experts):
+    on_cuda = torch.device(device).type == "cuda"
+    fp8_experts = fp8_weights if on_cuda else None
+    with use_linear_format(choice.fmt), use_gguf_blocks(index), use_fp8_experts(fp8_experts), \
+            use_mxfp4_experts(mxfp4_experts if on_cuda else None):
         if config.model_type == "deepseek_v3":
             model: LlamaModel = DeepseekV3Model(config, tensors, dtype, batch_invariant, device, expert_ids,
                                                 fp8_weights)

@@ -12,7 +12,8 @@ difference declared, none of it a copy of the decoder.
   softmax over those k only; each expert is a biased, clamped SwiGLU (``swiglu_alpha``,
   ``swiglu_limit``) whose ``gate_up_proj`` interleaves gate and up columns;
 - experts published as MXFP4 (``quantization_config.quant_method: mxfp4``: ``*_blocks`` and
-  ``*_scales``) are dequantized at load (:mod:`~kvbatch.engine.models.mxfp4`).
+  ``*_scales``) are dequantized at load (:mod:`~kvbatch.engine.models.mxfp4`); for CUDA they are
+  also kept as published, in the layouts below (``mxfp4.keep_mxfp4_experts``).
 
 At load (:func:`convert_gpt_oss`) the checkpoint's names and layouts become the common decoder's:
 ``mlp.router`` -> ``mlp.gate``; ``experts.gate_up_proj`` [E, H, 2 I] (gate, up interleaved) ->

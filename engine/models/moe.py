@@ -25,7 +25,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from kvbatch.engine.models.config import MoEConfig
 from kvbatch.engine.models.errors import UnsupportedModelError
 from kvbatch.engine.models.fp8 import Fp8BlockWeight
+from kvbatch.engine.models.mxfp4 import Mxfp4Experts
 from kvbatch.kernels import dispatch as K
 
 __all__ = [
@@ -46,9 +47,11 @@ __all__ = [
     "route",
     "run_experts",
     "use_fp8_experts",
+    "use_mxfp4_experts",
 ]
 
 RoutingObserver = Callable[[int, torch.Tensor], None]  # (layer_idx, topk_ids [T, k])
+_K = TypeVar("_K")
 
 
 @dataclass
@@ -76,6 +79,10 @@ class MoELayerWeights:
     # [E, ceil(H / bn), ceil(I / bk)], fp8_block (bn, bk); None: the weights are in the model dtype
     fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None
     fp8_block: tuple[int, int] | None = None
+    # An MXFP4 checkpoint's experts kept as published (gpt-oss on CUDA, load_moe_layer's mxfp4_experts):
+    # w_gate_up and w_down are then uint8 blocks [E, 2I, H / 32, 16] and [E, H, I / 32, 16] (groups of
+    # 32 along K), these their uint8 E8M0 scales [E, 2I, H / 32] and [E, H, I / 32]
+    mxfp4_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -89,9 +96,10 @@ class MoELayerWeights:
             return None if t is None else t.index_select(0, rows)
 
         scales = None if self.fp8_scales is None else (pick(self.fp8_scales[0]), pick(self.fp8_scales[1]))
+        mx = None if self.mxfp4_scales is None else (pick(self.mxfp4_scales[0]), pick(self.mxfp4_scales[1]))
         return replace(self, w_gate_up=self.w_gate_up.index_select(0, rows), w_down=self.w_down.index_select(0, rows),
                        gate_up_bias=pick(self.gate_up_bias), down_bias=pick(self.down_bias), expert_ids=None,
-                       fp8_scales=scales)
+                       fp8_scales=scales, mxfp4_scales=mx)
 
     def rows_of(self, experts: list[int]) -> list[int]:
         """Rows of the expert tensors holding ``experts`` (logical ids); raises ``ValueError``
@@ -149,10 +157,10 @@ def run_experts(x: torch.Tensor, layer: MoELayerWeights, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
     """The routed experts of ``layer`` held here (:func:`kvbatch.kernels.dispatch.fused_moe`), with
     the layer's expert biases and activation (gpt-oss) where it has them, and its FP8 experts'
-    block scales where it keeps them FP8."""
+    block scales (or MXFP4 experts' group scales) where it keeps them quantized."""
     return K.fused_moe(x, layer.w_gate_up, layer.w_down, topk_ids, topk_weights,
                        gate_up_bias=layer.gate_up_bias, down_bias=layer.down_bias, swiglu=layer.swiglu,
-                       fp8_scales=layer.fp8_scales, fp8_block=layer.fp8_block)
+                       fp8_scales=layer.fp8_scales, fp8_block=layer.fp8_block, mxfp4_scales=layer.mxfp4_scales)
 
 
 def route(x: torch.Tensor, layer: MoELayerWeights, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,20 +247,35 @@ def moe_forward(
 _FP8_EXPERTS: ContextVar[Mapping[str, Fp8BlockWeight] | None] = ContextVar("fp8_experts", default=None)
 
 
+# The same for an MXFP4 checkpoint's experts (``Checkpoint.mxfp4_experts``, gpt-oss), on CUDA.
+_MXFP4_EXPERTS: ContextVar[Mapping[str, Mxfp4Experts] | None] = ContextVar("mxfp4_experts", default=None)
+
+
 @contextlib.contextmanager
-def use_fp8_experts(fp8_weights: Mapping[str, Fp8BlockWeight] | None) -> Iterator[None]:
-    """Within the block, :func:`load_moe_layer` keeps the experts ``fp8_weights`` holds as FP8."""
-    token = _FP8_EXPERTS.set(fp8_weights)
+def _installed(var: ContextVar[_K], value: _K) -> Iterator[None]:
+    """``var`` set to ``value`` within the block."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _FP8_EXPERTS.reset(token)
+        var.reset(token)
+
+
+def use_fp8_experts(fp8_weights: Mapping[str, Fp8BlockWeight] | None) -> contextlib.AbstractContextManager[None]:
+    """Within the block, :func:`load_moe_layer` keeps the experts ``fp8_weights`` holds as FP8."""
+    return _installed(_FP8_EXPERTS, fp8_weights)
+
+
+def use_mxfp4_experts(mxfp4_experts: Mapping[str, Mxfp4Experts] | None) -> contextlib.AbstractContextManager[None]:
+    """Within the block, :func:`load_moe_layer` keeps the experts ``mxfp4_experts`` holds as MXFP4."""
+    return _installed(_MXFP4_EXPERTS, mxfp4_experts)
 
 
 def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoEConfig,
                    dtype: torch.dtype, device: torch.device | str = "cpu",
                    expert_ids: list[int] | None = None,
-                   fp8_weights: Mapping[str, Fp8BlockWeight] | None = None) -> MoELayerWeights:
+                   fp8_weights: Mapping[str, Fp8BlockWeight] | None = None,
+                   mxfp4_experts: Mapping[str, Mxfp4Experts] | None = None) -> MoELayerWeights:
     """A layer's MoE weights from HF-named ``tensors`` under ``prefix`` (e.g. ``"model.layers.3.mlp."``).
 
     Reads the names transformers 5 uses in memory (``gate.weight``,
@@ -265,7 +288,9 @@ def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoECon
     ``fp8_weights`` (default: what :func:`use_fp8_experts` installed): where it holds this layer's
     ``experts.gate_up_proj`` and ``experts.down_proj`` (an FP8 checkpoint loaded with ``keep_fp8``),
     the experts stay float8 with their block scales (``MoELayerWeights.fp8_scales``) and the
-    dequantized tensors are not taken.
+    dequantized tensors are not taken. ``mxfp4_experts`` (default: what :func:`use_mxfp4_experts`
+    installed) likewise keeps an MXFP4 checkpoint's experts as uint8 blocks with their E8M0 scales
+    (``MoELayerWeights.mxfp4_scales``).
     """
 
     def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
@@ -277,7 +302,16 @@ def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoECon
     held = E if expert_ids is None else len(expert_ids)
     fp8 = _FP8_EXPERTS.get() if fp8_weights is None else fp8_weights
     kept = [(fp8 or {}).get(prefix + n) for n in ("experts.gate_up_proj", "experts.down_proj")]
-    if all(w is not None for w in kept):
+    mx = _MXFP4_EXPERTS.get() if mxfp4_experts is None else mxfp4_experts
+    kept_mx = [(mx or {}).get(prefix + n) for n in ("experts.gate_up_proj", "experts.down_proj")]
+    shapes = None  # the dequantized experts' shapes, where the weights are MXFP4 blocks
+    if all(w is not None for w in kept_mx):
+        gate_up_mx, down_mx = (w.to(device) for w in kept_mx)
+        layer = MoELayerWeights(router=take("gate.weight", torch.float32), w_gate_up=gate_up_mx.blocks,
+                                w_down=down_mx.blocks, expert_ids=expert_ids,
+                                mxfp4_scales=(gate_up_mx.scales, down_mx.scales))
+        shapes = (gate_up_mx.shape, down_mx.shape)
+    elif all(w is not None for w in kept):
         gate_up, down = (w.to(device) for w in kept)
         layer = MoELayerWeights(router=take("gate.weight", torch.float32), w_gate_up=gate_up.weight.contiguous(),
                                 w_down=down.weight.contiguous(), expert_ids=expert_ids,
@@ -287,9 +321,10 @@ def load_moe_layer(tensors: Mapping[str, torch.Tensor], prefix: str, cfg: MoECon
         layer = MoELayerWeights(router=take("gate.weight", torch.float32), w_gate_up=take("experts.gate_up_proj"),
                                 w_down=take("experts.down_proj"), expert_ids=expert_ids)
     H = layer.router.shape[1]
+    gate_up_shape, down_shape = shapes or (layer.w_gate_up.shape, layer.w_down.shape)
     for name, got, want in (("gate.weight", layer.router.shape, (E, H)),
-                            ("experts.gate_up_proj", layer.w_gate_up.shape, (held, 2 * I, H)),
-                            ("experts.down_proj", layer.w_down.shape, (held, H, I))):
+                            ("experts.gate_up_proj", gate_up_shape, (held, 2 * I, H)),
+                            ("experts.down_proj", down_shape, (held, H, I))):
         if tuple(got) != want:
             raise ValueError(f"{prefix}{name} has shape {tuple(got)}, the config says {want}")
     if cfg.has_correction_bias:

@@ -9,12 +9,19 @@ Element ``j`` of group ``g`` is ``FP4_VALUES[code] * 2 ** (scale[g] - 127)``: th
 transformers' in-memory layout (``[E, in, out]``, a transposed view, no copy), the layout the
 gpt-oss family converts from (:func:`kvbatch.engine.models.gpt_oss.convert_gpt_oss`).
 
-On the CPU the experts are dequantized to the engine dtype at load; kept as MXFP4 (a kernel that
-multiplies by the blocks) is not implemented.
+The experts are dequantized to the engine dtype at load. For CUDA (``load_checkpoint(...,
+keep_fp8=True)``, the flag that keeps FP8 weights) each layer's experts are also kept as published
+(:func:`keep_mxfp4_experts`, ``Checkpoint.mxfp4_experts``): in the published tensors the groups of
+32 run along each matrix's input dim, the reduction (K) dim of both expert GEMMs, so the engine's
+layouts (``gate_up_proj`` ``[E, 2 I, H]`` gate rows then up rows, ``down_proj`` ``[E, H, I]``) are row
+permutations of them that keep every group whole; the Triton fused MoE kernel's ``MXFP4_W`` variant
+multiplies by them (``dispatch.fused_moe`` with ``mxfp4_scales``). The CPU keeps only the dequantized
+tensors.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvbatch.engine.models.errors import ModelLoadError
@@ -50,24 +57,79 @@ def is_mxfp4_part(name: str, tensor: torch.Tensor) -> bool:
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``blocks`` uint8 [..., G, B] and ``scales`` uint8 [..., G] to ``dtype`` [..., G * 2 B] (module
     docstring): the FP4 values in ``dtype``, times ``2 ** (scale - 127)`` by ``torch.ldexp`` (exact:
-    a power of two), one leading index at a time to bound the temporaries; ``dtype`` None: fp32.
-    ValueError when the shapes do not pair."""
+    a power of two), a bounded number of leading rows at a time to bound the temporaries (and the
+    passes: on a device, each is a few kernel launches); ``dtype`` None: fp32.
+    On ``blocks``' device (the loader's CPU, or the device twin of the MXFP4 MoE kernel). ValueError
+    when the shapes do not pair."""
     import torch
 
     dtype = dtype or torch.float32
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} ({blocks.dtype}) and scales {tuple(scales.shape)} "
                          f"({scales.dtype}) do not pair: expected uint8 [..., G, B] and [..., G]")
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
     *lead, G, B = blocks.shape
     flat_blocks, flat_scales = blocks.reshape(-1, G, B), scales.reshape(-1, G)
-    out = torch.empty((flat_blocks.shape[0], G, 2 * B), dtype=dtype)
-    for i in range(flat_blocks.shape[0]):
-        codes = flat_blocks[i]
-        out[i, :, 0::2] = lut[(codes & 0x0F).long()]
-        out[i, :, 1::2] = lut[(codes >> 4).long()]
-        torch.ldexp(out[i], (flat_scales[i].to(torch.int32) - 127)[:, None], out=out[i])
+    out = torch.empty((flat_blocks.shape[0], G, 2 * B), dtype=dtype, device=blocks.device)
+    step = max(1, (1 << 20) // max(1, G * 2 * B))  # rows a pass: about a million values
+    for i in range(0, flat_blocks.shape[0], step):
+        codes, part = flat_blocks[i:i + step], out[i:i + step]
+        part[..., 0::2] = lut[(codes & 0x0F).long()]
+        part[..., 1::2] = lut[(codes >> 4).long()]
+        torch.ldexp(part, (flat_scales[i:i + step].to(torch.int32) - 127)[..., None], out=part)
     return out.view(*lead, G * 2 * B)
+
+
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """One MoE layer's expert stack as an MXFP4 checkpoint publishes it, in the engine's layout:
+    ``blocks`` uint8 ``[E, N, K / 32, 16]`` and ``scales`` uint8 ``[E, N, K / 32]``, the groups along
+    K (each expert's matrix ``[N, K]``: ``[2 I, H]`` gate rows then up rows, or ``[H, I]``)."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        b, s = self.blocks, self.scales
+        if b.dim() != 4 or b.shape[-1] != 16 or tuple(b.shape[:-1]) != tuple(s.shape) or str(b.dtype) != "torch.uint8" \
+                or str(s.dtype) != "torch.uint8":
+            raise ValueError(f"MXFP4 experts {tuple(b.shape)} {b.dtype} with scales {tuple(s.shape)} {s.dtype}: "
+                             "expected uint8 [E, N, K / 32, 16] and [E, N, K / 32]")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The dequantized stack's shape ``(E, N, K)``."""
+        E, N, G, _ = self.blocks.shape
+        return E, N, G * 32
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[E, N, K]`` in ``dtype`` (fp32 by default): what the loader holds for these experts."""
+        return dequantize_mxfp4(self.blocks, self.scales, dtype)
+
+    def to(self, device: torch.device | str) -> Mxfp4Experts:
+        return Mxfp4Experts(self.blocks.to(device).contiguous(), self.scales.to(device).contiguous())
+
+
+def keep_mxfp4_experts(stored: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, Mxfp4Experts]:
+    """gpt-oss's stored expert halves (``<layer>.mlp.experts.{gate_up,down}_proj_{blocks,scales}``) as
+    :class:`Mxfp4Experts` under the names of the dequantized tensors, converted as
+    :func:`~kvbatch.engine.models.gpt_oss.convert_gpt_oss` converts those: ``gate_up_proj``'s rows
+    (its output dim: gate and up interleaved) reordered gate then up; ``down_proj`` as stored. Its
+    transposes need no counterpart: published ``[E, out, in / 32, 16]`` already has the groups along
+    ``in``. Other MXFP4 weights (none in gpt-oss) are not kept. Called after the dequantized load
+    succeeded, so every pair is known to be well formed."""
+    from kvbatch.engine.models.gpt_oss import _cat_halves
+
+    if config.get("model_type") != "gpt_oss":
+        return {}
+    out: dict[str, Mxfp4Experts] = {}
+    kept = ("experts.gate_up_proj_blocks", "experts.down_proj_blocks")
+    for name in sorted(n.removesuffix("_blocks") for n in stored if n.endswith(kept)):
+        blocks, scales = stored[name + "_blocks"], stored[name + "_scales"]
+        if name.endswith("gate_up_proj"):
+            blocks, scales = _cat_halves(blocks, 1), _cat_halves(scales, 1)
+        out[name] = Mxfp4Experts(blocks.contiguous(), scales.contiguous())
+    return out
 
 
 def dequantize_mxfp4_weights(stored: dict[str, torch.Tensor], dtype: torch.dtype, source: str) -> dict[str, torch.Tensor]:

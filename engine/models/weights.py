@@ -37,7 +37,13 @@ from kvbatch.engine.models.fp8 import (
     is_fp8,
     keep_fp8_weights,
 )
-from kvbatch.engine.models.mxfp4 import dequantize_mxfp4_weights, is_mxfp4, is_mxfp4_part
+from kvbatch.engine.models.mxfp4 import (
+    Mxfp4Experts,
+    dequantize_mxfp4_weights,
+    is_mxfp4,
+    is_mxfp4_part,
+    keep_mxfp4_experts,
+)
 from kvbatch.kernels.cpu.gguf_blocks import NATIVE_QTYPES, GGUFBlocks
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: tokenizing steps read only
@@ -162,6 +168,10 @@ class Checkpoint:
     # of ``tensors`` (which hold them dequantized), when loaded with ``keep_fp8``: what a CUDA model
     # multiplies. Not fingerprinted (the same weights either way).
     fp8_weights: dict[str, Fp8BlockWeight] = field(default_factory=dict)
+    # An MXFP4 checkpoint's MoE experts as published (gpt-oss; mxfp4.keep_mxfp4_experts), by the names
+    # of the fused expert tensors (which hold them dequantized), in their layout, when loaded with
+    # ``keep_fp8``: what a CUDA model multiplies. Not fingerprinted (the same weights either way).
+    mxfp4_experts: dict[str, Mxfp4Experts] = field(default_factory=dict)
 
 
 def resolve_model(model: str) -> str:
@@ -185,7 +195,8 @@ def load_checkpoint(model: str, dtype: torch.dtype | None = None, keep_fp8: bool
     """Load a GGUF file or an HF folder from a path or fsspec URL, with tensors cast to `dtype`.
 
     ``keep_fp8``: an FP8 checkpoint's projections are also kept as published in
-    ``Checkpoint.fp8_weights`` (for a CUDA model; off, the CPU holds only the dequantized tensors).
+    ``Checkpoint.fp8_weights``, and an MXFP4 checkpoint's MoE experts (gpt-oss) in
+    ``Checkpoint.mxfp4_experts`` (for a CUDA model; off, the CPU holds only the dequantized tensors).
 
     ``dtype`` defaults to float32. An expert-parallel rank's share of a MoE model is
     :func:`kvbatch.engine.models.expert_loading.load_expert_share`."""
@@ -196,12 +207,13 @@ def load_checkpoint(model: str, dtype: torch.dtype | None = None, keep_fp8: bool
     fs, path = _open_location(source)
     blocks: dict[str, GGUFBlocks] = {}
     fp8: dict[str, Fp8BlockWeight] = {}
+    kept_mxfp4: dict[str, Mxfp4Experts] = {}
     if fs.isfile(path):
         if not _is_gguf(fs, path):
             raise ModelLoadError(f"{source}: not a GGUF file (bad magic); pass a .gguf file or an HF folder")
         config, tensors, tok = _with_local_gguf(fs, path, lambda local: _read_gguf(local, source, dtype, blocks))
     else:
-        config, tensors, tok, fp8 = _load_hf_folder(fs, path, source, dtype, keep_fp8)
+        config, tensors, tok, fp8, kept_mxfp4 = _load_hf_folder(fs, path, source, dtype, keep_fp8)
     return Checkpoint(
         config=config,
         tensors=tensors,
@@ -210,6 +222,7 @@ def load_checkpoint(model: str, dtype: torch.dtype | None = None, keep_fp8: bool
         tokenizer_source=tok,
         gguf_blocks=blocks,
         fp8_weights=fp8,
+        mxfp4_experts=kept_mxfp4,
     )
 
 
@@ -261,7 +274,8 @@ def checkpoint_fingerprint(config: dict[str, Any], tensors: dict[str, torch.Tens
 
 def _load_hf_folder(
     fs: fsspec.AbstractFileSystem, path: str, source: str, dtype: torch.dtype, keep_fp8: bool = False
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], TokenizerSource, dict[str, Fp8BlockWeight]]:
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], TokenizerSource, dict[str, Fp8BlockWeight],
+           dict[str, Mxfp4Experts]]:
     config_path = _join(path, "config.json")
     if not fs.exists(config_path):
         raise ModelLoadError(f"{source}: no config.json in this folder (expected an HF model folder or a .gguf file)")
@@ -286,8 +300,10 @@ def _load_hf_folder(
             else:
                 tensors[name] = tensor.to(dtype)
     fp8: dict[str, Fp8BlockWeight] = {}
+    kept_mxfp4: dict[str, Mxfp4Experts] = {}
     if mxfp4:
         tensors.update(dequantize_mxfp4_weights(quantized, dtype, source))
+        kept_mxfp4 = keep_mxfp4_experts(quantized, config) if keep_fp8 else {}
     elif quantized:
         tensors.update(dequantize_fp8_weights(quantized, block, dtype, source))
         fp8 = _fuse_fp8_experts(keep_fp8_weights(quantized, block, config, source)) if keep_fp8 else {}
@@ -299,7 +315,7 @@ def _load_hf_folder(
     tensors = _convert_family_tensors(tensors, config, source)
     _check_tensors(tensors, config, source)
 
-    return config, tensors, _hf_tokenizer_source(fs, path, source), fp8
+    return config, tensors, _hf_tokenizer_source(fs, path, source), fp8, kept_mxfp4
 
 
 def _hf_tokenizer_source(fs: fsspec.AbstractFileSystem, path: str, source: str) -> TokenizerSource:

@@ -115,6 +115,10 @@ class ExpertParallelCompute:
             # the exchange sizes activations by the expert weights' dtype and rebalance moves no scales
             raise ValueError("expert parallelism over FP8 experts (kept as float8 for CUDA) is not implemented: "
                              "load the checkpoint without keep_fp8")
+        if any(lw.mxfp4_scales is not None for lw in moe_layers.values()):
+            # the same: its exchange and rebalance move dtype-sized expert rows and no group scales
+            raise ValueError("expert parallelism over MXFP4 experts (kept as MXFP4 for CUDA) is not implemented: "
+                             "load the checkpoint without keep_fp8")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

@@ -142,7 +142,7 @@ class LLM:
         self.model = built_model if built_model is not None else build_model(
             self.model_config, self.checkpoint.tensors, self.dtype, ec.batch_invariant, self.device,
             self.checkpoint.expert_ids, ec.linear, ec.weights, self.checkpoint.gguf_blocks,
-            self.checkpoint.fp8_weights)
+            self.checkpoint.fp8_weights, self.checkpoint.mxfp4_experts)
         self.tokenizer: ChatTokenizer | None = None
         self._tokenizer_error = ""
         try:
