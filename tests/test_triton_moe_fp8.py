@@ -23,9 +23,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
-from tests.triton_interpreter import (DTYPES, KERNELS, assert_close, compiled_pairs,  # isort: skip
-                                      fresh_process_only, interpreter_only, interpreter_settings,
-                                      rerun_in_fresh_interpreter, use_triton)  # noqa: F401 (fixture)
+from tests.triton_interpreter import (DTYPES, KERNELS, assert_close, check_moe_variant_pairs,  # isort: skip
+                                      compiled_pairs, fresh_process_only, gpu_kernels_on_cpu, interpreter_only,
+                                      interpreter_settings, rerun_in_fresh_interpreter,
+                                      use_triton)  # noqa: F401 (fixture)
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.kernels import dispatch
 from kvbatch.kernels import reference as R
@@ -419,32 +420,15 @@ def test_the_fp8_moe_variants_compile_for_sm90():
     """The enumeration holds DeepSeek-V3's FP8 expert variants (plain models only plain ones); each
     compiles for sm_90 with fp8 weight pointers, within an SM's shared memory, and spills no register
     where the same tile's plain variant spills none."""
-    pairs = compiled_pairs(COMPILE)
-    assert sorted((r["kernel"], r["config"]["dtype"]) for r, _ in pairs) == sorted(
-        [(k, "bf16") for k in ("_moe_gate_up_kernel", "_moe_down_kernel") for _ in range(3)]
-        + [(k, "fp32") for k in ("_moe_gate_up_kernel", "_moe_down_kernel")])
-    for fp8, plain in pairs:
-        assert "error" not in fp8 and "error" not in plain, (fp8, plain)
-        assert fp8["config"]["FP8_W"] is True and plain["config"]["FP8_W"] is False
-        assert 0 < fp8["shared_bytes"] <= 232448 and fp8["registers"] > 0, fp8
-        assert plain["spills"] > 0 or fp8["spills"] == 0, (fp8, plain)
+    check_moe_variant_pairs(compiled_pairs(COMPILE), "FP8_W")
 
 
 @pytest.mark.usefixtures("use_triton")
 def test_the_benchmark_case_with_fp8_experts_runs_on_cpu(monkeypatch):
     """``gpu_cases.moe_case(fp8=True)`` (the GPU check's FP8 expert case) builds and checks on the CPU."""
-    import sys
-
-    from tests.triton_interpreter import REPO
-
     if not (KERNELS is not None and KERNELS.interpreted):
         pytest.skip("the kernels were compiled for a GPU (test_moe_fp8_in_a_fresh_process covers this)")
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import gpu_kernels as G
-    finally:
-        sys.path.pop(0)
-    monkeypatch.setattr(G.gpu_cases, "DEVICE", "cpu")
+    G = gpu_kernels_on_cpu(monkeypatch)
     ok, err = G.moe_case(G.import_kernels(), 6, 80, 48, 4, 2, torch.float32, fp8=True, block=(32, 40))[2]()
     assert ok, err
 

@@ -21,9 +21,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 # First: it sets TRITON_INTERPRET before triton builds the kernels.
-from tests.triton_interpreter import (DTYPES, KERNELS, assert_close, compiled_pairs,  # isort: skip
-                                      fresh_process_only, interpreter_only, interpreter_settings,
-                                      rerun_in_fresh_interpreter, use_triton)  # noqa: F401 (fixture)
+from tests.triton_interpreter import (DTYPES, KERNELS, assert_close, check_moe_variant_pairs,  # isort: skip
+                                      compiled_pairs, fresh_process_only, gpu_kernels_on_cpu, interpreter_only,
+                                      interpreter_settings, rerun_in_fresh_interpreter,
+                                      use_triton)  # noqa: F401 (fixture)
 from kvbatch.engine.models.mxfp4 import dequantize_mxfp4
 from kvbatch.engine.models.weights import load_checkpoint
 from kvbatch.kernels import dispatch
@@ -342,33 +343,16 @@ def test_the_mxfp4_moe_variants_compile_for_sm90():
     """The enumeration holds gpt-oss-20b's MXFP4 expert variants (other models none); each compiles for
     sm_90 with uint8 weight and scale pointers, within an SM's shared memory, and spills no register
     where the same tile's plain variant spills none."""
-    pairs = compiled_pairs(COMPILE)
-    assert sorted((r["kernel"], r["config"]["dtype"]) for r, _ in pairs) == sorted(
-        [(k, "bf16") for k in ("_moe_gate_up_kernel", "_moe_down_kernel") for _ in range(3)]
-        + [(k, "fp32") for k in ("_moe_gate_up_kernel", "_moe_down_kernel")])
-    for mx, plain in pairs:
-        assert "error" not in mx and "error" not in plain, (mx, plain)
-        assert mx["config"]["MXFP4_W"] is True and plain["config"]["MXFP4_W"] is False
-        assert 0 < mx["shared_bytes"] <= 232448 and mx["registers"] > 0, mx
-        assert plain["spills"] > 0 or mx["spills"] == 0, (mx, plain)
+    check_moe_variant_pairs(compiled_pairs(COMPILE), "MXFP4_W")
 
 
 @pytest.mark.usefixtures("use_triton")
 def test_the_benchmark_case_with_mxfp4_experts_runs_on_cpu(monkeypatch):
     """``gpu_cases.moe_case(mxfp4=True, gpt_oss=True)`` (the GPU check's MXFP4 expert case) builds and
     checks on the CPU."""
-    import sys
-
-    from tests.triton_interpreter import REPO
-
     if not (KERNELS is not None and KERNELS.interpreted):
         pytest.skip("the kernels were compiled for a GPU (test_moe_mxfp4_in_a_fresh_process covers this)")
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import gpu_kernels as G
-    finally:
-        sys.path.pop(0)
-    monkeypatch.setattr(G.gpu_cases, "DEVICE", "cpu")
+    G = gpu_kernels_on_cpu(monkeypatch)
     ok, err = G.moe_case(G.import_kernels(), 6, 96, 64, 4, 2, torch.float32, gpt_oss=True, mxfp4=True)[2]()
     assert ok, err
 

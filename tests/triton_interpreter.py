@@ -87,6 +87,33 @@ def compiled_pairs(script: str) -> list[list[dict]]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
 
 
+MOE_KERNELS = ("_moe_gate_up_kernel", "_moe_down_kernel")
+
+
+def check_moe_variant_pairs(pairs: list[list[dict]], flag: str) -> None:
+    """``compiled_pairs`` of a fused MoE weight-format variant (constexpr ``flag`` on) beside the same
+    tile without it: three bf16 tiles and fp32's first of each kernel; each variant compiles within
+    an SM's shared memory and spills no register where the plain tile spills none."""
+    assert sorted((r["kernel"], r["config"]["dtype"]) for r, _ in pairs) == sorted(
+        [(k, "bf16") for k in MOE_KERNELS for _ in range(3)] + [(k, "fp32") for k in MOE_KERNELS])
+    for variant, plain in pairs:
+        assert "error" not in variant and "error" not in plain, (variant, plain)
+        assert variant["config"][flag] is True and plain["config"][flag] is False
+        assert 0 < variant["shared_bytes"] <= 232448 and variant["registers"] > 0, variant
+        assert plain["spills"] > 0 or variant["spills"] == 0, (variant, plain)
+
+
+def gpu_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch):
+    """``benchmarks/gpu_kernels`` (the GPU check's kernel cases) with its tensors on the CPU."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_kernels
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(gpu_kernels.gpu_cases, "DEVICE", "cpu")
+    return gpu_kernels
+
+
 @pytest.fixture
 def use_triton(monkeypatch):
     """Route the dispatch point to the interpreted Triton kernels."""
