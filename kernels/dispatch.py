@@ -32,6 +32,7 @@ import torch
 
 from kvbatch.kernels import reference, reference_mla, reference_verify
 from kvbatch.kernels.cpu import native as native_kernels
+from kvbatch.kernels.mxfp4_decode import dequantize_mxfp4
 
 gather_slots = reference.gather_slots  # index arithmetic only: the Triton kernels do not need it
 slot_major = reference.slot_major  # a view of one layer's cache, for store_kv_layer
@@ -378,11 +379,9 @@ def fused_moe_mxfp4_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
                               mxfp4_scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """:func:`reference.fused_moe` of MXFP4 experts (uint8 blocks ``[E, 2I, H / 32, 16]`` and
     ``[E, H, I / 32, 16]``, E8M0 scales ``[E, 2I, H / 32]`` and ``[E, H, I / 32]``): dequantized in
-    fp32 by the loader's own :func:`~kvbatch.engine.models.mxfp4.dequantize_mxfp4` and rounded to
+    fp32 by the loader's own :func:`~kvbatch.kernels.mxfp4_decode.dequantize_mxfp4` and rounded to
     ``x.dtype`` — the tensors a CPU model of that dtype holds, so the same result bit for bit. The
     readable twin of the Triton kernel's MXFP4 variant."""
-    from kvbatch.engine.models.mxfp4 import dequantize_mxfp4
-
     w_gu = dequantize_mxfp4(w_gate_up, mxfp4_scales[0]).to(x.dtype)
     w_dn = dequantize_mxfp4(w_down, mxfp4_scales[1]).to(x.dtype)
     return reference.fused_moe(x, w_gu, w_dn, topk_ids, topk_weights, gate_up_bias, down_bias, swiglu)

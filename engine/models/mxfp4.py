@@ -26,12 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvbatch.engine.models.errors import ModelLoadError
 from kvbatch.engine.models.fp8 import SUPPORTED_QUANTIZATION as FP8_QUANTIZATION
+from kvbatch.kernels.mxfp4_decode import FP4_VALUES, dequantize_mxfp4
+
+__all__ = ["FP4_VALUES", "Mxfp4Experts", "dequantize_mxfp4", "dequantize_mxfp4_weights", "is_mxfp4", "is_mxfp4_part",
+           "keep_mxfp4_experts"]
 
 if TYPE_CHECKING:  # torch only where a weight is dequantized: tokenizing steps import the loader without it
     import torch
 
-# The FP4 (E2M1) value of each 4-bit code: sign bit 3, then exponent and mantissa.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SUPPORTED_QUANTIZATION = (*FP8_QUANTIZATION, "mxfp4 (gpt-oss experts: _blocks + _scales)")
 SUFFIXES = ("_blocks", "_scales")
 
@@ -52,32 +54,6 @@ def is_mxfp4(config: dict[str, Any], source: str) -> bool:
 def is_mxfp4_part(name: str, tensor: torch.Tensor) -> bool:
     """Whether a stored tensor is half of an MXFP4 weight (uint8 ``_blocks`` or ``_scales``)."""
     return name.endswith(SUFFIXES) and str(tensor.dtype) == "torch.uint8"
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``blocks`` uint8 [..., G, B] and ``scales`` uint8 [..., G] to ``dtype`` [..., G * 2 B] (module
-    docstring): the FP4 values in ``dtype``, times ``2 ** (scale - 127)`` by ``torch.ldexp`` (exact:
-    a power of two), a bounded number of leading rows at a time to bound the temporaries (and the
-    passes: on a device, each is a few kernel launches); ``dtype`` None: fp32.
-    On ``blocks``' device (the loader's CPU, or the device twin of the MXFP4 MoE kernel). ValueError
-    when the shapes do not pair."""
-    import torch
-
-    dtype = dtype or torch.float32
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} ({blocks.dtype}) and scales {tuple(scales.shape)} "
-                         f"({scales.dtype}) do not pair: expected uint8 [..., G, B] and [..., G]")
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    *lead, G, B = blocks.shape
-    flat_blocks, flat_scales = blocks.reshape(-1, G, B), scales.reshape(-1, G)
-    out = torch.empty((flat_blocks.shape[0], G, 2 * B), dtype=dtype, device=blocks.device)
-    step = max(1, (1 << 20) // max(1, G * 2 * B))  # rows a pass: about a million values
-    for i in range(0, flat_blocks.shape[0], step):
-        codes, part = flat_blocks[i:i + step], out[i:i + step]
-        part[..., 0::2] = lut[(codes & 0x0F).long()]
-        part[..., 1::2] = lut[(codes >> 4).long()]
-        torch.ldexp(part, (flat_scales[i:i + step].to(torch.int32) - 127)[..., None], out=part)
-    return out.view(*lead, G * 2 * B)
 
 
 @dataclass(frozen=True)
