@@ -274,6 +274,23 @@ def _stream_context(stream: Any) -> Iterator[None]:
     yield
 
 
+def tokens_of(results: list) -> list[list[int]]:
+    """Each result's output token ids."""
+    return [r.output_token_ids for r in results]
+
+
+def logprobs_of(results: list) -> list[list[tuple[int, float]]]:
+    """Each result's (token id, logprob) per output token."""
+    return [[(a["token_id"], a["logprob"]) for a in r.logprobs] for r in results]
+
+
+def assert_logprobs_close(got: list, want: list, atol: float) -> None:
+    """The same tokens, and their logprobs within ``atol``, result by result."""
+    for g, w in zip(logprobs_of(got), logprobs_of(want), strict=True):
+        assert [t for t, _ in g] == [t for t, _ in w]
+        torch.testing.assert_close(torch.tensor([p for _, p in g]), torch.tensor([p for _, p in w]), atol=atol, rtol=0)
+
+
 def emulate_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch.cuda`` reports one GPU, its streams and events host no-ops (run the ops under
     :class:`CudaPlacement`)."""

@@ -309,11 +309,7 @@ def test_an_fp8_moe_model_on_the_device_keeps_its_experts_fp8(tmp_path, monkeypa
                for lw in cpu_llm.model.moe_layers.values())
     cpu = cpu_llm.generate(reqs)
 
-    def tokens(results):
-        return [r.output_token_ids for r in results]
-
-    def logprobs(results):
-        return [[(a["token_id"], a["logprob"]) for a in r.logprobs] for r in results]
+    tokens, logprobs = P.tokens_of, P.logprobs_of
 
     calls = []
 
@@ -350,10 +346,7 @@ def test_an_fp8_moe_model_on_the_device_keeps_its_experts_fp8(tmp_path, monkeypa
     if KERNELS is not None and KERNELS.interpreted:
         assert calls and all(block == (32, 40) for block in calls)  # every MoE layer of every step
         assert tokens(got) == tokens(cpu)
-        for g, w in zip(logprobs(got), logprobs(dequantized), strict=True):
-            assert [t for t, _ in g] == [t for t, _ in w]
-            torch.testing.assert_close(torch.tensor([p for _, p in g]), torch.tensor([p for _, p in w]), atol=1e-4,
-                                       rtol=0)
+        P.assert_logprobs_close(got, dequantized, atol=1e-4)
 
 
 
