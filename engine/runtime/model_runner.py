@@ -235,7 +235,8 @@ class ModelRunner:
         if invariant:
             all_table, all_width = table(order)
             arrays += [all_table, [r for r, i in enumerate(order) for _ in items[i].tokens]]
-        if windowed:  # the sliding layers' slots and tables, after everything else
+        w = len(arrays)  # where the sliding layers' slots and tables start, after everything else
+        if windowed:
             w_decode, w_decode_width = table(decode, True)
             w_prefill, w_prefill_width = table(prefill, True)
             arrays += [window_slots, w_decode, w_prefill]
@@ -264,7 +265,6 @@ class ModelRunner:
             batch.block_tables = up[9].to(i32).view(len(order), all_width)
             batch.seq_index = up[10]
         if windowed:
-            w = 11 if invariant else 9
             batch.window = WindowTables(
                 slot_mapping=up[w], decode_block_tables=up[w + 1].to(i32).view(len(decode), w_decode_width),
                 prefill_block_tables=up[w + 2].to(i32).view(len(prefill), w_prefill_width),
